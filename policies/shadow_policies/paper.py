@@ -1,0 +1,115 @@
+"""Table 2 of the paper: No Shadow, Host Tier, Harvest, Harvest-SLO,
+Harvest-SLO+Host, Predictive, Dedicated, Eager, Oracle, Oracle+Host.
+
+Defaults are the paper's: beta=0.5, delta=0.1 (Harvest) / 0.025 (Harvest-SLO),
+n_min=256 tokens, shadow cap 25% of the KV pool, cold age 5 s, host tier
+32 GB per GPU at 25 GB/s, Predictive gate 0.25. Every function accepts the
+same KV and targeting keywords so that sweeps can vary them uniformly:
+``top_k`` (shadow to the k most likely next models; default all others) and
+``gate`` (minimum switch probability).
+"""
+
+from __future__ import annotations
+
+from shadowcore.kv import HostTierParams, KVClassPolicy
+from shadowcore.policy import Component, PolicySpec
+from shadowcore.slack import (
+    EagerController,
+    HarvestController,
+    NoShadowController,
+    SloSlackController,
+)
+from shadowcore.switch import AllOthers, EmpiricalSwitchPredictor, NoTargets, ProbabilityGate, Targeting, TopK
+
+HOST_CAPACITY_BYTES = 32e9
+PCIE_BYTES_PER_S = 25e9
+
+
+def _kv(shadow_cap: float, cold_age_s: float, host: bool, host_capacity_bytes: float,
+        pcie_bytes_per_s: float) -> KVClassPolicy:
+    tier = HostTierParams(host_capacity_bytes, pcie_bytes_per_s) if host else None
+    return KVClassPolicy(shadow_cap, cold_age_s, tier)
+
+
+def _targeting(top_k: int | None, gate: float | None) -> Targeting:
+    if top_k is not None and gate is not None:
+        raise TypeError("give either top_k or gate, not both")
+    if top_k is not None:
+        return TopK(top_k)
+    if gate is not None:
+        return ProbabilityGate(gate)
+    return AllOthers()
+
+
+def _predictor(pseudo_count: float) -> Component:
+    return Component(EmpiricalSwitchPredictor, {"pseudo_count": pseudo_count})
+
+
+def _spec(name: str, description: str, slack: Component, *, host: bool = False, targeting: Targeting | None = None,
+          oracle: bool = False, dedicated: bool = False, shadow_cap: float = 0.25, cold_age_s: float = 5.0,
+          host_capacity_bytes: float = HOST_CAPACITY_BYTES, pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
+          pseudo_count: float = 1.0) -> PolicySpec:
+    return PolicySpec(
+        name, description, slack, _predictor(pseudo_count), targeting or AllOthers(),
+        _kv(shadow_cap, cold_age_s, host, host_capacity_bytes, pcie_bytes_per_s), oracle, dedicated,
+    )
+
+
+def no_shadow(**kv) -> PolicySpec:
+    return _spec("no-shadow", "Cold switch; the baseline.", Component(NoShadowController), targeting=NoTargets(), **kv)
+
+
+def host_tier(**kv) -> PolicySpec:
+    return _spec("host-tier", "No Shadow with the host-DRAM KV tier.", Component(NoShadowController),
+                 targeting=NoTargets(), host=True, **kv)
+
+
+def harvest(beta: float = 0.5, delta: float = 0.1, n_min: int = 256, top_k: int | None = None,
+            gate: float | None = None, **kv) -> PolicySpec:
+    return _spec("harvest", "Shadow jobs under a fixed credit (delta=0.1).",
+                 Component(HarvestController, {"beta": beta, "delta": delta, "n_min": n_min}),
+                 targeting=_targeting(top_k, gate), **kv)
+
+
+def _slo(beta: float, delta: float, n_min: int, margin: float, chunk_tokens: int) -> Component:
+    return Component(SloSlackController, {"beta": beta, "delta": delta, "n_min": n_min, "margin": margin,
+                                          "chunk_tokens": chunk_tokens})
+
+
+def harvest_slo(beta: float = 0.5, delta: float = 0.025, n_min: int = 256, margin: float = 0.1,
+                chunk_tokens: int = 2048, top_k: int | None = None, gate: float | None = None, **kv) -> PolicySpec:
+    return _spec("harvest-slo", "Shadow jobs under the SLO-slack controller.",
+                 _slo(beta, delta, n_min, margin, chunk_tokens), targeting=_targeting(top_k, gate), **kv)
+
+
+def harvest_slo_host(beta: float = 0.5, delta: float = 0.025, n_min: int = 256, margin: float = 0.1,
+                     chunk_tokens: int = 2048, top_k: int | None = None, gate: float | None = None,
+                     **kv) -> PolicySpec:
+    return _spec("harvest-slo-host", "Harvest-SLO with the host tier (the complete design).",
+                 _slo(beta, delta, n_min, margin, chunk_tokens), targeting=_targeting(top_k, gate), host=True, **kv)
+
+
+def predictive(beta: float = 0.5, delta: float = 0.1, n_min: int = 256, gate: float = 0.25, **kv) -> PolicySpec:
+    return _spec("predictive", "Harvest, gated on switch probability >= 0.25.",
+                 Component(HarvestController, {"beta": beta, "delta": delta, "n_min": n_min}),
+                 targeting=ProbabilityGate(gate), **kv)
+
+
+def dedicated(top_k: int | None = None, gate: float | None = None, **kv) -> PolicySpec:
+    return _spec("dedicated", "One extra instance per model runs all shadow work (+25% GPUs).",
+                 Component(EagerController), targeting=_targeting(top_k, gate), dedicated=True, **kv)
+
+
+def eager(top_k: int | None = None, gate: float | None = None, **kv) -> PolicySpec:
+    return _spec("eager", "Shadow work as normal-priority requests.", Component(EagerController),
+                 targeting=_targeting(top_k, gate), **kv)
+
+
+def oracle(**kv) -> PolicySpec:
+    return _spec("oracle", "Switch call's prefix cached for free.", Component(NoShadowController),
+                 targeting=NoTargets(), oracle=True, **kv)
+
+
+def oracle_host(**kv) -> PolicySpec:
+    return _spec("oracle-host", "Oracle with the host tier.", Component(NoShadowController),
+                 targeting=NoTargets(), oracle=True, host=True, **kv)

@@ -1,0 +1,128 @@
+"""Configuration: plugin references with JSON-only arguments, validated
+before anything runs.
+
+A configuration is plain JSON so that another process (vLLM's engine core, a
+Ray worker) rebuilds identical objects from it. Every validation failure is
+one :class:`~shadowcore.errors.ConfigError` whose message starts with the
+field's full path and its value, e.g. ``policy.args.beta = -1: must be > 0``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from shadowcore._validators import non_empty_str, non_negative_int, positive
+from shadowcore.errors import ConfigError
+
+
+def check_json(field: str, value: Any) -> None:
+    """Raise unless ``value`` is made of JSON types only (no NaN or infinity)."""
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(field, value, "is not a finite JSON number")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_json(f"{field}[{i}]", v)
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(field, k, "has a key that is not a string")
+            check_json(f"{field}.{k}", v)
+        return
+    raise ConfigError(field, value, f"is a {type(value).__name__}, not a JSON value")
+
+
+@attrs.frozen
+class PluginRef:
+    """A registered plugin name (or ``package.module:Object``) and its JSON arguments."""
+
+    name: str = attrs.field(validator=non_empty_str)
+    args: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        check_json("args", self.args)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "args": json.loads(json.dumps(self.args))}
+
+    @classmethod
+    def parse(cls, field: str, value: Any) -> "PluginRef":
+        if isinstance(value, str):
+            return cls(value)
+        if not isinstance(value, Mapping):
+            raise ConfigError(field, value, "must be a plugin name or {'name': ..., 'args': {...}}")
+        unknown = set(value) - {"name", "args"}
+        if unknown:
+            raise ConfigError(f"{field}.{sorted(unknown)[0]}", value[sorted(unknown)[0]], "unknown field")
+        try:
+            return cls(value.get("name", ""), value.get("args", {}))
+        except ConfigError as e:
+            raise ConfigError(f"{field}.{e.field}", e.value, e.problem) from None
+
+
+@attrs.frozen
+class SloConfig:
+    """Service-level objectives of routed and normal requests on one model."""
+
+    ttft_s: float = attrs.field(default=1.0, validator=positive)
+    tpot_s: float = attrs.field(default=0.025, validator=positive)
+
+
+@attrs.frozen
+class ShadowConfig:
+    """What the composition root needs: the policy, the seed, observers."""
+
+    policy: PluginRef = attrs.field(factory=lambda: PluginRef("harvest-slo"))
+    seed: int = attrs.field(default=0, validator=non_negative_int)
+    observers: tuple[PluginRef, ...] = attrs.field(default=(), converter=tuple)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"policy": self.policy.to_dict(), "seed": self.seed,
+             "observers": [o.to_dict() for o in self.observers]},
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], field: str = "shadow") -> "ShadowConfig":
+        if not isinstance(data, Mapping):
+            raise ConfigError(field, data, "must be a mapping")
+        unknown = set(data) - {"policy", "seed", "observers"}
+        if unknown:
+            k = sorted(unknown)[0]
+            raise ConfigError(f"{field}.{k}", data[k], "unknown field")
+        policy = PluginRef.parse(f"{field}.policy", data.get("policy", "harvest-slo"))
+        observers = tuple(
+            PluginRef.parse(f"{field}.observers[{i}]", o) for i, o in enumerate(data.get("observers", []))
+        )
+        try:
+            return cls(policy, data.get("seed", 0), observers)
+        except ConfigError as e:
+            raise ConfigError(f"{field}.{e.field}", e.value, e.problem) from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShadowConfig":
+        return cls.from_dict(json.loads(text))
+
+
+def build_attrs(cls: type, field: str, data: Mapping[str, Any]) -> Any:
+    """``cls(**data)`` with errors re-raised as ConfigError under ``field``."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(field, data, "must be a mapping")
+    names = {a.name for a in attrs.fields(cls) if a.init}
+    for k in data:
+        if k not in names:
+            raise ConfigError(f"{field}.{k}", data[k], f"unknown field (known: {', '.join(sorted(names))})")
+    try:
+        return cls(**data)
+    except ConfigError as e:
+        raise ConfigError(f"{field}.{e.field}", e.value, e.problem) from None

@@ -1,0 +1,175 @@
+"""[3] The engine hook: the one object a backend calls, once per iteration.
+
+``plan = hook.begin_step(snapshot)`` then, after the iteration ran,
+``hook.end_step(outcome)`` (plan, then commit, as vLLM's ``schedule()`` /
+``update_from_output()``). In between the backend runs the plan's grants last
+in its batch and reports what it computed.
+
+Invariants (property-tested):
+
+* A plan has no shadow tokens when the snapshot shows a waiting request or a
+  blocked admission (unless the policy is Eager).
+* The predicted iteration time with the plan fits the budget: the whole
+  iteration for slack and idle budgets, the added time for credit budgets.
+* Shadow tokens never exceed the token budget left, the shadow KV room, or the
+  missing tokens of the jobs; a plan below ``n_min`` is empty.
+* Grants are whole blocks, go to jobs in the manager's order (non-increasing
+  switch probability), and start where the job's held prefix ends.
+* Deterministic: the same snapshots and outcomes give the same plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from shadowcore.job import SessionHistory, ShadowJob
+from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
+from shadowcore.manager import ShadowManager
+from shadowcore.metrics import ObserverSet
+from shadowcore.slack import SlackController
+from shadowcore.types import ShadowGrant, SlackBudget, StepOutcome, StepPlan, StepSnapshot
+
+
+@runtime_checkable
+class EnginePort(Protocol):
+    """What the hook asks the engine it is attached to about its KV cache."""
+
+    @property
+    def block_size(self) -> int:
+        ...
+
+    def cached_prefix_tokens(self, history: SessionHistory) -> int:
+        """Tokens of ``history`` this instance holds (device or host tier)."""
+        ...
+
+    def eviction_count(self) -> int:
+        """A counter that changes whenever a cached block is evicted; while it
+        is unchanged a job's held prefix is still valid."""
+        ...
+
+
+@attrs.define(eq=False)
+class EngineHook:
+    """Per-instance planner of shadow chunks."""
+
+    instance_id: str
+    manager: ShadowManager
+    slack: SlackController
+    latency: LatencyModel
+    port: EnginePort
+    observers: ObserverSet = attrs.Factory(ObserverSet)
+    _pending: tuple[StepSnapshot, StepPlan] | None = attrs.field(init=False, default=None)
+
+    def begin_step(self, snapshot: StepSnapshot) -> StepPlan:
+        if self._pending is not None:
+            raise RuntimeError(f"{self.instance_id}: begin_step twice without end_step")
+        base = snapshot.shape()
+        base_s = self.latency.predict_s(base)
+        budget = self.slack.budget(snapshot, self.latency)
+        grants: tuple[ShadowGrant, ...] = ()
+        predicted = base_s
+        if budget.budget_s > 0:
+            jobs = self._refreshed_jobs()
+            limit = min(snapshot.num_free_token_budget, snapshot.num_shadow_room_tokens)
+            grants, predicted = self._size(jobs, base, base_s, budget, limit)
+        plan = StepPlan(
+            self.instance_id, snapshot.iteration, budget, grants, base_s, predicted,
+            normal_priority=self.slack.normal_priority,
+        )
+        self._reserve(plan)
+        self.slack.commit(snapshot, plan)
+        self._pending = (snapshot, plan)
+        self.observers.emit("on_plan", snapshot, plan)
+        return plan
+
+    def end_step(self, outcome: StepOutcome) -> None:
+        if self._pending is None or outcome.iteration != self._pending[1].iteration:
+            raise RuntimeError(f"{self.instance_id}: end_step without a matching begin_step")
+        snapshot, plan = self._pending
+        self._pending = None
+        reported = {r.grant for r in outcome.results}
+        for grant in plan.grants:
+            if grant not in reported:
+                self._commit(grant, 0)
+        for r in outcome.results:
+            self._commit(r.grant, r.num_computed_tokens)
+        self.slack.observe(snapshot, plan, outcome)
+        self.observers.emit("on_step_end", snapshot, plan, outcome)
+
+    # -- planning -------------------------------------------------------------------
+    def _refreshed_jobs(self) -> list[ShadowJob]:
+        evictions = self.port.eviction_count()
+        for job in self.manager.pending_jobs(self.instance_id):
+            if job.validated_at != evictions or job.epoch != job.history.epoch:
+                job.refresh(self.port.cached_prefix_tokens(job.history), evictions)
+        return self.manager.pending_jobs(self.instance_id)
+
+    def _size(
+        self, jobs: Sequence[ShadowJob], base: BatchShape, base_s: float, budget: SlackBudget, limit: int
+    ) -> tuple[tuple[ShadowGrant, ...], float]:
+        """Lines 10-14: the largest whole-block n that fits, capped, >= n_min."""
+        block = self.port.block_size
+        upper = min(limit, sum(j.num_missing_tokens for j in jobs)) // block
+        if upper <= 0:
+            return (), base_s
+
+        def fits(num_blocks: int) -> tuple[bool, float]:
+            t = self.latency.predict_s(base.with_prefills(_chunks(jobs, num_blocks * block)))
+            used = t - base_s if budget.bounds_stretch else t
+            return used <= budget.budget_s, t
+
+        lo, lo_s = 0, base_s
+        ok, t_hi = fits(upper)
+        if ok:
+            lo, lo_s = upper, t_hi
+        else:
+            hi = upper
+            while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
+                mid = (lo + hi) // 2
+                ok, t_mid = fits(mid)
+                if ok:
+                    lo, lo_s = mid, t_mid
+                else:
+                    hi = mid
+        n = lo * block
+        if n == 0 or n < self.slack.n_min:
+            return (), base_s
+        return _grants(jobs, n), lo_s
+
+    def _reserve(self, plan: StepPlan) -> None:
+        for g in plan.grants:
+            job = self.manager.job(g.job)
+            assert job is not None
+            job.reserve(g.num_tokens)
+
+    def _commit(self, grant: ShadowGrant, num_computed: int) -> None:
+        job = self.manager.job(grant.job)
+        if job is not None:  # closed meanwhile: the routed call took over
+            job.commit(grant.epoch, grant.start_token, grant.num_tokens, num_computed)
+
+
+def _take(jobs: Sequence[ShadowJob], num_tokens: int) -> list[tuple[ShadowJob, int]]:
+    out = []
+    left = num_tokens
+    for job in jobs:
+        if left <= 0:
+            break
+        n = min(left, job.num_missing_tokens)
+        if n > 0:
+            out.append((job, n))
+            left -= n
+    return out
+
+
+def _chunks(jobs: Sequence[ShadowJob], num_tokens: int) -> tuple[PrefillChunk, ...]:
+    return tuple(PrefillChunk(n, job.next_token) for job, n in _take(jobs, num_tokens))
+
+
+def _grants(jobs: Sequence[ShadowJob], num_tokens: int) -> tuple[ShadowGrant, ...]:
+    return tuple(
+        ShadowGrant(job.key, job.epoch, job.next_token, n, job.switch_probability)
+        for job, n in _take(jobs, num_tokens)
+    )

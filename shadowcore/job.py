@@ -1,0 +1,162 @@
+"""Session histories and shadow jobs.
+
+A :class:`SessionHistory` is the append-only token stream of one agent
+session (prompts, outputs, tool results); compaction starts a new epoch whose
+blocks share nothing with the previous one. A :class:`ShadowJob` is one per
+(session, target model): it tracks the prefix of that history the target's
+sticky instance already holds.
+
+Invariants of a job (property-tested in ``tests/test_invariants.py``):
+
+* Incremental: a grant always starts at ``num_held_tokens + num_inflight_tokens``;
+  nothing below the held prefix is granted again unless the engine reported
+  that it lost it (eviction), so after A->B->A->B only deltas are computed.
+* Streamed: the job's target is the block-aligned length of the *current*
+  history, so input appended at call arrival and output appended as it is
+  generated extend the job without any call into it.
+* Sticky: a job is bound to one instance for its whole life.
+* Superseded, never stale: a result whose epoch or start position no longer
+  matches the job is ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from shadowcore.types import JobKey
+
+
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@attrs.define(eq=False)
+class SessionHistory:
+    """Append-only token history of one session.
+
+    With ``token_ids`` (real engines) block hashes chain over the real tokens,
+    as vLLM's prefix cache does. Without them (simulation) the ``i``-th block of
+    an epoch hashes ``(session, epoch, i)``: for an append-only stream this
+    names exactly the same prefixes, at a fraction of the cost.
+    """
+
+    session_id: str
+    epoch: int = 0
+    num_tokens: int = 0
+    token_ids: list[int] | None = None
+    _hash_cache: dict[int, list[int]] = attrs.field(factory=dict, repr=False)
+
+    def append(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+        if num_tokens < 0:
+            raise ValueError(f"session {self.session_id}: cannot append {num_tokens} tokens")
+        if token_ids is not None:
+            if len(token_ids) != num_tokens:
+                raise ValueError(
+                    f"session {self.session_id}: {len(token_ids)} token ids for {num_tokens} tokens"
+                )
+            if self.token_ids is None:
+                if self.num_tokens:
+                    raise ValueError(f"session {self.session_id}: token ids after counts only")
+                self.token_ids = []
+            self.token_ids.extend(int(t) for t in token_ids)
+        elif self.token_ids is not None and num_tokens:
+            raise ValueError(f"session {self.session_id}: this history needs token ids")
+        self.num_tokens += num_tokens
+
+    def compact(self, num_summary_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+        """Replace the history with a summary; a new epoch shares no block."""
+        self.epoch += 1
+        self.num_tokens = 0
+        self.token_ids = None
+        self._hash_cache.clear()
+        self.append(num_summary_tokens, token_ids)
+
+    def num_full_blocks(self, block_size: int) -> int:
+        return self.num_tokens // block_size
+
+    def block_hashes(self, block_size: int, num_blocks: int | None = None) -> list[int]:
+        """Hashes of the first ``num_blocks`` full blocks (default: all)."""
+        full = self.num_full_blocks(block_size)
+        n = full if num_blocks is None else min(num_blocks, full)
+        cache = self._hash_cache.setdefault(block_size, [])
+        if len(cache) < n:
+            cache.extend(self._hashes(block_size, len(cache), n, cache[-1] if cache else 0))
+        return cache[:n]
+
+    def _hashes(self, block_size: int, start: int, end: int, parent: int) -> Iterable[int]:
+        if self.token_ids is None:
+            prefix = f"{self.session_id}\x00{self.epoch}\x00".encode()
+            return [_digest(prefix + struct.pack("<q", i)) for i in range(start, end)]
+        out = []
+        for i in range(start, end):
+            block = self.token_ids[i * block_size : (i + 1) * block_size]
+            parent = _digest(struct.pack("<Q", parent) + struct.pack(f"<{len(block)}q", *block))
+            out.append(parent)
+        return out
+
+
+@attrs.define(eq=False)
+class ShadowJob:
+    """Shadow work of one session on one target model's sticky instance."""
+
+    key: JobKey
+    instance_id: str
+    history: SessionHistory
+    block_size: int
+    switch_probability: float = 0.0
+    sequence: int = 0  # creation order: the tie-break among equal probabilities
+    epoch: int = 0
+    num_held_tokens: int = 0
+    num_inflight_tokens: int = 0
+    num_computed_tokens: int = 0  # lifetime shadow tokens this job computed
+    validated_at: int | None = None  # the port's eviction count when held was last checked
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Block-aligned length of the current history (shadows compute whole
+        blocks only: a partial block is not cached by a block-level cache)."""
+        return self.history.num_full_blocks(self.block_size) * self.block_size
+
+    @property
+    def next_token(self) -> int:
+        return self.num_held_tokens + self.num_inflight_tokens
+
+    @property
+    def num_missing_tokens(self) -> int:
+        if self.epoch != self.history.epoch:
+            return self.num_target_tokens
+        return max(0, self.num_target_tokens - self.next_token)
+
+    def sync_epoch(self) -> None:
+        """After compaction, forget everything held in the old epoch."""
+        if self.epoch != self.history.epoch:
+            self.epoch = self.history.epoch
+            self.num_held_tokens = 0
+            self.num_inflight_tokens = 0
+            self.validated_at = None
+
+    def refresh(self, num_cached_tokens: int, eviction_count: int) -> None:
+        """Adopt what the instance reports as cached (block-aligned)."""
+        self.sync_epoch()
+        aligned = num_cached_tokens - num_cached_tokens % self.block_size
+        self.num_held_tokens = min(aligned, self.num_target_tokens)
+        self.validated_at = eviction_count
+
+    def reserve(self, num_tokens: int) -> int:
+        """Mark ``num_tokens`` as in flight; returns the first token position."""
+        start = self.next_token
+        self.num_inflight_tokens += num_tokens
+        return start
+
+    def commit(self, epoch: int, start_token: int, num_granted: int, num_computed: int) -> bool:
+        """Apply an engine's result for a grant; False when it was stale."""
+        self.num_inflight_tokens = max(0, self.num_inflight_tokens - num_granted)
+        if epoch != self.epoch or start_token != self.num_held_tokens:
+            return False
+        self.num_held_tokens += num_computed
+        self.num_computed_tokens += num_computed
+        return True

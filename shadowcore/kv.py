@@ -1,0 +1,335 @@
+"""KV classes: a block-level prefix cache with a normal and a shadow class,
+plus an optional host-memory tier.
+
+Layers (vLLM v1 style): the engine asks :class:`KVClassManager` for blocks on
+behalf of an *owner* (a request or a shadow chunk); the manager decides which
+idle cached block to evict by the rules of :class:`KVClassPolicy`, which is
+pure and reused by the vLLM backend's block-pool bridge.
+
+Invariants (each has a property test):
+
+* Shadow blocks (in use or cached) never exceed ``cap_blocks``.
+* A normal allocation evicts an idle shadow block before any normal block;
+  eviction is LRU (least recently released first) within a class.
+* A shadow allocation takes free blocks or idle blocks older than
+  ``cold_age_s`` only; it never displaces a younger entry of either class.
+* A block in use (ref count > 0) is never evicted.
+* The host tier never holds more than its capacity; a hit on it costs
+  ``bytes / pcie_bytes_per_s`` and moves the block back to the device.
+* A normal hit on a shadow block promotes it to the normal class: the shadow
+  was used.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import attrs
+
+from shadowcore._validators import fraction_open_closed, non_negative, positive, positive_int
+
+
+class KVClass(enum.Enum):
+    NORMAL = "normal"
+    SHADOW = "shadow"
+
+
+@attrs.frozen
+class HostTierParams:
+    """Host DRAM behind one instance and the PCIe link to it."""
+
+    capacity_bytes: float = attrs.field(default=32e9, validator=non_negative)
+    pcie_bytes_per_s: float = attrs.field(default=25e9, validator=positive)
+
+
+@attrs.frozen
+class KVClassPolicy:
+    """The rules of the two classes, as pure functions of block metadata."""
+
+    shadow_cap_fraction: float = attrs.field(default=0.25, validator=fraction_open_closed)
+    cold_age_s: float = attrs.field(default=5.0, validator=non_negative)
+    host: HostTierParams | None = None
+
+    def cap_blocks(self, num_blocks: int) -> int:
+        return int(self.shadow_cap_fraction * num_blocks)
+
+    def shadow_may_displace(self, idle_since_s: float, now_s: float) -> bool:
+        """A shadow chunk may take an idle block only once it is cold."""
+        return now_s - idle_since_s > self.cold_age_s
+
+
+@attrs.frozen
+class PrefixMatch:
+    """Longest cached prefix of a block-hash chain: first on the device, then
+    continuing in the host tier."""
+
+    num_device_blocks: int
+    num_host_blocks: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_device_blocks + self.num_host_blocks
+
+
+@attrs.frozen
+class Allocation:
+    """Result of a successful allocation for one owner."""
+
+    num_device_hit_blocks: int
+    num_host_hit_blocks: int
+    num_new_blocks: int
+    reload_s: float
+    num_shadow_blocks_used: int  # shadow blocks a normal owner hit (now promoted)
+
+
+@attrs.define(eq=False)
+class _Block:
+    kv_class: KVClass
+    ref_count: int = 0
+    idle_since_s: float = 0.0
+
+
+@attrs.define(eq=False)
+class _Owner:
+    kv_class: KVClass
+    hashes: list[int] = attrs.Factory(list)
+    num_private_blocks: int = 0
+
+
+@attrs.define(eq=False)
+class KVClassManager:
+    """Blocks of one instance's KV pool, by content hash, in two classes."""
+
+    num_blocks: int = attrs.field(validator=positive_int)
+    block_size: int = attrs.field(validator=positive_int)
+    policy: KVClassPolicy = attrs.Factory(KVClassPolicy)
+    kv_bytes_per_token: float = attrs.field(default=131072.0, validator=positive)
+    num_free_blocks: int = attrs.field(init=False)
+    eviction_count: int = attrs.field(init=False, default=0)
+    num_shadow_blocks: int = attrs.field(init=False, default=0)
+    num_evicted_blocks: dict[KVClass, int] = attrs.field(init=False)
+    num_shadow_blocks_used: int = attrs.field(init=False, default=0)
+    num_reloaded_blocks: int = attrs.field(init=False, default=0)
+    _blocks: dict[int, _Block] = attrs.field(init=False, factory=dict)
+    _idle: dict[KVClass, OrderedDict[int, None]] = attrs.field(init=False)
+    _owners: dict[str, _Owner] = attrs.field(init=False, factory=dict)
+    _host: OrderedDict[int, KVClass] = attrs.field(init=False, factory=OrderedDict)
+
+    def __attrs_post_init__(self) -> None:
+        self.num_free_blocks = self.num_blocks
+        self._idle = {KVClass.SHADOW: OrderedDict(), KVClass.NORMAL: OrderedDict()}
+        self.num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
+
+    # -- queries -----------------------------------------------------------------
+    @property
+    def cap_blocks(self) -> int:
+        return self.policy.cap_blocks(self.num_blocks)
+
+    @property
+    def block_bytes(self) -> float:
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def host_capacity_blocks(self) -> int:
+        host = self.policy.host
+        return 0 if host is None else int(host.capacity_bytes // self.block_bytes)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self._host)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._blocks)
+
+    def class_of(self, block_hash: int) -> KVClass | None:
+        block = self._blocks.get(block_hash)
+        return None if block is None else block.kv_class
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def in_host(self, block_hash: int) -> bool:
+        return block_hash in self._host
+
+    def idle_order(self, kv_class: KVClass) -> list[int]:
+        """Idle blocks of a class, next to be evicted first."""
+        return list(self._idle[kv_class])
+
+    def idle_since(self, block_hash: int) -> float:
+        return self._blocks[block_hash].idle_since_s
+
+    def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
+        n_dev = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n_dev += 1
+        n_host = 0
+        for h in hashes[n_dev:]:
+            if h not in self._host:
+                break
+            n_host += 1
+        return PrefixMatch(n_dev, n_host)
+
+    def shadow_room_blocks(self, now_s: float) -> int:
+        """Blocks a shadow chunk could take now: cap room, free and cold."""
+        room = self.cap_blocks - self.num_shadow_blocks
+        if room <= 0:
+            return 0
+        available = self.num_free_blocks
+        for kv_class in (KVClass.SHADOW, KVClass.NORMAL):
+            for h in self._idle[kv_class]:
+                if available >= room:
+                    return room
+                if not self.policy.shadow_may_displace(self._blocks[h].idle_since_s, now_s):
+                    break  # LRU order: every later block is younger
+                available += 1
+        return min(room, available)
+
+    # -- allocation --------------------------------------------------------------
+    def allocate(
+        self,
+        owner_id: str,
+        hashes: Sequence[int],
+        num_private_blocks: int,
+        kv_class: KVClass,
+        now_s: float,
+    ) -> Allocation | None:
+        """Give ``owner_id`` the blocks for ``hashes`` (hits are shared, misses
+        and host hits take new device blocks) plus private unhashed blocks.
+
+        All or nothing: ``None`` when the blocks cannot be found under the rules
+        of ``kv_class``; the pool is then unchanged.
+        """
+        if owner_id in self._owners:
+            raise ValueError(f"owner {owner_id!r} already holds blocks")
+        match = self.match_prefix(hashes)
+        hits = hashes[: match.num_device_blocks]
+        num_new = len(hashes) - match.num_device_blocks + num_private_blocks
+        if not self._can_take(num_new, kv_class, now_s, exclude=hits):
+            return None
+        used = self._ref_hits(hits, kv_class)
+        self._take(num_new, kv_class, now_s, protect=set(hashes))
+        host_hits = hashes[match.num_device_blocks : match.num_blocks]
+        for h in host_hits:
+            del self._host[h]
+        for h in hashes[match.num_device_blocks :]:
+            self._blocks[h] = _Block(kv_class, ref_count=1)
+        self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks)
+        self.num_reloaded_blocks += len(host_hits)
+        reload_s = self.reload_seconds(len(host_hits))
+        return Allocation(match.num_device_blocks, len(host_hits), num_new, reload_s, used)
+
+    def extend(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, now_s: float) -> bool:
+        """Grow an owner (decode): new hashed and private blocks; all or nothing."""
+        owner = self._owners[owner_id]
+        fresh = [h for h in hashes if h not in self._blocks]
+        shared = [h for h in hashes if h in self._blocks]
+        num_new = len(fresh) + num_private_blocks
+        if not self._can_take(num_new, owner.kv_class, now_s, exclude=shared):
+            return False
+        self._ref_hits(shared, owner.kv_class)
+        self._take(num_new, owner.kv_class, now_s, protect=set(hashes))
+        for h in fresh:
+            self._host.pop(h, None)
+            self._blocks[h] = _Block(owner.kv_class, ref_count=1)
+        owner.hashes.extend(hashes)
+        owner.num_private_blocks += num_private_blocks
+        return True
+
+    def release(self, owner_id: str, now_s: float) -> None:
+        """Drop an owner's references; its hashed blocks stay cached (idle)."""
+        owner = self._owners.pop(owner_id)
+        for h in owner.hashes:
+            block = self._blocks[h]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                block.idle_since_s = now_s
+                self._idle[block.kv_class][h] = None
+        self._free(owner.num_private_blocks, owner.kv_class)
+
+    def reload_seconds(self, num_blocks: int) -> float:
+        host = self.policy.host
+        if host is None or num_blocks == 0:
+            return 0.0
+        return num_blocks * self.block_bytes / host.pcie_bytes_per_s
+
+    # -- internals ---------------------------------------------------------------
+    def _can_take(self, num: int, kv_class: KVClass, now_s: float, exclude: Sequence[int]) -> bool:
+        if kv_class is KVClass.SHADOW and self.num_shadow_blocks + num > self.cap_blocks:
+            return False
+        if num <= self.num_free_blocks:
+            return True
+        excluded = {h for h in exclude if self._blocks[h].ref_count == 0}
+        available = self.num_free_blocks
+        for cls in (KVClass.SHADOW, KVClass.NORMAL):
+            for h in self._idle[cls]:
+                if h in excluded:
+                    continue
+                if kv_class is KVClass.SHADOW and not self.policy.shadow_may_displace(
+                    self._blocks[h].idle_since_s, now_s
+                ):
+                    break
+                available += 1
+                if available >= num:
+                    return True
+        return False
+
+    def _ref_hits(self, hits: Sequence[int], requester: KVClass) -> int:
+        used = 0
+        for h in hits:
+            block = self._blocks[h]
+            if block.ref_count == 0:
+                del self._idle[block.kv_class][h]
+            block.ref_count += 1
+            if requester is KVClass.NORMAL and block.kv_class is KVClass.SHADOW:
+                block.kv_class = KVClass.NORMAL
+                self.num_shadow_blocks -= 1
+                used += 1
+        self.num_shadow_blocks_used += used
+        return used
+
+    def _take(self, num: int, kv_class: KVClass, now_s: float, protect: set[int]) -> None:
+        from_free = min(num, self.num_free_blocks)
+        self.num_free_blocks -= from_free
+        for _ in range(num - from_free):
+            self._evict_one(kv_class, now_s, protect)
+        if kv_class is KVClass.SHADOW:
+            self.num_shadow_blocks += num
+
+    def _evict_one(self, requester: KVClass, now_s: float, protect: set[int]) -> None:
+        for cls in (KVClass.SHADOW, KVClass.NORMAL):
+            for h in self._idle[cls]:
+                if h in protect:
+                    continue
+                block = self._blocks[h]
+                if requester is KVClass.SHADOW and not self.policy.shadow_may_displace(
+                    block.idle_since_s, now_s
+                ):
+                    break
+                del self._idle[cls][h]
+                del self._blocks[h]
+                if cls is KVClass.SHADOW:
+                    self.num_shadow_blocks -= 1
+                self.num_evicted_blocks[cls] += 1
+                self.eviction_count += 1
+                self._spill(h, cls)
+                return
+        raise AssertionError("_evict_one called without an evictable block")  # _can_take checked
+
+    def _spill(self, block_hash: int, kv_class: KVClass) -> None:
+        capacity = self.host_capacity_blocks
+        if capacity == 0:
+            return
+        self._host[block_hash] = kv_class
+        self._host.move_to_end(block_hash)
+        while len(self._host) > capacity:
+            self._host.popitem(last=False)
+
+    def _free(self, num_private: int, kv_class: KVClass) -> None:
+        self.num_free_blocks += num_private
+        if kv_class is KVClass.SHADOW:
+            self.num_shadow_blocks -= num_private

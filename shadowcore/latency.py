@@ -1,0 +1,124 @@
+"""Latency models: the predicted duration of one engine iteration.
+
+The slack controller asks a :class:`LatencyModel` how long an iteration would
+take with ``n`` extra shadow tokens; the simulator asks the same object how
+long the iteration it runs does take. Both must therefore see the same batch
+description, :class:`BatchShape`.
+
+Invariants every implementation keeps (the conformance check tests them):
+
+* ``predict_s`` is pure: same shape, same answer; no wall time, no RNG.
+* It is non-decreasing in every token count: adding a prefill token, a decode
+  or context never makes an iteration faster. The controller's search for the
+  largest shadow chunk relies on this.
+* An empty batch costs ``0.0``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from shadowcore._validators import non_negative, non_negative_int
+
+
+@attrs.frozen
+class PrefillChunk:
+    """One prefill chunk in a batch.
+
+    ``num_new_tokens`` are computed this iteration on top of
+    ``num_context_tokens`` that are already in the KV cache (cached prefix or
+    earlier chunks), so attention reads ``num_context_tokens + num_new_tokens``.
+    """
+
+    num_new_tokens: int = attrs.field(validator=non_negative_int)
+    num_context_tokens: int = attrs.field(default=0, validator=non_negative_int)
+
+
+@attrs.frozen
+class BatchShape:
+    """What a latency model needs to know about one iteration's batch.
+
+    ``decode_context_tokens`` holds one entry per decoding sequence: the KV
+    length it attends over. ``reload_bytes`` is KV brought back from the host
+    tier for this iteration (charged by models that know the PCIe bandwidth).
+    """
+
+    prefills: tuple[PrefillChunk, ...] = attrs.field(default=(), converter=tuple)
+    decode_context_tokens: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.prefills)
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_context_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens scheduled this iteration (the engine's token budget unit)."""
+        return self.num_prefill_tokens + self.num_decodes
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_tokens == 0
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes > 0 and self.num_prefill_tokens == 0
+
+    def with_prefills(self, chunks: tuple[PrefillChunk, ...]) -> "BatchShape":
+        """This batch plus ``chunks`` appended after the existing prefills."""
+        return BatchShape(self.prefills + tuple(chunks), self.decode_context_tokens)
+
+
+@runtime_checkable
+class LatencyModel(Protocol):
+    """Port: predicted iteration time of a batch on one instance (seconds)."""
+
+    def predict_s(self, batch: BatchShape) -> float:
+        """Duration of one iteration that runs ``batch``; 0.0 when empty."""
+        ...
+
+
+@attrs.frozen
+class LinearLatencyModel:
+    """A small analytic model with no data behind it.
+
+    ``t = overhead + prefill_s_per_token * prefill_tokens
+    + attention_s_per_token_pair * sum(new * (context + new / 2))
+    + decode_s_per_seq * decodes + decode_s_per_context_token * sum(context)``.
+
+    It is the default for the in-memory fake engine and the unit tests; the
+    simulator backend ships Vidur-grounded and roofline models with the same
+    Protocol.
+    """
+
+    overhead_s: float = attrs.field(default=0.004, validator=non_negative)
+    prefill_s_per_token: float = attrs.field(default=6.0e-5, validator=non_negative)
+    attention_s_per_token_pair: float = attrs.field(default=1.0e-9, validator=non_negative)
+    decode_s_per_seq: float = attrs.field(default=1.0e-4, validator=non_negative)
+    decode_s_per_context_token: float = attrs.field(default=2.0e-8, validator=non_negative)
+
+    def predict_s(self, batch: BatchShape) -> float:
+        if batch.is_empty:
+            return 0.0
+        prefill_tokens = 0
+        attention_pairs = 0.0
+        for chunk in batch.prefills:
+            prefill_tokens += chunk.num_new_tokens
+            attention_pairs += chunk.num_new_tokens * (
+                chunk.num_context_tokens + chunk.num_new_tokens / 2.0
+            )
+        return (
+            self.overhead_s
+            + self.prefill_s_per_token * prefill_tokens
+            + self.attention_s_per_token_pair * attention_pairs
+            + self.decode_s_per_seq * batch.num_decodes
+            + self.decode_s_per_context_token * sum(batch.decode_context_tokens)
+        )
+
+
+__all__ = ["BatchShape", "LatencyModel", "LinearLatencyModel", "PrefillChunk"]

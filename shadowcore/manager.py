@@ -1,0 +1,192 @@
+"""[1]-[2] Router side and shadow manager.
+
+The :class:`ShadowManager` sees every routed call of every session. On a
+call's arrival it places the call (sticky instance of the chosen model, unless
+another instance of that model would finish the uncached prefill sooner),
+ends the shadow job on the chosen model (the call takes over from whatever
+that job built), and creates or extends jobs on the models the targeting
+strategy picks. Output tokens extend the history, and so every job, as they
+are generated.
+
+Invariants:
+
+* A switch call never waits for its shadow: placement reads only what is
+  cached now; the job on the chosen model is closed at arrival, so no shadow
+  chunk for it is planned afterwards.
+* Jobs are handed to an instance in non-increasing switch probability (ties:
+  older job first), and only jobs with missing tokens are handed out.
+* Per session, at most one job per target model; a job lives on one instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from shadowcore.job import SessionHistory, ShadowJob
+from shadowcore.switch import SwitchPredictor, Targeting, rank_targets
+from shadowcore.types import CallArrival, CallPlacement, JobKey
+
+
+@runtime_checkable
+class ClusterPort(Protocol):
+    """What a backend tells the router side about its instances."""
+
+    def instances(self, model: str) -> Sequence[str]:
+        """Instance ids serving ``model`` for routed calls, in a fixed order."""
+        ...
+
+    def block_size(self, instance_id: str) -> int:
+        ...
+
+    def cached_prefix_tokens(self, instance_id: str, history: SessionHistory) -> int:
+        """Tokens of ``history`` cached on the instance now (device or host)."""
+        ...
+
+    def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
+        """When a prefill of ``num_uncached_tokens`` would finish if sent now
+        (queued work ahead of it included)."""
+        ...
+
+
+@attrs.define(eq=False)
+class SessionState:
+    session_id: str
+    task: str
+    history: SessionHistory
+    current_model: str | None = None
+    sticky: dict[str, str] = attrs.Factory(dict)  # model -> instance id
+    num_calls: int = 0
+
+
+@attrs.define(eq=False)
+class ShadowManager:
+    """Router-side owner of sessions and shadow jobs (one per deployment)."""
+
+    cluster: ClusterPort
+    models: tuple[str, ...] = attrs.field(converter=tuple)
+    predictor: SwitchPredictor
+    targeting: Targeting
+    shadow_instances: dict[str, str] = attrs.Factory(dict)  # model -> dedicated instance
+    oracle: bool = False
+    sessions: dict[str, SessionState] = attrs.field(init=False, factory=dict)
+    _jobs: dict[JobKey, ShadowJob] = attrs.field(init=False, factory=dict)
+    _by_instance: dict[str, dict[JobKey, ShadowJob]] = attrs.field(init=False, factory=dict)
+    _next_sequence: int = attrs.field(init=False, default=0)
+
+    # -- router side ---------------------------------------------------------------
+    def on_call_arrival(self, call: CallArrival) -> CallPlacement:
+        if call.model not in self.models:
+            raise ValueError(f"call for session {call.session_id}: unknown model {call.model!r}")
+        s = self._session(call)
+        previous = s.current_model
+        if previous is not None:
+            self.predictor.observe_transition(s.session_id, s.task, previous, call.model)
+        num_context = s.history.num_tokens
+        s.history.append(call.num_new_input_tokens, call.new_token_ids)
+        is_switch = previous is not None and previous != call.model
+        self._close(JobKey(s.session_id, call.model))
+        instance = self._place(s, call.model)
+        s.current_model = call.model
+        s.num_calls += 1
+        self._retarget(s)
+        cached = self.cluster.cached_prefix_tokens(instance, s.history)
+        oracle = num_context if (self.oracle and is_switch) else 0
+        return CallPlacement(
+            s.session_id, call.model, instance, is_switch, s.history.num_tokens,
+            max(cached, oracle), oracle,
+        )
+
+    def on_output_tokens(self, session_id: str, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+        """Streamed output of the session's current call extends every job."""
+        self.sessions[session_id].history.append(num_tokens, token_ids)
+
+    def on_tool_result(self, session_id: str, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+        """Tokens appended between calls (a tool result known before the next call)."""
+        self.sessions[session_id].history.append(num_tokens, token_ids)
+
+    def on_session_end(self, session_id: str) -> None:
+        for model in self.models:
+            self._close(JobKey(session_id, model))
+        self.sessions.pop(session_id, None)
+
+    # -- engine side ----------------------------------------------------------------
+    def pending_jobs(self, instance_id: str) -> list[ShadowJob]:
+        """Jobs on the instance with tokens missing, highest switch probability first."""
+        jobs = [j for j in self._by_instance.get(instance_id, {}).values() if j.num_missing_tokens > 0]
+        jobs.sort(key=lambda j: (-j.switch_probability, j.sequence))
+        return jobs
+
+    def job(self, key: JobKey) -> ShadowJob | None:
+        return self._jobs.get(key)
+
+    def jobs(self) -> Iterator[ShadowJob]:
+        return iter(self._jobs.values())
+
+    # -- internals ------------------------------------------------------------------
+    def _session(self, call: CallArrival) -> SessionState:
+        s = self.sessions.get(call.session_id)
+        if s is None:
+            s = SessionState(call.session_id, call.task, SessionHistory(call.session_id))
+            self.sessions[call.session_id] = s
+        return s
+
+    def _place(self, s: SessionState, model: str) -> str:
+        """Sticky instance unless another finishes the uncached prefill sooner."""
+        candidates = list(self.cluster.instances(model))
+        if not candidates:
+            raise ValueError(f"no instance serves model {model!r}")
+        sticky = s.sticky.get(model)
+        best, best_s = None, float("inf")
+        for inst in ([sticky] if sticky in candidates else []) + [c for c in candidates if c != sticky]:
+            uncached = s.history.num_tokens - self.cluster.cached_prefix_tokens(inst, s.history)
+            t = self.cluster.estimated_prefill_completion_s(inst, uncached)
+            if t < best_s:  # strict: the sticky instance (first) wins ties
+                best, best_s = inst, t
+        assert best is not None
+        s.sticky[model] = best
+        return best
+
+    def _shadow_instance(self, s: SessionState, model: str) -> str:
+        dedicated = self.shadow_instances.get(model)
+        if dedicated is not None:
+            return dedicated
+        if model not in s.sticky:
+            s.sticky[model] = self._least_loaded(model)
+        return s.sticky[model]
+
+    def _least_loaded(self, model: str) -> str:
+        candidates = list(self.cluster.instances(model))
+        return min(candidates, key=lambda i: (self.cluster.estimated_prefill_completion_s(i, 0), candidates.index(i)))
+
+    def _retarget(self, s: SessionState) -> None:
+        assert s.current_model is not None
+        p = self.predictor.switch_probability(s.session_id, s.task, s.current_model)
+        dist = self.predictor.next_model_distribution(s.session_id, s.task, s.current_model, self.models)
+        chosen = {t.model: t for t in self.targeting.choose(rank_targets(p, dist))}
+        for model in self.models:
+            key = JobKey(s.session_id, model)
+            if model == s.current_model or model not in chosen:
+                self._close(key)
+                continue
+            job = self._jobs.get(key)
+            if job is None:
+                job = self._open(key, s, self._shadow_instance(s, model))
+            job.switch_probability = chosen[model].switch_probability
+
+    def _open(self, key: JobKey, s: SessionState, instance_id: str) -> ShadowJob:
+        job = ShadowJob(
+            key, instance_id, s.history, self.cluster.block_size(instance_id),
+            sequence=self._next_sequence, epoch=s.history.epoch,
+        )
+        self._next_sequence += 1
+        self._jobs[key] = job
+        self._by_instance.setdefault(instance_id, {})[key] = job
+        return job
+
+    def _close(self, key: JobKey) -> None:
+        job = self._jobs.pop(key, None)
+        if job is not None:
+            del self._by_instance[job.instance_id][key]

@@ -1,0 +1,77 @@
+"""The composition root: one place that wires router side -> shadow manager
+-> engine hooks -> KV classes -> metrics from a :class:`ShadowConfig`.
+
+The simulator, the in-memory fake engine and vLLM's engine core all call
+:func:`build_runtime` with the same JSON configuration and get identical
+objects; a backend then calls :meth:`ShadowRuntime.attach` once per engine
+instance and drives the returned hook.
+
+Invariants: the runtime owns the only ``numpy.random.Generator`` (seeded from
+the configuration) and hands child generators to components; nothing here
+reads wall time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from shadowcore.config import ShadowConfig
+from shadowcore.errors import ConfigError, PluginError
+from shadowcore.hook import EngineHook, EnginePort
+from shadowcore.kv import KVClassManager
+from shadowcore.latency import LatencyModel
+from shadowcore.manager import ClusterPort, ShadowManager
+from shadowcore.metrics import ObserverSet
+from shadowcore.policy import PolicySpec, load_policy
+from shadowcore.registry import load_reference
+
+
+@attrs.define(eq=False)
+class ShadowRuntime:
+    config: ShadowConfig
+    policy: PolicySpec
+    manager: ShadowManager
+    observers: ObserverSet
+    rng: np.random.Generator
+    hooks: dict[str, EngineHook] = attrs.Factory(dict)
+
+    def attach(self, instance_id: str, port: EnginePort, latency: LatencyModel) -> EngineHook:
+        """The hook for one engine instance (with its own slack controller)."""
+        if instance_id in self.hooks:
+            raise ValueError(f"instance {instance_id!r} already has a hook")
+        child = np.random.default_rng(self.rng.integers(2**63))
+        hook = EngineHook(instance_id, self.manager, self.policy.slack.build(child), latency, port, self.observers)
+        self.hooks[instance_id] = hook
+        return hook
+
+    def kv_manager(self, num_blocks: int, block_size: int, kv_bytes_per_token: float) -> KVClassManager:
+        """A KV class manager with this policy's rules (for backends that use the core's)."""
+        return KVClassManager(num_blocks, block_size, self.policy.kv, kv_bytes_per_token)
+
+
+def build_runtime(
+    config: ShadowConfig,
+    cluster: ClusterPort,
+    models: Sequence[str],
+    shadow_instances: dict[str, str] | None = None,
+) -> ShadowRuntime:
+    policy = load_policy(config.policy)
+    observers = ObserverSet()
+    for i, ref in enumerate(config.observers):
+        try:
+            observers.add(load_reference(ref.name)(**ref.args))
+        except (PluginError, TypeError) as e:
+            raise ConfigError(f"shadow.observers[{i}].name", ref.name, str(e)) from None
+    rng = np.random.default_rng(config.seed)
+    manager = ShadowManager(
+        cluster,
+        tuple(models),
+        policy.predictor.build(np.random.default_rng(rng.integers(2**63))),
+        policy.targeting,
+        shadow_instances=dict(shadow_instances or {}),
+        oracle=policy.oracle,
+    )
+    return ShadowRuntime(config, policy, manager, observers, rng)

@@ -1,0 +1,241 @@
+"""Slack controllers: how long shadow work may take in one iteration
+(Algorithm 1 of the paper, lines 1-9), and the per-request slack of Eq. 1.
+
+A controller is a strategy users may replace (an ABC), one instance per engine
+instance (it may keep state, such as the routed-step credit). The hook turns
+its :class:`~shadowcore.types.SlackBudget` into tokens (lines 10-14).
+
+Invariants:
+
+* No budget while the waiting queue is non-empty or an admission was blocked
+  (except Eager, which is the normal-priority path by definition).
+* An idle instance gets ``beta * T``; a busy one never more than ``beta * T``.
+* With routed-step protection, the predicted time added to iterations that
+  carry a routed call never exceeds ``delta`` times the measured duration of
+  the decode-only iterations seen so far: the credit is debited by the
+  predicted stretch when a plan is committed and credited on decode-only
+  iterations.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import attrs
+
+from shadowcore._validators import fraction_closed_open, non_negative, non_negative_int, positive
+from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
+from shadowcore.types import (
+    BudgetReason,
+    Phase,
+    RequestView,
+    SlackBudget,
+    StepOutcome,
+    StepPlan,
+    StepSnapshot,
+)
+
+
+def decode_slack_s(r: RequestView, now_s: float, margin: float) -> float:
+    """Eq. 1: ``sigma_r = (1-m) T_r (k_r + 1) - (t - f_r)``, the longest the
+    next iteration may last for decode ``r`` to stay within its TPOT SLO."""
+    assert r.first_token_s is not None
+    return (1.0 - margin) * r.tpot_slo_s * (r.num_decode_steps + 1) - (now_s - r.first_token_s)
+
+
+def prefill_slack_s(r: RequestView, now_s: float, margin: float, remaining_s: float) -> float:
+    """``(1-m) F_r - (t - a_r) - p_r``: with ``remaining_s`` the predicted time
+    of the chunks left *after* this iteration, this is the longest this
+    iteration may last for ``r`` to meet its TTFT SLO."""
+    return (1.0 - margin) * r.ttft_slo_s - (now_s - r.arrival_s) - remaining_s
+
+
+def remaining_prefill_s(r: RequestView, latency: LatencyModel, chunk_tokens: int) -> float:
+    """Predicted time of ``r``'s prefill chunks after this iteration, each run
+    alone at the engine's chunk size (a lower bound the controller can trust)."""
+    left = r.num_remaining_prefill_tokens
+    context = r.num_context_tokens + r.num_scheduled_tokens
+    total = 0.0
+    while left > 0:
+        n = min(chunk_tokens, left)
+        total += latency.predict_s(BatchShape((PrefillChunk(n, context),)))
+        context += n
+        left -= n
+    return total
+
+
+def min_batch_slack_s(
+    snapshot: StepSnapshot, latency: LatencyModel, margin: float, chunk_tokens: int
+) -> float:
+    """The smallest per-request slack in the batch (``inf`` for an empty one)."""
+    slack = math.inf
+    for r in snapshot.batch:
+        if r.phase is Phase.DECODE:
+            s = decode_slack_s(r, snapshot.now_s, margin)
+        else:
+            rest = remaining_prefill_s(r, latency, chunk_tokens)
+            s = prefill_slack_s(r, snapshot.now_s, margin, rest)
+        slack = min(slack, s)
+    return slack
+
+
+class SlackController(ABC):
+    """Strategy: the shadow budget of one iteration on one instance.
+
+    Subclasses implement :meth:`budget`; stateful ones also override
+    :meth:`commit` (called with the plan the hook made from the budget) and
+    :meth:`observe` (called with the engine's outcome).
+    """
+
+    #: Shadow chunks smaller than this are deferred (each chunk re-reads the
+    #: whole cached context, so tiny ones waste bandwidth).
+    n_min: int = 0
+    #: True for Eager: shadow chunks run as normal-priority work.
+    normal_priority: bool = False
+
+    @abstractmethod
+    def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
+        """Algorithm 1, lines 1-9."""
+
+    def commit(self, snapshot: StepSnapshot, plan: StepPlan) -> None:  # noqa: B027
+        """The hook committed ``plan`` (made from this controller's budget)."""
+
+    def observe(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:  # noqa: B027
+        """The engine ran the iteration ``snapshot`` + ``plan``."""
+
+
+def _gate(snapshot: StepSnapshot) -> SlackBudget | None:
+    """Algorithm 1 line 1: nothing while anything waits or is blocked."""
+    if snapshot.num_waiting > 0:
+        return SlackBudget.zero(BudgetReason.WAITING)
+    if snapshot.admission_blocked:
+        return SlackBudget.zero(BudgetReason.BLOCKED)
+    return None
+
+
+@attrs.define
+class CreditAccount:
+    """Routed-step protection: credit accrues at ``delta`` times the duration
+    of decode-only iterations and is debited by the predicted stretch of the
+    iterations it pays for."""
+
+    delta: float = attrs.field(validator=non_negative)
+    balance_s: float = 0.0
+    earned_s: float = 0.0
+    spent_s: float = 0.0
+
+    def earn(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:
+        if snapshot.shape().is_decode_only and outcome.num_shadow_tokens == 0 and not plan.grants:
+            gain = self.delta * outcome.duration_s
+            self.balance_s += gain
+            self.earned_s += gain
+
+    def spend(self, plan: StepPlan) -> None:
+        if plan.budget.bounds_stretch and plan.grants:
+            cost = max(0.0, plan.predicted_stretch_s)
+            self.balance_s -= cost
+            self.spent_s += cost
+
+
+@attrs.define
+class SloSlackController(SlackController):
+    """Harvest-SLO: Algorithm 1 exactly (defaults are the paper's)."""
+
+    beta: float = attrs.field(default=0.5, validator=positive)
+    delta: float = attrs.field(default=0.025, validator=non_negative)
+    n_min: int = attrs.field(default=256, validator=non_negative_int)
+    margin: float = attrs.field(default=0.1, validator=fraction_closed_open)
+    chunk_tokens: int = attrs.field(default=2048, validator=positive)
+    credit: CreditAccount = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.credit = CreditAccount(self.delta)
+
+    def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
+        gated = _gate(snapshot)
+        if gated is not None:
+            return gated
+        cap = self.beta * snapshot.tpot_slo_s
+        if snapshot.is_idle:
+            return SlackBudget(cap, BudgetReason.IDLE)
+        if snapshot.has_routed:
+            return SlackBudget(
+                max(0.0, min(self.credit.balance_s, cap)), BudgetReason.ROUTED_CREDIT, bounds_stretch=True
+            )
+        slack = min_batch_slack_s(snapshot, latency, self.margin, self.chunk_tokens)
+        return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)
+
+    def commit(self, snapshot: StepSnapshot, plan: StepPlan) -> None:
+        self.credit.spend(plan)
+
+    def observe(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:
+        self.credit.earn(snapshot, plan, outcome)
+
+
+@attrs.define
+class HarvestController(SlackController):
+    """Harvest: the fixed credit (``delta=0.1``) on every busy iteration, no
+    per-request slack; idle instances still get ``beta * T``."""
+
+    beta: float = attrs.field(default=0.5, validator=positive)
+    delta: float = attrs.field(default=0.1, validator=non_negative)
+    n_min: int = attrs.field(default=256, validator=non_negative_int)
+    credit: CreditAccount = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.credit = CreditAccount(self.delta)
+
+    def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
+        gated = _gate(snapshot)
+        if gated is not None:
+            return gated
+        cap = self.beta * snapshot.tpot_slo_s
+        if snapshot.is_idle:
+            return SlackBudget(cap, BudgetReason.IDLE)
+        return SlackBudget(max(0.0, min(self.credit.balance_s, cap)), BudgetReason.CREDIT, bounds_stretch=True)
+
+    def commit(self, snapshot: StepSnapshot, plan: StepPlan) -> None:
+        self.credit.spend(plan)
+
+    def observe(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:
+        self.credit.earn(snapshot, plan, outcome)
+
+
+@attrs.define
+class EagerController(SlackController):
+    """Eager: shadow work as normal-priority requests (no slack control, no
+    waiting-queue gate); bounded only by the token budget and KV room."""
+
+    n_min: int = attrs.field(default=0, validator=non_negative_int)
+    normal_priority: bool = attrs.field(default=True, init=False)
+
+    def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
+        return SlackBudget(math.inf, BudgetReason.EAGER)
+
+
+@attrs.define
+class NoShadowController(SlackController):
+    """No shadow work at all (the No Shadow and Host Tier baselines)."""
+
+    def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
+        return SlackBudget.zero(BudgetReason.DISABLED)
+
+
+@attrs.define
+class PrefillInstanceController(SlackController):
+    """P/D prefill instances (§3.5): shadow iterations of at most
+    ``max_iteration_s`` when the queue is empty and every prefill in flight
+    keeps its TTFT slack."""
+
+    max_iteration_s: float = attrs.field(default=0.1, validator=positive)
+    margin: float = attrs.field(default=0.1, validator=fraction_closed_open)
+    n_min: int = attrs.field(default=256, validator=non_negative_int)
+    chunk_tokens: int = attrs.field(default=2048, validator=positive)
+
+    def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
+        gated = _gate(snapshot)
+        if gated is not None:
+            return gated
+        slack = min_batch_slack_s(snapshot, latency, self.margin, self.chunk_tokens)
+        return SlackBudget(max(0.0, min(self.max_iteration_s, slack)), BudgetReason.PREFILL_SLACK)
