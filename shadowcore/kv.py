@@ -208,15 +208,21 @@ class KVClassManager:
             raise ValueError(f"owner {owner_id!r} already holds blocks")
         match = self.match_prefix(hashes)
         hits = hashes[: match.num_device_blocks]
-        num_new = len(hashes) - match.num_device_blocks + num_private_blocks
-        if not self._can_take(num_new, kv_class, now_s, exclude=hits):
+        # Blocks past the first miss may still be cached (a chain's head can be
+        # evicted before its tail): share them as extend() does, never
+        # overwrite them (that leaked blocks and left in-use blocks idle).
+        rest = hashes[match.num_device_blocks :]
+        shared = [h for h in rest if h in self._blocks]
+        fresh = [h for h in rest if h not in self._blocks]
+        num_new = len(fresh) + num_private_blocks
+        if not self._can_take(num_new, kv_class, now_s, exclude=[*hits, *shared]):
             return None
         used = self._ref_hits(hits, kv_class)
+        self._ref_hits(shared, kv_class)
         self._take(num_new, kv_class, now_s, protect=set(hashes))
         host_hits = hashes[match.num_device_blocks : match.num_blocks]
-        for h in host_hits:
-            del self._host[h]
-        for h in hashes[match.num_device_blocks :]:
+        for h in fresh:
+            self._host.pop(h, None)  # device and host tier stay disjoint
             self._blocks[h] = _Block(kv_class, ref_count=1)
         self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks)
         self.num_reloaded_blocks += len(host_hits)

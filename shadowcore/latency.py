@@ -96,10 +96,10 @@ class LinearLatencyModel:
     Protocol.
     """
 
-    overhead_s: float = attrs.field(default=0.004, validator=non_negative)
-    prefill_s_per_token: float = attrs.field(default=6.0e-5, validator=non_negative)
+    overhead_s: float = attrs.field(default=0.003, validator=non_negative)
+    prefill_s_per_token: float = attrs.field(default=2.5e-5, validator=non_negative)
     attention_s_per_token_pair: float = attrs.field(default=1.0e-9, validator=non_negative)
-    decode_s_per_seq: float = attrs.field(default=1.0e-4, validator=non_negative)
+    decode_s_per_seq: float = attrs.field(default=5.0e-5, validator=non_negative)
     decode_s_per_context_token: float = attrs.field(default=2.0e-8, validator=non_negative)
 
     def predict_s(self, batch: BatchShape) -> float:

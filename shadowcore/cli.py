@@ -1,0 +1,119 @@
+"""The ``shadowprefill`` command.
+
+``shadowprefill simulate`` runs one scenario under several policies (same
+workload seed for all) and prints a comparison table; with no arguments it
+runs the embedded default on the default backend. ``shadowprefill plugins``
+lists registered policies and backends and whether each loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.errors import ConfigError, PluginError
+from shadowcore.registry import Registry, backends, policies
+
+DEFAULT_POLICIES = ("no-shadow", "harvest-slo-host", "oracle-host")
+DEFAULT_BACKEND = "fake"
+COLUMNS = (
+    ("call_latency_s", "call lat (s)", "{:.3f}"),
+    ("switch_latency_s", "switch lat (s)", "{:.3f}"),
+    ("switch_ttft_s", "switch TTFT (s)", "{:.3f}"),
+    ("hit_rate", "hit rate", "{:.1%}"),
+    ("switch_hit_rate", "switch hit", "{:.1%}"),
+    ("normal_slo_attainment", "normal SLO", "{:.1%}"),
+    ("shadow_tokens", "shadow tok", "{:.0f}"),
+)
+
+
+def _plugins(_args: argparse.Namespace) -> int:
+    for title, registry in (("policies", policies), ("backends", backends)):
+        print(f"{title} ({registry.group}):")
+        for name, entries in registry.entries().items():
+            print(f"  {name:<20} {_status(registry, name)}  {', '.join(e.target for e in entries)}")
+    return 0
+
+
+def _status(registry: Registry, name: str) -> str:
+    try:
+        registry.load(name)
+    except PluginError as exc:
+        return f"BROKEN ({exc})"
+    return "ok"
+
+
+def _load_scenario(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}", e.doc.splitlines()[e.lineno - 1] if e.doc else "", e.msg) from None
+    except OSError as e:
+        raise ConfigError("--scenario", path, str(e)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("--scenario", path, "must hold a JSON object")
+    return data
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    scenario = _load_scenario(args.scenario)
+    if args.duration is not None:
+        scenario["duration_s"] = args.duration
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    configs = [ShadowConfig(PluginRef(n), seed=args.seed) for n in names]
+    backend = backends.load(args.backend)()
+    results = []
+    for i, cfg in enumerate(configs, 1):
+        print(f"[{i}/{len(configs)}] {cfg.policy.name} ...", file=sys.stderr, flush=True)
+        results.append(backend.run(scenario, cfg))
+    print(format_table(results))
+    return 0
+
+
+def format_table(results: Sequence[Any]) -> str:
+    """A comparison table; the last column is the call-latency reduction
+    against the first policy (the baseline)."""
+    header = ["policy"] + [c[1] for c in COLUMNS] + ["lat. red."]
+    rows = []
+    base = results[0].metrics["call_latency_s"] if results else math.nan
+    for r in results:
+        cells = [r.policy] + [fmt.format(r.metrics[key]) for key, _, fmt in COLUMNS]
+        cells.append(f"{(1 - r.metrics['call_latency_s'] / base):+.1%}" if base else "n/a")
+        rows.append(cells)
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shadowprefill", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    sim = sub.add_parser("simulate", help="run one scenario under several policies")
+    sim.add_argument("--backend", default=DEFAULT_BACKEND, help="registered backend name")
+    sim.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names")
+    sim.add_argument("--scenario", help="JSON file with scenario fields (default: the embedded scenario)")
+    sim.add_argument("--duration", type=float, help="simulated seconds of arrivals")
+    sim.add_argument("--seed", type=int, default=0, help="policy seed")
+    sim.set_defaults(func=_simulate)
+    plug = sub.add_parser("plugins", help="list registered policies and backends")
+    plug.set_defaults(func=_plugins)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["simulate", *(argv or [])])
+    try:
+        return args.func(args)
+    except (ConfigError, PluginError) as e:
+        print(f"shadowprefill: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
