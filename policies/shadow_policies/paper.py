@@ -11,6 +11,10 @@ same KV and targeting keywords so that sweeps can vary them uniformly:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+from shadowcore.errors import ConfigError
 from shadowcore.kv import HostTierParams, KVClassPolicy
 from shadowcore.policy import Component, PolicySpec
 from shadowcore.slack import (
@@ -23,6 +27,40 @@ from shadowcore.switch import AllOthers, EmpiricalSwitchPredictor, NoTargets, Pr
 
 HOST_CAPACITY_BYTES = 32e9
 PCIE_BYTES_PER_S = 25e9
+
+
+#: Where a validator reports a bad value (component field) -> the keyword the
+#: user wrote, so that ``load_policy`` says ``policy.args.shadow_cap = 0``
+#: rather than ``policy.args.shadow_cap_fraction`` or ``policy.args.slack.beta``.
+_USER_ARG = {
+    "slack.beta": "beta",
+    "slack.delta": "delta",
+    "slack.n_min": "n_min",
+    "slack.margin": "margin",
+    "slack.chunk_tokens": "chunk_tokens",
+    "predictor.pseudo_count": "pseudo_count",
+    "shadow_cap_fraction": "shadow_cap",
+    "cold_age_s": "cold_age_s",
+    "capacity_bytes": "host_capacity_bytes",
+    "pcie_bytes_per_s": "pcie_bytes_per_s",
+    "k": "top_k",
+    "threshold": "gate",
+}
+
+
+def _user_args(factory: Callable[..., PolicySpec]) -> Callable[..., PolicySpec]:
+    """Re-raise a component's ConfigError under the keyword argument it came from."""
+
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs) -> PolicySpec:
+        try:
+            return factory(*args, **kwargs)
+        except ConfigError as e:
+            if e.field not in _USER_ARG:
+                raise
+            raise ConfigError(_USER_ARG[e.field], e.value, e.problem) from None
+
+    return wrapper
 
 
 def _kv(shadow_cap: float, cold_age_s: float, host: bool, host_capacity_bytes: float,
@@ -55,15 +93,18 @@ def _spec(name: str, description: str, slack: Component, *, host: bool = False, 
     )
 
 
+@_user_args
 def no_shadow(**kv) -> PolicySpec:
     return _spec("no-shadow", "Cold switch; the baseline.", Component(NoShadowController), targeting=NoTargets(), **kv)
 
 
+@_user_args
 def host_tier(**kv) -> PolicySpec:
     return _spec("host-tier", "No Shadow with the host-DRAM KV tier.", Component(NoShadowController),
                  targeting=NoTargets(), host=True, **kv)
 
 
+@_user_args
 def harvest(beta: float = 0.5, delta: float = 0.1, n_min: int = 256, top_k: int | None = None,
             gate: float | None = None, **kv) -> PolicySpec:
     return _spec("harvest", "Shadow jobs under a fixed credit (delta=0.1).",
@@ -76,12 +117,14 @@ def _slo(beta: float, delta: float, n_min: int, margin: float, chunk_tokens: int
                                           "chunk_tokens": chunk_tokens})
 
 
+@_user_args
 def harvest_slo(beta: float = 0.5, delta: float = 0.025, n_min: int = 256, margin: float = 0.1,
                 chunk_tokens: int = 2048, top_k: int | None = None, gate: float | None = None, **kv) -> PolicySpec:
     return _spec("harvest-slo", "Shadow jobs under the SLO-slack controller.",
                  _slo(beta, delta, n_min, margin, chunk_tokens), targeting=_targeting(top_k, gate), **kv)
 
 
+@_user_args
 def harvest_slo_host(beta: float = 0.5, delta: float = 0.025, n_min: int = 256, margin: float = 0.1,
                      chunk_tokens: int = 2048, top_k: int | None = None, gate: float | None = None,
                      **kv) -> PolicySpec:
@@ -89,27 +132,32 @@ def harvest_slo_host(beta: float = 0.5, delta: float = 0.025, n_min: int = 256, 
                  _slo(beta, delta, n_min, margin, chunk_tokens), targeting=_targeting(top_k, gate), host=True, **kv)
 
 
+@_user_args
 def predictive(beta: float = 0.5, delta: float = 0.1, n_min: int = 256, gate: float = 0.25, **kv) -> PolicySpec:
     return _spec("predictive", "Harvest, gated on switch probability >= 0.25.",
                  Component(HarvestController, {"beta": beta, "delta": delta, "n_min": n_min}),
                  targeting=ProbabilityGate(gate), **kv)
 
 
+@_user_args
 def dedicated(top_k: int | None = None, gate: float | None = None, **kv) -> PolicySpec:
     return _spec("dedicated", "One extra instance per model runs all shadow work (+25% GPUs).",
                  Component(EagerController), targeting=_targeting(top_k, gate), dedicated=True, **kv)
 
 
+@_user_args
 def eager(top_k: int | None = None, gate: float | None = None, **kv) -> PolicySpec:
     return _spec("eager", "Shadow work as normal-priority requests.", Component(EagerController),
                  targeting=_targeting(top_k, gate), **kv)
 
 
+@_user_args
 def oracle(**kv) -> PolicySpec:
     return _spec("oracle", "Switch call's prefix cached for free.", Component(NoShadowController),
                  targeting=NoTargets(), oracle=True, **kv)
 
 
+@_user_args
 def oracle_host(**kv) -> PolicySpec:
     return _spec("oracle-host", "Oracle with the host tier.", Component(NoShadowController),
                  targeting=NoTargets(), oracle=True, host=True, **kv)

@@ -142,8 +142,9 @@ class FakeInstance:
         self.busy = False
         self.busy_s += duration
         for r in results:
-            self.kv.release(_shadow_owner(r), now_s)
-            self.num_shadow_tokens += r.num_computed_tokens
+            if r.num_computed_tokens:  # dropped grants never held blocks
+                self.kv.release(_shadow_owner(r), now_s)
+                self.num_shadow_tokens += r.num_computed_tokens
         if self.hook is not None:
             self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
         self.iteration += 1

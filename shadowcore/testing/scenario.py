@@ -133,7 +133,9 @@ def _lognormal(rng: np.random.Generator, median: float, sigma: float = 0.6) -> i
 
 
 @attrs.frozen
-class _Session:
+class SessionPlan:
+    """One scripted agent session: its calls' models, new input and output tokens."""
+
     session_id: str
     arrival_s: float
     models: tuple[str, ...]
@@ -141,7 +143,7 @@ class _Session:
     outputs: tuple[int, ...]
 
 
-def draw_sessions(sc: FakeScenario) -> list[_Session]:
+def draw_sessions(sc: FakeScenario) -> list[SessionPlan]:
     rng = np.random.default_rng([sc.seed, 1])
     out, t = [], 0.0
     while True:
@@ -157,7 +159,7 @@ def draw_sessions(sc: FakeScenario) -> list[_Session]:
                 models.append(models[-1])
         inputs = tuple(_lognormal(rng, sc.input_tokens_median) for _ in models)
         outputs = tuple(_lognormal(rng, sc.output_tokens_median) for _ in models)
-        out.append(_Session(f"s{len(out)}", t, tuple(models), inputs, outputs))
+        out.append(SessionPlan(f"s{len(out)}", t, tuple(models), inputs, outputs))
 
 
 def draw_normal(sc: FakeScenario, instance_index: int) -> list[tuple[float, int, int]]:
@@ -179,6 +181,7 @@ class FakeRun:
     scenario: FakeScenario
     shadow: ShadowConfig
     observers: tuple = ()
+    sessions: tuple[SessionPlan, ...] | None = None  # scripted sessions instead of drawn ones
     loop: EventLoop = attrs.field(init=False, factory=EventLoop)
     cluster: FakeCluster = attrs.field(init=False)
     runtime: ShadowRuntime = attrs.field(init=False)
@@ -219,7 +222,7 @@ class FakeRun:
     # -- workload -------------------------------------------------------------------
     def run(self) -> ScenarioResult:
         sc = self.scenario
-        for s in draw_sessions(sc):
+        for s in self.sessions if self.sessions is not None else draw_sessions(sc):
             self.loop.at(s.arrival_s, CALL, lambda t, s=s: self._call(s, 0))
         serving = [i for i in self.cluster.by_id.values() if i.instance_id not in self._dedicated]
         for k, inst in enumerate(serving):
@@ -247,7 +250,7 @@ class FakeRun:
         tpot = (now_s - req.first_token_s) / max(1, req.num_output_tokens - 1)
         self.normal.append((req.arrival_s, ttft <= req.ttft_slo_s and tpot <= req.tpot_slo_s))
 
-    def _call(self, s: _Session, index: int) -> None:
+    def _call(self, s: SessionPlan, index: int) -> None:
         now = self.loop.now_s
         manager = self.runtime.manager
         placement = manager.on_call_arrival(CallArrival(s.session_id, s.models[index], s.inputs[index], now))
@@ -262,7 +265,7 @@ class FakeRun:
         self._enqueue(inst, req)
         self.cluster.kick_all()
 
-    def _call_done(self, s: _Session, index: int, placement, req: FakeRequest) -> None:
+    def _call_done(self, s: SessionPlan, index: int, placement, req: FakeRequest) -> None:
         self.calls.append(CallRecord(
             s.session_id, index, placement.model, placement.is_switch, req.arrival_s,
             req.first_token_s - req.arrival_s, req.finish_s - req.arrival_s, req.num_prompt_tokens,
