@@ -89,7 +89,7 @@ def format_table(results: Sequence[Any]) -> str:
         cells.append(f"{(1 - r.metrics['call_latency_s'] / base):+.1%}" if base else "n/a")
         rows.append(cells)
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 

@@ -55,7 +55,7 @@ class PluginRef:
         return {"name": self.name, "args": json.loads(json.dumps(self.args))}
 
     @classmethod
-    def parse(cls, field: str, value: Any) -> "PluginRef":
+    def parse(cls, field: str, value: Any) -> PluginRef:
         if isinstance(value, str):
             return cls(value)
         if not isinstance(value, Mapping):
@@ -93,7 +93,7 @@ class ShadowConfig:
         )
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], field: str = "shadow") -> "ShadowConfig":
+    def from_dict(cls, data: Mapping[str, Any], field: str = "shadow") -> ShadowConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(field, data, "must be a mapping")
         unknown = set(data) - {"policy", "seed", "observers"}
@@ -110,8 +110,13 @@ class ShadowConfig:
             raise ConfigError(f"{field}.{e.field}", e.value, e.problem) from None
 
     @classmethod
-    def from_json(cls, text: str) -> "ShadowConfig":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, source: str = "shadow") -> ShadowConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            line = text.splitlines()[e.lineno - 1] if text.splitlines() else text
+            raise ConfigError(f"{source}:{e.lineno}:{e.colno}", line, e.msg) from None
+        return cls.from_dict(data)
 
 
 def build_attrs(cls: type, field: str, data: Mapping[str, Any]) -> Any:

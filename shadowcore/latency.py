@@ -69,7 +69,7 @@ class BatchShape:
     def is_decode_only(self) -> bool:
         return self.num_decodes > 0 and self.num_prefill_tokens == 0
 
-    def with_prefills(self, chunks: tuple[PrefillChunk, ...]) -> "BatchShape":
+    def with_prefills(self, chunks: tuple[PrefillChunk, ...]) -> BatchShape:
         """This batch plus ``chunks`` appended after the existing prefills."""
         return BatchShape(self.prefills + tuple(chunks), self.decode_context_tokens)
 

@@ -58,7 +58,7 @@ def build_runtime(
     models: Sequence[str],
     shadow_instances: dict[str, str] | None = None,
 ) -> ShadowRuntime:
-    policy = load_policy(config.policy)
+    policy = load_policy(config.policy, field="shadow.policy")
     observers = ObserverSet()
     for i, ref in enumerate(config.observers):
         try:

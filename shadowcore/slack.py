@@ -98,10 +98,10 @@ class SlackController(ABC):
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
         """Algorithm 1, lines 1-9."""
 
-    def commit(self, snapshot: StepSnapshot, plan: StepPlan) -> None:  # noqa: B027
+    def commit(self, snapshot: StepSnapshot, plan: StepPlan) -> None:
         """The hook committed ``plan`` (made from this controller's budget)."""
 
-    def observe(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:  # noqa: B027
+    def observe(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:
         """The engine ran the iteration ``snapshot`` + ``plan``."""
 
 

@@ -47,7 +47,7 @@ class SwitchPredictor(ABC):
     def switch_probability(self, session_id: str, task: str, current_model: str) -> float:
         """P(the next call uses another model than ``current_model``)."""
 
-    def observe_transition(self, session_id: str, task: str, from_model: str, to_model: str) -> None:  # noqa: B027
+    def observe_transition(self, session_id: str, task: str, from_model: str, to_model: str) -> None:
         """Online update: the session's call after ``from_model`` went to ``to_model``."""
 
 
@@ -67,7 +67,7 @@ class EmpiricalSwitchPredictor(SwitchPredictor):
     )
     _fitted: dict[str, dict[tuple[str, str], dict[str, float]]] = attrs.field(init=False, factory=dict)
 
-    def fit(self, sessions: Iterable[tuple[str, str, Sequence[str]]]) -> "EmpiricalSwitchPredictor":
+    def fit(self, sessions: Iterable[tuple[str, str, Sequence[str]]]) -> EmpiricalSwitchPredictor:
         """Learn from past sessions: ``(session_id, task, models of its calls)``."""
         for session_id, task, calls in sessions:
             own = self._fitted.setdefault(session_id, defaultdict(lambda: defaultdict(float)))
@@ -90,6 +90,8 @@ class EmpiricalSwitchPredictor(SwitchPredictor):
         row = self._row(session_id, task, current_model)
         stay = row.get(current_model, 0.0) + self.pseudo_count
         switch = sum(n for m, n in row.items() if m != current_model) + self.pseudo_count
+        if stay + switch <= 0:  # nothing known and no prior (pseudo_count=0): the prior's limit
+            return 0.5
         return switch / (stay + switch)
 
     def next_model_distribution(

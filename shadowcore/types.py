@@ -133,7 +133,7 @@ class SlackBudget:
     bounds_stretch: bool = False
 
     @classmethod
-    def zero(cls, reason: BudgetReason) -> "SlackBudget":
+    def zero(cls, reason: BudgetReason) -> SlackBudget:
         return cls(0.0, reason)
 
     @property

@@ -200,6 +200,7 @@ def test_shadow_kv_never_exceeds_cap():
 
 class _EvictionOrderMachine(KVClassMachine):
     checks = frozenset({"shadow_first", "lru"})
+    cap_fractions = st.sampled_from([0.25, 0.5, 1.0])
 
 
 def test_evict_shadow_before_normal_and_lru_within_class():
@@ -211,6 +212,7 @@ def test_evict_shadow_before_normal_and_lru_within_class():
 class _YoungMachine(KVClassMachine):
     checks = frozenset({"young"})
     shadow_probability = 0.6
+    cap_fractions = st.sampled_from([0.5, 1.0])
 
 
 def test_shadow_never_displaces_young_entry():

@@ -305,12 +305,12 @@ def _plugins_cli(extra_path: Path | None = None) -> subprocess.CompletedProcess:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "shadowcore.cli", "plugins"],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env, check=False,
     )
 
 
 def _status_of(stdout: str, name: str) -> str:
-    m = re.search(rf"^\s+{re.escape(name)}\s+(ok|BROKEN.*?)\s{{2}}", stdout, flags=re.M)
+    m = re.search(rf"^\s+{re.escape(name)}\s+(ok|BROKEN.*?)\s{{2}}", stdout, flags=re.MULTILINE)
     assert m, f"{name!r} not listed:\n{stdout}"
     return m.group(1)
 

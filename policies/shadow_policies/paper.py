@@ -65,8 +65,8 @@ def _user_args(factory: Callable[..., PolicySpec]) -> Callable[..., PolicySpec]:
 
 def _kv(shadow_cap: float, cold_age_s: float, host: bool, host_capacity_bytes: float,
         pcie_bytes_per_s: float) -> KVClassPolicy:
-    tier = HostTierParams(host_capacity_bytes, pcie_bytes_per_s) if host else None
-    return KVClassPolicy(shadow_cap, cold_age_s, tier)
+    tier = HostTierParams(host_capacity_bytes, pcie_bytes_per_s)  # validated even when unused
+    return KVClassPolicy(shadow_cap, cold_age_s, tier if host else None)
 
 
 def _targeting(top_k: int | None, gate: float | None) -> Targeting:

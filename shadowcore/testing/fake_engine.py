@@ -1,24 +1,38 @@
-"""A deterministic in-memory engine for tests, conformance checks and the
-quick-start scenario.
+"""The deterministic in-memory engine: the kit's fake engine and the
+simulator backend's engine are this one implementation.
 
-It is a small continuous-batching cluster, not the simulator: iteration times
-come from a :class:`~shadowcore.latency.LatencyModel`; each instance runs
-running decodes, then in-flight prefill chunks, then FCFS admissions under a
-token budget; KV is reserved at admission (prompt and output) through the
-core's :class:`~shadowcore.kv.KVClassManager`, so nothing is preempted; a
-blocked admission stops admission for the iteration. Shadow chunks run last,
-exactly as the hook planned, each holding its KV only for its iteration.
+One instance has vLLM v1 semantics. Each iteration, in order: running decodes,
+then in-flight prefill chunks, then FCFS admissions from the waiting queue,
+under a token budget (default 2,048) and a sequence cap (default 256); then
+the shadow chunks the core's engine hook plans, last. Iteration times come
+from a :class:`~shadowcore.latency.LatencyModel` (plus host-tier reloads).
+KV goes through the core's :class:`~shadowcore.kv.KVClassManager`: a request
+reserves the blocks of its tokens at admission (prefix hits shared, host-tier
+hits reloaded over PCIe and charged to that iteration) and one more block
+whenever a decode fills its last; when a block cannot be found, the most
+recently admitted running request is preempted by recompute (its blocks freed,
+its cached prefix kept) and re-queued at the front. A failed admission blocks
+admission for the iteration and is reported to the hook. A finished request's
+full blocks (prompt and output) stay cached, as in vLLM.
 
-Determinism: one event heap; simultaneous events are ordered by
-``(time, kind, sequence)`` with kinds ``STEP_END < CALL < NORMAL < WAKE``, so
-an iteration that ends at ``t`` frees its slots before work arriving at ``t``
-is admitted; ``sequence`` is the insertion counter.
+Invariants (tested in ``tests/test_engine.py``):
+
+* scheduled tokens <= token budget; running sequences <= sequence cap;
+* KV blocks in use never exceed the pool (the KV manager's accounting);
+* every admitted request finishes, or is preempted and re-admitted; a
+  request that could never fit in the pool is rejected (``rejected``), never
+  left waiting;
+* a prefix hit never exceeds what is cached;
+* a shadow chunk runs only when the hook's plan granted it, and never more
+  tokens than granted.
+
+Determinism: callers drive instances from one
+:class:`shadowcore.events.EventLoop`; nothing here reads a clock or an RNG.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import math
 from collections import deque
 from collections.abc import Callable
 
@@ -28,67 +42,76 @@ from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClass, KVClassManager
 from shadowcore.latency import LatencyModel, PrefillChunk
-from shadowcore.types import (
-    ChunkResult,
-    Phase,
-    RequestKind,
-    RequestView,
-    StepOutcome,
-    StepPlan,
-    StepSnapshot,
-)
-
-STEP_END, CALL, NORMAL, WAKE = 0, 1, 2, 3
+from shadowcore.types import ChunkResult, Phase, RequestKind, RequestView, StepOutcome, StepPlan, StepSnapshot
 
 
 @attrs.define(eq=False)
-class FakeRequest:
-    """A routed call or a normal request inside one instance."""
+class EngineRequest:
+    """A routed call or a normal request; its tokens are the first
+    ``num_tokens`` of ``history`` (prompt, then generated output)."""
 
     request_id: str
     kind: RequestKind
-    history: SessionHistory  # the prompt is its first num_prompt_tokens tokens
+    history: SessionHistory
     num_prompt_tokens: int
     num_output_tokens: int
     arrival_s: float
     ttft_slo_s: float
     tpot_slo_s: float
     num_oracle_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_computed_tokens: int = 0
     num_generated: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix hit at first admission
+    num_blocks: int = 0
+    num_admissions: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
-    reload_s: float = 0.0
-    on_token: Callable[["FakeRequest", float], None] | None = None
-    on_finish: Callable[["FakeRequest", float], None] | None = None
+    pending_reload_s: float = 0.0
+    on_token: Callable[[EngineRequest, float], None] | None = None
+    on_finish: Callable[[EngineRequest, float], None] | None = None
+    rejected: bool = False  # could never fit in the KV pool (vLLM rejects such prompts)
 
     @property
-    def in_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_generated
+
+    @property
+    def owner_id(self) -> str:
+        return f"{self.request_id}@{self.num_admissions}"
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens == 1 and self.first_token_s is not None
 
     def view(self, num_scheduled: int) -> RequestView:
-        phase = Phase.PREFILL if self.in_prefill else Phase.DECODE
-        context = self.num_computed_tokens if phase is Phase.PREFILL else self.num_prompt_tokens + self.num_generated
-        remaining = max(0, self.num_prompt_tokens - self.num_computed_tokens - num_scheduled)
+        if self.is_decoding:
+            return RequestView(
+                self.request_id, self.kind, Phase.DECODE, self.arrival_s, num_scheduled, self.num_computed_tokens,
+                self.ttft_slo_s, self.tpot_slo_s, 0, self.first_token_s, max(0, self.num_generated - 1),
+            )
+        remaining = self.num_tokens - self.num_computed_tokens - num_scheduled
         return RequestView(
-            self.request_id, self.kind, phase, self.arrival_s, num_scheduled, context, self.ttft_slo_s,
-            self.tpot_slo_s, remaining if phase is Phase.PREFILL else 0, self.first_token_s,
-            max(0, self.num_generated - 1),
+            self.request_id, self.kind, Phase.PREFILL, self.arrival_s, num_scheduled, self.num_computed_tokens,
+            self.ttft_slo_s, self.tpot_slo_s, remaining,
         )
 
 
+@attrs.frozen
+class EngineLimits:
+    token_budget: int = 2048
+    max_num_seqs: int = 256
+
+
 @attrs.define(eq=False)
-class FakeInstance:
-    """One engine instance: queue, running set, KV pool and its hook."""
+class EngineInstance:
+    """One engine instance: waiting queue, running list, KV pool, hook."""
 
     instance_id: str
     model: str
     kv: KVClassManager
     latency: LatencyModel
     tpot_slo_s: float
-    token_budget: int = 2048
-    max_num_seqs: int = 256
+    limits: EngineLimits = attrs.Factory(EngineLimits)
     hook: EngineHook | None = None
     waiting: deque = attrs.Factory(deque)
     running: list = attrs.Factory(list)
@@ -97,7 +120,18 @@ class FakeInstance:
     queued_prefill_tokens: int = 0
     busy_s: float = 0.0
     num_shadow_tokens: int = 0
+    num_preemptions: int = 0
+    num_rejected: int = 0
+    num_iterations_run: int = 0
+    last_batch_tokens: int = 0
+    num_gpus: int = 1
+    idle_power_w: float = 0.0  # per GPU
+    busy_power_w: float = 0.0  # per GPU
     _step: tuple | None = None
+
+    def energy_j(self, wall_s: float) -> float:
+        """GPU energy over ``wall_s``: idle power throughout, busy power while iterating."""
+        return self.num_gpus * (self.idle_power_w * wall_s + (self.busy_power_w - self.idle_power_w) * self.busy_s)
 
     # -- EnginePort ---------------------------------------------------------------
     @property
@@ -105,20 +139,24 @@ class FakeInstance:
         return self.kv.block_size
 
     def cached_prefix_tokens(self, history: SessionHistory) -> int:
-        hashes = history.block_hashes(self.kv.block_size)
-        return self.kv.match_prefix(hashes).num_blocks * self.kv.block_size
+        return self.kv.match_prefix(history.block_hashes(self.kv.block_size)).num_blocks * self.kv.block_size
 
     def eviction_count(self) -> int:
         return self.kv.eviction_count
 
+    # -- queue --------------------------------------------------------------------
+    def enqueue(self, req: EngineRequest) -> None:
+        self.waiting.append(req)
+        self.queued_prefill_tokens += req.num_tokens
+
     # -- one iteration ------------------------------------------------------------
     def start_step(self, now_s: float) -> float | None:
-        """Schedule, plan shadow chunks, run; returns the iteration's end or None (idle)."""
+        """Plan and start an iteration; its end time, or None when idle."""
         batch, blocked = self._schedule(now_s)
         used = sum(n for _, n in batch)
         snapshot = StepSnapshot(
             self.instance_id, self.iteration, now_s, [r.view(n) for r, n in batch], len(self.waiting), blocked,
-            self.tpot_slo_s, max(0, self.token_budget - used),
+            self.tpot_slo_s, max(0, self.limits.token_budget - used),
             self.kv.shadow_room_blocks(now_s) * self.kv.block_size,
         )
         plan = self.hook.begin_step(snapshot) if self.hook is not None else None
@@ -128,10 +166,11 @@ class FakeInstance:
                 self.hook.end_step(StepOutcome(self.instance_id, self.iteration, 0.0, results))
             self.iteration += 1
             return None
-        reload_s += sum(r.reload_s for r, _ in batch)
         for r, _ in batch:
-            r.reload_s = 0.0
+            reload_s += r.pending_reload_s
+            r.pending_reload_s = 0.0
         duration = self.latency.predict_s(snapshot.shape().with_prefills(chunks)) + reload_s
+        self.last_batch_tokens = used + sum(c.num_new_tokens for c in chunks)
         self._step = (batch, results, duration)
         self.busy = True
         return now_s + duration
@@ -141,64 +180,97 @@ class FakeInstance:
         self._step = None
         self.busy = False
         self.busy_s += duration
+        self.num_iterations_run += 1
         for r in results:
-            if r.num_computed_tokens:  # dropped grants never held blocks
-                self.kv.release(_shadow_owner(r), now_s)
+            if r.num_computed_tokens:
+                self.kv.release(_shadow_owner(r.grant), now_s)
                 self.num_shadow_tokens += r.num_computed_tokens
         if self.hook is not None:
             self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
         self.iteration += 1
         for req, n in batch:
-            self._advance(req, n, now_s)
+            if req in self.running:  # not preempted meanwhile
+                self._advance(req, n, now_s)
 
-    def _schedule(self, now_s: float) -> tuple[list[tuple[FakeRequest, int]], bool]:
-        budget = self.token_budget
-        batch = []
-        for req in self.running:  # decodes first, then in-flight prefill chunks
-            if not req.in_prefill and budget > 0:
-                batch.append((req, 1))
-                budget -= 1
-        for req in self.running:
-            if req.in_prefill and budget > 0:
-                n = min(budget, req.num_prompt_tokens - req.num_computed_tokens)
+    # -- scheduling -----------------------------------------------------------------
+    def _schedule(self, now_s: float) -> tuple[list[tuple[EngineRequest, int]], bool]:
+        budget = self.limits.token_budget
+        batch: list[tuple[EngineRequest, int]] = []
+        for decoding in (True, False):  # decodes first, then in-flight prefill chunks
+            for req in list(self.running):
+                if req.is_decoding != decoding or budget <= 0 or req not in self.running:
+                    continue
+                n = min(budget, req.num_tokens - req.num_computed_tokens)
+                if not self._reserve(req, req.num_computed_tokens + n, now_s, batch):
+                    continue
                 batch.append((req, n))
                 budget -= n
         blocked = False
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
+            if -(-(req.num_tokens + 1) // self.kv.block_size) > self.kv.num_blocks:
+                self._reject(self.waiting.popleft(), now_s)
+                continue
             if not self._admit(req, now_s):
                 blocked = True
                 break
             self.waiting.popleft()
             self.running.append(req)
-            n = min(budget, req.num_prompt_tokens - req.num_computed_tokens)
+            n = min(budget, req.num_tokens - req.num_computed_tokens)
             batch.append((req, n))
             budget -= n
         return batch, blocked
 
-    def _admit(self, req: FakeRequest, now_s: float) -> bool:
-        bs = self.kv.block_size
-        if req.num_oracle_tokens:  # oracle: the prefix appears cached, for free
-            oracle = req.history.block_hashes(bs, req.num_oracle_tokens // bs)
-            if self.kv.allocate(f"oracle:{req.request_id}", oracle, 0, KVClass.NORMAL, now_s) is not None:
-                self.kv.release(f"oracle:{req.request_id}", now_s)
-        hashes = req.history.block_hashes(bs, req.num_prompt_tokens // bs)
-        total_blocks = -(-(req.num_prompt_tokens + req.num_output_tokens) // bs)
-        alloc = self.kv.allocate(req.request_id, hashes, total_blocks - len(hashes), KVClass.NORMAL, now_s)
-        if alloc is None:
-            return False
-        hit = (alloc.num_device_hit_blocks + alloc.num_host_hit_blocks) * bs
-        req.num_cached_tokens = min(hit, req.num_prompt_tokens - 1)
-        req.num_computed_tokens = req.num_cached_tokens
-        req.reload_s = alloc.reload_s
-        self.queued_prefill_tokens -= req.num_prompt_tokens
+    def _reserve(self, req: EngineRequest, num_tokens: int, now_s: float, batch: list) -> bool:
+        """Blocks for ``num_tokens`` (+1 slot for the sampled token); preempts
+        the most recently admitted request until they fit. False if ``req``
+        itself was preempted."""
+        need = -(-(num_tokens + 1) // self.kv.block_size) - req.num_blocks
+        while need > 0 and not self.kv.extend(req.owner_id, (), need, now_s):
+            victim = self.running[-1]
+            self._preempt(victim, now_s, batch)
+            if victim is req:
+                return False
+        req.num_blocks += max(0, need)
         return True
 
-    def _advance(self, req: FakeRequest, n: int, now_s: float) -> None:
-        if req.in_prefill:
-            req.num_computed_tokens += n
-            if req.in_prefill:
-                return
+    def _preempt(self, req: EngineRequest, now_s: float, batch: list) -> None:
+        self.running.remove(req)
+        batch[:] = [(r, n) for r, n in batch if r is not req]
+        self.kv.release(req.owner_id, now_s)
+        req.num_computed_tokens = 0
+        req.num_blocks = 0
+        req.num_admissions += 1
+        self.waiting.appendleft(req)
+        self.queued_prefill_tokens += req.num_tokens
+        self.num_preemptions += 1
+
+    def _admit(self, req: EngineRequest, now_s: float) -> bool:
+        bs = self.kv.block_size
+        if req.num_oracle_tokens and req.num_admissions == 0:  # oracle: the prefix is cached for free
+            owner = f"oracle:{req.request_id}"
+            if self.kv.allocate(owner, req.history.block_hashes(bs, req.num_oracle_tokens // bs), 0,
+                                KVClass.NORMAL, now_s) is not None:
+                self.kv.release(owner, now_s)
+        hashes = req.history.block_hashes(bs, req.num_tokens // bs)
+        total = -(-(req.num_tokens + 1) // bs)
+        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s)
+        if alloc is None:
+            return False
+        hit = min((alloc.num_device_hit_blocks + alloc.num_host_hit_blocks) * bs, req.num_tokens - 1)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = hit
+        req.num_computed_tokens = hit
+        req.num_blocks = total
+        req.pending_reload_s = alloc.reload_s
+        self.queued_prefill_tokens -= req.num_tokens
+        return True
+
+    def _advance(self, req: EngineRequest, n: int, now_s: float) -> None:
+        req.num_computed_tokens += n
+        if req.num_computed_tokens < req.num_tokens:
+            return  # a partial prefill chunk
+        if req.first_token_s is None:
             req.first_token_s = now_s
         req.num_generated += 1
         if req.on_token is not None:
@@ -206,67 +278,58 @@ class FakeInstance:
         if req.num_generated >= req.num_output_tokens:
             self._finish(req, now_s)
 
-    def _finish(self, req: FakeRequest, now_s: float) -> None:
+    def _reject(self, req: EngineRequest, now_s: float) -> None:
+        """A request longer than the whole pool ends at once, marked rejected."""
+        req.rejected = True
         req.finish_s = now_s
-        self.running.remove(req)
-        self.kv.release(req.request_id, now_s)
-        if req.kind is RequestKind.ROUTED:  # cache the output blocks, as vLLM does
-            owner = f"commit:{req.request_id}"
-            hashes = req.history.block_hashes(self.kv.block_size)
-            if self.kv.allocate(owner, hashes, 0, KVClass.NORMAL, now_s) is not None:
-                self.kv.release(owner, now_s)
+        self.queued_prefill_tokens -= req.num_tokens
+        self.num_rejected += 1
         if req.on_finish is not None:
             req.on_finish(req, now_s)
 
-    def _run_shadow(self, plan: StepPlan | None, now_s: float):
-        results, chunks, reload_s = [], [], 0.0
+    def _finish(self, req: EngineRequest, now_s: float) -> None:
+        req.finish_s = now_s
+        self.running.remove(req)
+        self.kv.release(req.owner_id, now_s)
+        owner = f"commit:{req.request_id}"  # cache the full blocks of prompt and output, as vLLM does
+        if self.kv.allocate(owner, req.history.block_hashes(self.kv.block_size, req.num_tokens // self.kv.block_size),
+                            0, KVClass.NORMAL, now_s) is not None:
+            self.kv.release(owner, now_s)
+        if req.on_finish is not None:
+            req.on_finish(req, now_s)
+
+    # -- shadow chunks --------------------------------------------------------------
+    def _run_shadow(self, plan: StepPlan | None, now_s: float) -> tuple[list[ChunkResult], tuple, float]:
+        results: list[ChunkResult] = []
+        chunks: list[PrefillChunk] = []
+        reload_s = 0.0
         if plan is None:
-            return results, chunks, reload_s
+            return results, (), reload_s
         bs = self.kv.block_size
         for g in plan.grants:
             job = self.hook.manager.job(g.job)
-            if job is None or job.history.epoch != g.epoch:
-                results.append(ChunkResult(g, 0))
-                continue
-            hashes = job.history.block_hashes(bs, g.end_token // bs)
-            if self.kv.match_prefix(hashes).num_blocks < g.start_token // bs:  # prefix lost: stale grant
-                results.append(ChunkResult(g, 0))
-                continue
-            alloc = self.kv.allocate(_shadow_owner(ChunkResult(g, 0)), hashes, 0, KVClass.SHADOW, now_s)
-            if alloc is None:
-                results.append(ChunkResult(g, 0))
-                continue
-            results.append(ChunkResult(g, g.num_tokens))
-            chunks.append(PrefillChunk(g.num_tokens, g.start_token))
-            reload_s += alloc.reload_s
+            computed = 0
+            if job is not None and job.history.epoch == g.epoch:
+                hashes = job.history.block_hashes(bs, g.end_token // bs)
+                if self.kv.match_prefix(hashes).num_blocks >= g.start_token // bs:
+                    alloc = self.kv.allocate(_shadow_owner(g), hashes, 0, KVClass.SHADOW, now_s)
+                    if alloc is not None:
+                        computed = g.num_tokens
+                        reload_s += alloc.reload_s
+                        chunks.append(PrefillChunk(g.num_tokens, g.start_token))
+            results.append(ChunkResult(g, computed))
         return results, tuple(chunks), reload_s
 
 
-def _shadow_owner(r: ChunkResult) -> str:
-    g = r.grant
+def _shadow_owner(g) -> str:
     return f"shadow:{g.job.session_id}:{g.job.target_model}:{g.start_token}"
 
 
-@attrs.define(eq=False)
-class EventLoop:
-    """One heap of ``(time, kind, sequence, action)``; see the module docstring."""
-
-    now_s: float = 0.0
-    _heap: list = attrs.Factory(list)
-    _seq: itertools.count = attrs.Factory(itertools.count)
-
-    def at(self, time_s: float, kind: int, action: Callable[[float], None]) -> None:
-        if time_s < self.now_s:
-            raise ValueError(f"event at {time_s} is in the past (now {self.now_s})")
-        heapq.heappush(self._heap, (time_s, kind, next(self._seq), action))
-
-    def run(self, until_s: float | None = None, stop: Callable[[], bool] | None = None) -> None:
-        while self._heap:
-            if until_s is not None and self._heap[0][0] > until_s:
-                break
-            time_s, _, _, action = heapq.heappop(self._heap)
-            self.now_s = time_s
-            action(time_s)
-            if stop is not None and stop():
-                break
-
+def pool_blocks(hbm_bytes_total: float, weight_bytes: float, kv_bytes_per_token: float, block_size: int,
+                memory_utilization: float = 0.9) -> int:
+    """KV blocks of an instance: what HBM leaves after weights (vLLM's
+    ``gpu_memory_utilization`` share), in blocks."""
+    free = hbm_bytes_total * memory_utilization - weight_bytes
+    if free <= 0:
+        raise ValueError(f"weights ({weight_bytes:.3g} B) leave no KV memory in {hbm_bytes_total:.3g} B")
+    return max(1, int(math.floor(free / (block_size * kv_bytes_per_token))))

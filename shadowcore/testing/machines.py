@@ -41,9 +41,9 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from shadowcore.job import SessionHistory, ShadowJob
-from shadowcore.kv import KVClass, KVClassManager
 from shadowcore.hook import EngineHook
+from shadowcore.job import SessionHistory, ShadowJob
+from shadowcore.kv import KVClass, KVClassManager, KVClassPolicy
 from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
 from shadowcore.slack import (
     EagerController,
@@ -135,9 +135,11 @@ class KVClassMachine(RuleBasedStateMachine):
     #: chance that an allocation is for a shadow owner
     shadow_probability: ClassVar[float] = 0.5
     #: fresh blocks per new chain, at most
-    max_new_blocks: ClassVar[int] = 6
+    max_new_blocks: ClassVar[int] = 4
     #: host tier: True always, False never, None sometimes
     host: ClassVar[bool | None] = None
+    #: shadow cap fractions to draw from (None: any in (0, 1])
+    cap_fractions: ClassVar[st.SearchStrategy[float] | None] = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -148,8 +150,15 @@ class KVClassMachine(RuleBasedStateMachine):
         """The manager under test, built from hypothesis draws."""
         block_size = draw(st.sampled_from([1, 2, 16]))
         kv_bytes = draw(st.sampled_from([1.0, 3.0, 131072.0]) | st.floats(1.0, 1e6))
-        policy = draw(sst.kv_policies(host=self.host, block_bytes=block_size * kv_bytes))
-        return KVClassManager(draw(st.integers(4, 24)), block_size, policy, kv_bytes)
+        policy = self.make_policy(draw, block_size * kv_bytes)
+        return KVClassManager(draw(st.integers(4, 16)), block_size, policy, kv_bytes)
+
+    def make_policy(self, draw: Draw, block_bytes: float) -> KVClassPolicy:
+        """The class rules (cap, cold age, host tier of a few blocks)."""
+        policy = draw(sst.kv_policies(host=self.host, block_bytes=block_bytes))
+        if self.cap_fractions is not None:
+            policy = attrs.evolve(policy, shadow_cap_fraction=draw(self.cap_fractions))
+        return policy
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
@@ -248,8 +257,12 @@ class KVClassMachine(RuleBasedStateMachine):
                 )
 
     def _new_chain(self, data: st.DataObject) -> list[int]:
-        chain = data.draw(sst.hash_chains(self.chains, next_hash=self.next_hash, max_new=self.max_new_blocks))
-        return chain
+        """A known chain with blocks in the host tier (a reload) one time in
+        four when there is one, otherwise :func:`~shadowcore.testing.strategies.hash_chains`."""
+        spilled = [c for c in self.chains if any(self.kv.in_host(h) for h in c)]
+        if spilled and data.draw(st.integers(0, 3), label="reload") == 0:
+            return list(data.draw(st.sampled_from(spilled)))
+        return data.draw(sst.hash_chains(self.chains, next_hash=self.next_hash, max_new=self.max_new_blocks))
 
     def _remember(self, chain: list[int]) -> None:
         self.universe.update(chain)
@@ -290,6 +303,13 @@ class KVClassMachine(RuleBasedStateMachine):
         self.owners[owner] = (requester, list(chain), private)
         self.refs.update(chain)
         self._check_evictions(pre, post, chain, requester)
+        self._check_allocation(alloc, pre, post, chain, fresh, n_dev, n_host, requester)
+        if data.draw(st.booleans(), label="transient"):  # a short-lived owner: done right away
+            self.pool_is_consistent()  # the invariants hold in between, too
+            self._release(owner)
+
+    def _check_allocation(self, alloc: Any, pre: _KVView, post: _KVView, chain: list[int], fresh: list[int],
+                          n_dev: int, n_host: int, requester: KVClass) -> None:
         assert alloc.num_device_hit_blocks == n_dev, (alloc, n_dev)
         for h in chain:
             assert h in post.cached, f"block {h} of the new owner is not cached"
@@ -348,7 +368,9 @@ class KVClassMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.owners))
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        owner = data.draw(st.sampled_from(sorted(self.owners)))
+        self._release(data.draw(st.sampled_from(sorted(self.owners))))
+
+    def _release(self, owner: str) -> None:
         _, chain, _ = self.owners.pop(owner)
         self.kv.release(owner, self.now)
         self.refs.subtract(chain)
@@ -633,7 +655,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
         self.block_size = data.draw(st.sampled_from([1, 4, 16]), label="block_size")
-        self.tpot_s = data.draw(st.floats(0.01, 0.1), label="tpot_slo_s")
+        self.tpot_s = data.draw(st.floats(0.02, 0.1), label="tpot_slo_s")
         self.latency = self.make_latency_model(data.draw)
         self.controller = self.make_controller(data.draw)
         self.port = self.make_port(data.draw)
@@ -644,56 +666,62 @@ class SlackControllerMachine(RuleBasedStateMachine):
         self.next_session = 0
         self.charged_stretch_s = 0.0
         self.decode_only_s = 0.0
+        for _ in range(data.draw(st.integers(0, 3), label="initial jobs")):
+            self.open_job(data)
 
     def _live(self) -> list[ShadowJob]:
         return sorted(self.jobs.all(), key=lambda j: j.sequence)
 
     # -- job rules -----------------------------------------------------------------
+    # One rule picks one of the actions below, so that most machine steps are
+    # engine iterations (hypothesis picks rules roughly uniformly).
     @rule(data=st.data())
+    def change_jobs(self, data: st.DataObject) -> None:
+        live = self._live()
+        actions = ["open", "open"] + (["grow", "grow", "reprioritise", "compact", "evict", "close"] if live else [])
+        action = data.draw(st.sampled_from(actions), label="action")
+        if action == "open":
+            self.open_job(data)
+            return
+        job = data.draw(st.sampled_from(live), label="job")
+        getattr(self, action + "_job")(job, data)
+
     def open_job(self, data: st.DataObject) -> None:
         sid = f"s{self.next_session}"
         history = SessionHistory(sid)
-        history.append(data.draw(st.integers(0, 4096)))
+        history.append(data.draw(st.integers(0, 8192)))
         job = ShadowJob(
             JobKey(sid, "B"), self.instance_id, history, self.block_size,
             switch_probability=data.draw(sst.probabilities()), sequence=self.next_session, epoch=history.epoch,
         )
         self.next_session += 1
-        if data.draw(st.booleans()):  # the instance already holds part of the history
+        if data.draw(st.integers(0, 3)) == 0:  # the instance already holds part of the history
             self.port.cached[sid] = (history.epoch, data.draw(st.integers(0, history.num_tokens)))
         self.jobs.add(job)
 
-    @precondition(lambda self: bool(self.jobs.all()))
-    @rule(data=st.data())
-    def grow_history(self, data: st.DataObject) -> None:
-        job = data.draw(st.sampled_from(self._live()))
+    def grow_job(self, job: ShadowJob, data: st.DataObject) -> None:
+        """Streamed output or a new call's input extends the history."""
         job.history.append(data.draw(st.integers(0, 2048)))
 
-    @precondition(lambda self: bool(self.jobs.all()))
-    @rule(data=st.data())
-    def reprioritise(self, data: st.DataObject) -> None:
-        job = data.draw(st.sampled_from(self._live()))
+    def reprioritise_job(self, job: ShadowJob, data: st.DataObject) -> None:
         job.switch_probability = data.draw(sst.probabilities())
 
-    @precondition(lambda self: bool(self.jobs.all()))
-    @rule(data=st.data())
-    def compact(self, data: st.DataObject) -> None:
-        job = data.draw(st.sampled_from(self._live()))
+    def compact_job(self, job: ShadowJob, data: st.DataObject) -> None:
         job.history.compact(data.draw(st.integers(0, 1024)))
 
-    @precondition(lambda self: bool(self.jobs.all()))
-    @rule(data=st.data())
-    def evict(self, data: st.DataObject) -> None:
-        job = data.draw(st.sampled_from(self._live()))
+    def evict_job(self, job: ShadowJob, data: st.DataObject) -> None:
         self.port.evict(job.key.session_id, data.draw(st.integers(0, job.history.num_tokens)))
 
-    @precondition(lambda self: bool(self.jobs.all()))
-    @rule(data=st.data())
-    def close_job(self, data: st.DataObject) -> None:
-        self.jobs.remove(data.draw(st.sampled_from(self._live())).key)
+    def close_job(self, job: ShadowJob, data: st.DataObject) -> None:
+        self.jobs.remove(job.key)
 
     # -- the iteration ---------------------------------------------------------------
     @rule(data=st.data())
+    def steps(self, data: st.DataObject) -> None:
+        """One to four engine iterations."""
+        for _ in range(data.draw(st.integers(1, 4), label="iterations")):
+            self.step(data)
+
     def step(self, data: st.DataObject) -> None:
         kind = data.draw(self.snapshot_kinds(), label="kind")
         self.now += data.draw(st.floats(0.0, 0.2))
@@ -726,6 +754,9 @@ class SlackControllerMachine(RuleBasedStateMachine):
             if job is not None:
                 self.port.computed(job.history, r.grant.epoch, r.grant.start_token, r.num_computed_tokens)
         self._check_credit(snapshot, plan, outcome, predicted_s - base_s)
+        live = self._live()
+        if live and data.draw(st.booleans(), label="stream"):  # a routed call streams output meanwhile
+            self.grow_job(data.draw(st.sampled_from(live), label="job"), data)
 
     # -- checks ----------------------------------------------------------------------
     def _predict(self, snapshot: StepSnapshot, chunks: tuple[PrefillChunk, ...]) -> tuple[float, float]:
@@ -845,6 +876,14 @@ class SlackControllerMachine(RuleBasedStateMachine):
 
 
 __all__ = [
-    "EPS_S", "KVClassMachine", "KV_CHECKS", "SLACK_CHECKS", "ServedJob", "SlackControllerMachine",
-    "StubEnginePort", "StubJobSource", "decode_slack_reference_s", "prefill_slack_reference_s",
+    "EPS_S",
+    "KV_CHECKS",
+    "SLACK_CHECKS",
+    "KVClassMachine",
+    "ServedJob",
+    "SlackControllerMachine",
+    "StubEnginePort",
+    "StubJobSource",
+    "decode_slack_reference_s",
+    "prefill_slack_reference_s",
 ]

@@ -17,12 +17,18 @@ import numpy as np
 from shadowcore._validators import non_negative, non_negative_int, positive, positive_int, probability
 from shadowcore.config import ShadowConfig, SloConfig, build_attrs
 from shadowcore.errors import ConfigError
+from shadowcore.events import EventLoop
 from shadowcore.job import SessionHistory
-from shadowcore.kv import KVClassManager
+from shadowcore.kv import KVClassManager, KVClassPolicy
 from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
 from shadowcore.pipeline import ShadowRuntime, build_runtime
-from shadowcore.testing.fake_engine import CALL, NORMAL, STEP_END, WAKE, EventLoop, FakeInstance, FakeRequest
+from shadowcore.policy import PolicySpec, load_policy
+from shadowcore.testing.fake_engine import EngineInstance, EngineLimits, EngineRequest
 from shadowcore.types import CallArrival, RequestKind
+
+# Event kinds: at equal times an iteration end frees its slots before new work
+# arrives; wake-ups of idle instances come last.
+STEP_END, CALL, NORMAL, WAKE = 0, 1, 2, 3
 
 
 def _tuple(v: Iterable) -> tuple:
@@ -61,7 +67,7 @@ class FakeScenario:
             raise ConfigError("models", self.models, "needs at least two distinct model names")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], field: str = "scenario") -> "FakeScenario":
+    def from_dict(cls, data: Mapping[str, Any], field: str = "scenario") -> FakeScenario:
         data = dict(data)
         if "slo" in data:
             data["slo"] = build_attrs(SloConfig, f"{field}.slo", data["slo"])
@@ -89,12 +95,12 @@ class ScenarioResult:
 
 
 @attrs.define(eq=False)
-class FakeCluster:
+class EngineCluster:
     """The instances of a run; the ``ClusterPort`` the router side reads."""
 
     loop: EventLoop
-    by_model: dict[str, list[FakeInstance]]
-    by_id: dict[str, FakeInstance]
+    by_model: dict[str, list[EngineInstance]]
+    by_id: dict[str, EngineInstance]
 
     def instances(self, model: str) -> list[str]:
         return [i.instance_id for i in self.by_model[model]]
@@ -110,7 +116,7 @@ class FakeCluster:
         work = inst.queued_prefill_tokens + num_uncached_tokens
         return self.loop.now_s + inst.latency.predict_s(BatchShape((PrefillChunk(work, 0),)))
 
-    def kick(self, inst: FakeInstance) -> None:
+    def kick(self, inst: EngineInstance) -> None:
         """Start an iteration on an idle instance now (no-op when busy)."""
         if inst.busy:
             return
@@ -123,7 +129,7 @@ class FakeCluster:
             if not inst.busy:
                 self.loop.at(self.loop.now_s, WAKE, lambda t, i=inst: self.kick(i))
 
-    def _on_step_end(self, inst: FakeInstance) -> None:
+    def _on_step_end(self, inst: EngineInstance) -> None:
         inst.end_step(self.loop.now_s)
         self.kick(inst)
 
@@ -175,49 +181,47 @@ def draw_normal(sc: FakeScenario, instance_index: int) -> list[tuple[float, int,
 
 
 @attrs.define(eq=False)
-class FakeRun:
-    """One scenario under one policy on the fake engine."""
+class ScenarioRun:
+    """One scenario under one policy: the workload, the router side and the
+    metrics, over engine instances that a subclass builds
+    (:meth:`build_instance`). The scenario must provide the fields of
+    :class:`FakeScenario` that describe sessions, normal traffic and SLOs."""
 
-    scenario: FakeScenario
+    scenario: Any
     shadow: ShadowConfig
     observers: tuple = ()
     sessions: tuple[SessionPlan, ...] | None = None  # scripted sessions instead of drawn ones
     loop: EventLoop = attrs.field(init=False, factory=EventLoop)
-    cluster: FakeCluster = attrs.field(init=False)
+    policy: PolicySpec = attrs.field(init=False)
+    cluster: EngineCluster = attrs.field(init=False)
     runtime: ShadowRuntime = attrs.field(init=False)
     calls: list[CallRecord] = attrs.field(init=False, factory=list)
     normal: list[tuple[float, bool]] = attrs.field(init=False, factory=list)  # (arrival, met SLO)
     _dedicated: set[str] = attrs.field(init=False, factory=set)
+    rejected: list[str] = attrs.field(init=False, factory=list)  # request ids longer than a whole KV pool
+    _num_normal: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         sc = self.scenario
-        by_model: dict[str, list[FakeInstance]] = {}
-        from shadowcore.policy import load_policy
-
-        policy = load_policy(self.shadow.policy, field="shadow.policy")
-        extra = 1 if policy.dedicated_instances else 0
-        for m, scale in zip(sc.models, sc.latency_scale):
-            by_model[m] = [self._instance(f"{m}/{k}", m, scale, policy.kv) for k in range(sc.instances_per_model + extra)]
+        self.policy = load_policy(self.shadow.policy, field="shadow.policy")
+        extra = 1 if self.policy.dedicated_instances else 0
+        by_model = {
+            m: [self.build_instance(f"{m}/{k}", m, self.policy.kv) for k in range(sc.instances_per_model + extra)]
+            for m in sc.models
+        }
         by_id = {i.instance_id: i for insts in by_model.values() for i in insts}
-        self.cluster = FakeCluster(self.loop, by_model, by_id)
+        self.cluster = EngineCluster(self.loop, by_model, by_id)
         dedicated = {m: insts[-1].instance_id for m, insts in by_model.items()} if extra else {}
         self.runtime = build_runtime(self.shadow, self.cluster, sc.models, dedicated)
         for obs in self.observers:
             self.runtime.observers.add(obs)
-        for inst in by_id.values():
+        for inst in by_id.values():  # fixed order: attach draws from the runtime's generator
             inst.hook = self.runtime.attach(inst.instance_id, inst, inst.latency)
         self._dedicated.update(dedicated.values())
 
-    def _instance(self, instance_id: str, model: str, scale: float, kv_policy) -> FakeInstance:
-        sc = self.scenario
-        base = LinearLatencyModel()
-        latency = LinearLatencyModel(
-            base.overhead_s * scale, base.prefill_s_per_token * scale, base.attention_s_per_token_pair * scale,
-            base.decode_s_per_seq * scale, base.decode_s_per_context_token * scale,
-        )
-        kv = KVClassManager(sc.num_blocks, sc.block_size, kv_policy, sc.kv_bytes_per_token)
-        tpot = max(sc.slo.tpot_s, 5 * latency.predict_s(BatchShape((), (sc.input_tokens_median,))))
-        return FakeInstance(instance_id, model, kv, latency, tpot, sc.token_budget)
+    def build_instance(self, instance_id: str, model: str, kv_policy: KVClassPolicy) -> EngineInstance:
+        raise NotImplementedError
+
 
     # -- workload -------------------------------------------------------------------
     def run(self) -> ScenarioResult:
@@ -231,21 +235,25 @@ class FakeRun:
         self.loop.run()
         return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary())
 
-    def _enqueue(self, inst: FakeInstance, req: FakeRequest) -> None:
-        inst.waiting.append(req)
-        inst.queued_prefill_tokens += req.num_prompt_tokens
+    def _enqueue(self, inst: EngineInstance, req: EngineRequest) -> None:
+        inst.enqueue(req)
         self.cluster.kick(inst)
 
-    def _normal(self, inst: FakeInstance, now_s: float, prompt: int, output: int) -> None:
-        rid = f"n:{inst.instance_id}:{now_s:.6f}"
+    def _normal(self, inst: EngineInstance, now_s: float, prompt: int, output: int) -> None:
+        self._num_normal += 1
+        rid = f"n{self._num_normal}:{inst.instance_id}"
         history = SessionHistory(rid)
         history.append(prompt)
-        req = FakeRequest(rid, RequestKind.NORMAL, history, prompt, output, now_s, inst.tpot_slo_s * 40,
-                          inst.tpot_slo_s, on_finish=self._normal_done)
+        req = EngineRequest(rid, RequestKind.NORMAL, history, prompt, output, now_s, inst.tpot_slo_s * 40,
+                          inst.tpot_slo_s, on_token=lambda r, t: r.history.append(1), on_finish=self._normal_done)
         req.ttft_slo_s = max(self.scenario.slo.ttft_s, 5 * inst.latency.predict_s(BatchShape((PrefillChunk(prompt),))))
         self._enqueue(inst, req)
 
-    def _normal_done(self, req: FakeRequest, now_s: float) -> None:
+    def _normal_done(self, req: EngineRequest, now_s: float) -> None:
+        if req.rejected:  # counted, and a miss: nothing is dropped silently
+            self.rejected.append(req.request_id)
+            self.normal.append((req.arrival_s, False))
+            return
         ttft = req.first_token_s - req.arrival_s
         tpot = (now_s - req.first_token_s) / max(1, req.num_output_tokens - 1)
         self.normal.append((req.arrival_s, ttft <= req.ttft_slo_s and tpot <= req.tpot_slo_s))
@@ -256,7 +264,7 @@ class FakeRun:
         placement = manager.on_call_arrival(CallArrival(s.session_id, s.models[index], s.inputs[index], now))
         inst = self.cluster.by_id[placement.instance_id]
         history = manager.sessions[s.session_id].history
-        req = FakeRequest(
+        req = EngineRequest(
             f"{s.session_id}#{index}", RequestKind.ROUTED, history, history.num_tokens, s.outputs[index], now,
             self.scenario.slo.ttft_s, inst.tpot_slo_s, num_oracle_tokens=placement.num_oracle_prefix_tokens,
             on_token=lambda r, t, sid=s.session_id: manager.on_output_tokens(sid, 1),
@@ -265,7 +273,11 @@ class FakeRun:
         self._enqueue(inst, req)
         self.cluster.kick_all()
 
-    def _call_done(self, s: SessionPlan, index: int, placement, req: FakeRequest) -> None:
+    def _call_done(self, s: SessionPlan, index: int, placement, req: EngineRequest) -> None:
+        if req.rejected:  # the agent cannot go on: the session ends here
+            self.rejected.append(req.request_id)
+            self.runtime.manager.on_session_end(s.session_id)
+            return
         self.calls.append(CallRecord(
             s.session_id, index, placement.model, placement.is_switch, req.arrival_s,
             req.first_token_s - req.arrival_s, req.finish_s - req.arrival_s, req.num_prompt_tokens,
@@ -297,7 +309,25 @@ class FakeRun:
             "normal_slo_attainment": _mean(1.0 if m else 0.0 for m in normal),
             "shadow_tokens": float(shadow_tokens),
             "shadow_tokens_used": float(used),
+            "rejected_requests": float(len(self.rejected)),
         }
+
+
+@attrs.define(eq=False)
+class FakeRun(ScenarioRun):
+    """A :class:`FakeScenario` on instances with linear latency models."""
+
+    def build_instance(self, instance_id: str, model: str, kv_policy: KVClassPolicy) -> EngineInstance:
+        sc = self.scenario
+        scale = sc.latency_scale[sc.models.index(model)]
+        base = LinearLatencyModel()
+        latency = LinearLatencyModel(
+            base.overhead_s * scale, base.prefill_s_per_token * scale, base.attention_s_per_token_pair * scale,
+            base.decode_s_per_seq * scale, base.decode_s_per_context_token * scale,
+        )
+        kv = KVClassManager(sc.num_blocks, sc.block_size, kv_policy, sc.kv_bytes_per_token)
+        tpot = max(sc.slo.tpot_s, 5 * latency.predict_s(BatchShape((), (sc.input_tokens_median,))))
+        return EngineInstance(instance_id, model, kv, latency, tpot, EngineLimits(sc.token_budget))
 
 
 def _mean(values: Iterable[float]) -> float:

@@ -89,11 +89,11 @@ def batch_shapes(max_prefills: int = 4, max_decodes: int = 16) -> st.SearchStrat
 
 def latency_models() -> st.SearchStrategy[LinearLatencyModel]:
     """:class:`LinearLatencyModel` with random non-negative coefficients (of the
-    magnitude of the defaults, up to ~10x; zeros included)."""
+    magnitude of the defaults, up to a few times them; zeros included)."""
     return st.builds(
         LinearLatencyModel,
-        overhead_s=_coefficient(0.02),
-        prefill_s_per_token=_coefficient(3e-4),
+        overhead_s=_coefficient(0.01),
+        prefill_s_per_token=_coefficient(1.5e-4),
         attention_s_per_token_pair=_coefficient(1e-8),
         decode_s_per_seq=_coefficient(1e-3),
         decode_s_per_context_token=_coefficient(2e-7),
@@ -211,8 +211,10 @@ def snapshots(
             now_s, min_size=1, max_size=max_batch, has_routed=has_routed,
             tpot_slo_s=tpot if same_tpot else None, phases=[Phase.DECODE] if decode_only else None,
         ))
-    num_waiting = draw(st.integers(1, 16)) if waiting else (0 if waiting is False else draw(st.integers(0, 4)))
-    adm_blocked = draw(st.booleans()) if blocked is None else blocked
+    if waiting is None:
+        waiting = draw(st.integers(0, 3)) == 0  # drawn: one snapshot in four has a queue
+    num_waiting = draw(st.integers(1, 16)) if waiting else 0
+    adm_blocked = draw(st.integers(0, 4)) == 0 if blocked is None else blocked
     return StepSnapshot(
         instance_id, iteration, now_s, batch, num_waiting, adm_blocked, tpot,
         draw(st.integers(0, max_free_token_budget)), draw(st.integers(0, max_shadow_room_tokens)),
@@ -249,13 +251,14 @@ def kv_policies(
 
 @st.composite
 def hash_chains(draw, known: Sequence[Sequence[int]] = (), *, next_hash: int = 1, max_new: int = 6) -> list[int]:
-    """A block-hash chain: a prefix of a ``known`` chain (sometimes all of it)
-    followed by fresh hashes ``next_hash, next_hash+1, ...``. As with real
+    """A block-hash chain: usually a prefix of a ``known`` chain (often all of
+    it) followed by fresh hashes ``next_hash, next_hash+1, ...``. As with real
     chained hashes, a hash always follows the same prefix."""
     prefix: list[int] = []
-    if known and draw(st.booleans()):
+    if known and draw(st.integers(0, 2)) > 0:
         base = draw(st.sampled_from(list(known)))
-        prefix = list(base[: draw(st.integers(0, len(base)))])
+        cut = len(base) if draw(st.booleans()) else draw(st.integers(0, len(base)))
+        prefix = list(base[:cut])
     n_new = draw(st.integers(0 if prefix else 1, max_new))
     return prefix + list(range(next_hash, next_hash + n_new))
 

@@ -1,0 +1,148 @@
+"""The simulator backend: a multi-model cluster of engine instances (the
+core kit's vLLM-v1-like engine) with catalog models, tensor parallelism, KV
+pools sized from HBM, host tiers per GPU, latency from a Vidur-grounded or a
+roofline model, and GPU energy.
+
+Registered as the ``sim`` backend. Same seed, same result: the workload is
+drawn from the scenario seed before the run; events are processed from one
+heap with the tie-break rule of :mod:`shadowcore.testing.scenario`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from shadow_sim.hardware import DeviceSpec, get_device, tensor_parallel_degree
+from shadow_sim.models import ModelConfig, get_model
+from shadow_sim.roofline import RooflineLatencyModel
+from shadowcore._validators import (
+    fraction_open_closed,
+    non_negative,
+    non_negative_int,
+    positive,
+    positive_int,
+    probability,
+)
+from shadowcore.config import ShadowConfig, SloConfig, build_attrs
+from shadowcore.errors import ConfigError
+from shadowcore.kv import KVClassManager, KVClassPolicy
+from shadowcore.latency import BatchShape, LatencyModel
+from shadowcore.testing.fake_engine import EngineInstance, EngineLimits, pool_blocks
+from shadowcore.testing.scenario import ScenarioResult, ScenarioRun
+
+LATENCY_KINDS = ("roofline", "vidur")
+
+
+def _tuple(v: Iterable) -> tuple:
+    return tuple(v)
+
+
+@attrs.frozen
+class SimScenario:
+    """A cluster and a workload. Model names come from the catalog
+    (:data:`shadow_sim.models.MODELS`); ``tp`` of 0 means the paper's rule
+    (smallest of 1, 2, 4, 8 at which weights take at most half of HBM)."""
+
+    models: tuple[str, ...] = attrs.field(default=("Qwen2.5-7B", "Llama-3.1-70B"), converter=_tuple)
+    device: str = "H100-80GB"
+    latency: str = "roofline"
+    tp: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
+    instances_per_model: int = attrs.field(default=4, validator=positive_int)
+    duration_s: float = attrs.field(default=600.0, validator=positive)
+    warmup_s: float = attrs.field(default=120.0, validator=non_negative)
+    session_rate_per_s: float = attrs.field(default=0.05, validator=positive)
+    calls_per_session: int = attrs.field(default=10, validator=positive_int)
+    switch_probability: float = attrs.field(default=0.3, validator=probability)
+    input_tokens_median: int = attrs.field(default=1000, validator=positive_int)
+    output_tokens_median: int = attrs.field(default=200, validator=positive_int)
+    tool_gap_s: float = attrs.field(default=2.0, validator=non_negative)
+    normal_rate_per_s: float = attrs.field(default=1.0, validator=non_negative)
+    normal_prompt_median: int = attrs.field(default=1000, validator=positive_int)
+    normal_output_median: int = attrs.field(default=200, validator=positive_int)
+    slo: SloConfig = attrs.Factory(SloConfig)  # floors: TTFT >= 1 s, TPOT >= 25 ms
+    block_size: int = attrs.field(default=16, validator=positive_int)
+    token_budget: int = attrs.field(default=2048, validator=positive_int)
+    max_num_seqs: int = attrs.field(default=256, validator=positive_int)
+    memory_utilization: float = attrs.field(default=0.9, validator=fraction_open_closed)
+    seed: int = attrs.field(default=0, validator=non_negative_int)
+
+    def __attrs_post_init__(self) -> None:
+        for i, name in enumerate(self.models):
+            try:
+                get_model(name)
+            except ConfigError as e:
+                raise ConfigError(f"models[{i}]", name, e.problem) from None
+        if len(set(self.models)) != len(self.models) or len(self.models) < 2:
+            raise ConfigError("models", self.models, "needs at least two distinct models")
+        get_device(self.device)
+        if self.latency not in LATENCY_KINDS:
+            raise ConfigError("latency", self.latency, f"must be one of {', '.join(LATENCY_KINDS)}")
+        if self.tp and len(self.tp) != len(self.models):
+            raise ConfigError("tp", self.tp, f"needs one entry per model ({len(self.models)})")
+        for i, t in enumerate(self.tp):
+            if t not in (0, 1, 2, 4, 8):
+                raise ConfigError(f"tp[{i}]", t, "must be 0 (auto), 1, 2, 4 or 8")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], field: str = "scenario") -> SimScenario:
+        data = dict(data)
+        if "slo" in data:
+            data["slo"] = build_attrs(SloConfig, f"{field}.slo", data["slo"])
+        return build_attrs(cls, field, data)
+
+    def tp_of(self, model: str) -> int:
+        config, device = get_model(model), get_device(self.device)
+        t = self.tp[self.models.index(model)] if self.tp else 0
+        return t or tensor_parallel_degree(config, device)
+
+
+def build_latency(kind: str, model: ModelConfig, device: DeviceSpec, tp: int) -> LatencyModel:
+    if kind == "vidur":
+        from shadow_sim.vidur_latency import VidurLatencyModel  # heavy: only when asked for
+
+        return VidurLatencyModel(model, device, tp)
+    return RooflineLatencyModel(model, device, tp)
+
+
+@attrs.define(eq=False)
+class SimRun(ScenarioRun):
+    """A :class:`SimScenario` under one policy."""
+
+    def build_instance(self, instance_id: str, model: str, kv_policy: KVClassPolicy) -> EngineInstance:
+        sc: SimScenario = self.scenario
+        config, device, tp = get_model(model), get_device(sc.device), sc.tp_of(model)
+        latency = build_latency(sc.latency, config, device, tp)
+        kv_bytes = float(config.kv_bytes_per_token())
+        blocks = pool_blocks(device.hbm_bytes * tp, config.serving_weight_bytes, kv_bytes, sc.block_size,
+                             sc.memory_utilization)
+        if kv_policy.host is not None:  # the policy's host tier is per GPU
+            host = attrs.evolve(kv_policy.host, capacity_bytes=kv_policy.host.capacity_bytes * tp)
+            kv_policy = attrs.evolve(kv_policy, host=host)
+        kv = KVClassManager(blocks, sc.block_size, kv_policy, kv_bytes)
+        tpot = max(sc.slo.tpot_s, 5 * latency.predict_s(BatchShape((), (sc.input_tokens_median,))))
+        return EngineInstance(
+            instance_id, model, kv, latency, tpot, EngineLimits(sc.token_budget, sc.max_num_seqs),
+            num_gpus=tp, idle_power_w=device.idle_power_w, busy_power_w=device.busy_power_w,
+        )
+
+    def summary(self) -> dict[str, float]:
+        out = super().summary()
+        wall = self.loop.now_s
+        energy = sum(i.energy_j(wall) for i in self.cluster.by_id.values())
+        good = sum(1 for _, met in self.normal if met) + len(self.calls)
+        out["energy_j"] = energy
+        out["energy_per_good_request_j"] = energy / good if good else float("nan")
+        return out
+
+
+class SimBackend:
+    """The ``sim`` backend."""
+
+    name = "sim"
+
+    def run(self, scenario: Mapping[str, Any] | SimScenario, shadow: ShadowConfig, observers: tuple = ()) -> ScenarioResult:
+        sc = scenario if isinstance(scenario, SimScenario) else SimScenario.from_dict(scenario)
+        return SimRun(sc, shadow, observers).run()
