@@ -66,7 +66,7 @@ class EngineHook:
     def begin_step(self, snapshot: StepSnapshot) -> StepPlan:
         if self._pending is not None:
             raise RuntimeError(f"{self.instance_id}: begin_step twice without end_step")
-        base = snapshot.shape()
+        base = snapshot.batch_shape
         base_s = self.latency.predict_s(base)
         budget = self.slack.budget(snapshot, self.latency)
         grants: tuple[ShadowGrant, ...] = ()

@@ -23,7 +23,7 @@ Invariants (each has a property test):
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import attrs
@@ -89,6 +89,8 @@ class _Block:
     kv_class: KVClass
     ref_count: int = 0
     idle_since_s: float = 0.0
+    idle_token: int = -1  # which release made it idle (stale cold-queue entries mismatch)
+    cold: bool = False  # idle and counted in _num_cold_idle
 
 
 @attrs.define(eq=False)
@@ -98,7 +100,7 @@ class _Owner:
     num_private_blocks: int = 0
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)  # validated at construction; counters mutate freely
 class KVClassManager:
     """Blocks of one instance's KV pool, by content hash, in two classes."""
 
@@ -116,6 +118,10 @@ class KVClassManager:
     _idle: dict[KVClass, OrderedDict[int, None]] = attrs.field(init=False)
     _owners: dict[str, _Owner] = attrs.field(init=False, factory=dict)
     _host: OrderedDict[int, KVClass] = attrs.field(init=False, factory=OrderedDict)
+    # Idle blocks in release order; a block turns cold once, stays cold while idle.
+    _cold_queue: deque = attrs.field(init=False, factory=deque)
+    _num_cold_idle: int = attrs.field(init=False, default=0)
+    _num_releases: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
@@ -179,15 +185,25 @@ class KVClassManager:
         room = self.cap_blocks - self.num_shadow_blocks
         if room <= 0:
             return 0
-        available = self.num_free_blocks
-        for kv_class in (KVClass.SHADOW, KVClass.NORMAL):
-            for h in self._idle[kv_class]:
-                if available >= room:
-                    return room
-                if not self.policy.shadow_may_displace(self._blocks[h].idle_since_s, now_s):
-                    break  # LRU order: every later block is younger
-                available += 1
-        return min(room, available)
+        if self.num_free_blocks >= room:
+            return room
+        self._refresh_cold(now_s)
+        return min(room, self.num_free_blocks + self._num_cold_idle)
+
+    def _refresh_cold(self, now_s: float) -> None:
+        """Count idle blocks that became cold since the last call (amortised O(1))."""
+        q = self._cold_queue
+        while q and self.policy.shadow_may_displace(q[0][0], now_s):
+            _, h, token = q.popleft()
+            block = self._blocks.get(h)
+            if block is not None and block.ref_count == 0 and block.idle_token == token and not block.cold:
+                block.cold = True
+                self._num_cold_idle += 1
+
+    def _leave_idle(self, block: _Block) -> None:
+        if block.cold:
+            block.cold = False
+            self._num_cold_idle -= 1
 
     # -- allocation --------------------------------------------------------------
     def allocate(
@@ -254,6 +270,9 @@ class KVClassManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 block.idle_since_s = now_s
+                self._num_releases += 1
+                block.idle_token = self._num_releases
+                self._cold_queue.append((now_s, h, block.idle_token))
                 self._idle[block.kv_class][h] = None
         self._free(owner.num_private_blocks, owner.kv_class)
 
@@ -290,6 +309,7 @@ class KVClassManager:
             block = self._blocks[h]
             if block.ref_count == 0:
                 del self._idle[block.kv_class][h]
+                self._leave_idle(block)
             block.ref_count += 1
             if requester is KVClass.NORMAL and block.kv_class is KVClass.SHADOW:
                 block.kv_class = KVClass.NORMAL
@@ -317,6 +337,7 @@ class KVClassManager:
                 ):
                     break
                 del self._idle[cls][h]
+                self._leave_idle(block)
                 del self._blocks[h]
                 if cls is KVClass.SHADOW:
                     self.num_shadow_blocks -= 1

@@ -114,7 +114,7 @@ def _gate(snapshot: StepSnapshot) -> SlackBudget | None:
     return None
 
 
-@attrs.define
+@attrs.define(on_setattr=attrs.setters.NO_OP)  # delta validated at construction; the balance mutates per step
 class CreditAccount:
     """Routed-step protection: credit accrues at ``delta`` times the duration
     of decode-only iterations and is debited by the predicted stretch of the
@@ -126,7 +126,7 @@ class CreditAccount:
     spent_s: float = 0.0
 
     def earn(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:
-        if snapshot.shape().is_decode_only and outcome.num_shadow_tokens == 0 and not plan.grants:
+        if snapshot.batch_shape.is_decode_only and outcome.num_shadow_tokens == 0 and not plan.grants:
             gain = self.delta * outcome.duration_s
             self.balance_s += gain
             self.earned_s += gain

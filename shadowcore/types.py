@@ -11,6 +11,7 @@ simulator, monotonic in vLLM); the core never reads a clock itself.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 
 import attrs
@@ -94,8 +95,9 @@ class StepSnapshot:
     def has_routed(self) -> bool:
         return any(r.kind is RequestKind.ROUTED for r in self.batch)
 
-    def shape(self) -> BatchShape:
-        """The batch as a latency model sees it."""
+    @functools.cached_property
+    def batch_shape(self) -> BatchShape:
+        """The batch as a latency model sees it (computed once per snapshot)."""
         prefills = tuple(
             PrefillChunk(r.num_scheduled_tokens, r.num_context_tokens)
             for r in self.batch

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -24,6 +24,8 @@ from shadowcore.testing.machines import KVClassMachine, SlackControllerMachine, 
 from shadowcore.types import CallArrival, StepOutcome, StepSnapshot
 
 SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+#: No ``explain`` phase: its line tracing takes minutes on a failing state machine.
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
 
 
 def _run(machine: type, max_examples: int, steps: int) -> None:
@@ -31,6 +33,7 @@ def _run(machine: type, max_examples: int, steps: int) -> None:
         machine,
         settings=settings(
             max_examples=max_examples, stateful_step_count=steps, deadline=None, suppress_health_check=SUPPRESS,
+            phases=PHASES,
         ),
     )
 
@@ -145,7 +148,7 @@ def test_jobs_served_in_nonincreasing_switch_probability():
     (ties: older job first), and the hook grants them greedily in that order."""
     _run(_OrderMachine, 30, 25)
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=SUPPRESS)
+    @settings(max_examples=60, deadline=None, suppress_health_check=SUPPRESS, phases=PHASES)
     @given(_deployments(), sst.targetings(max_k=3), st.sampled_from([1, 16]))
     def with_the_real_manager(deployment, targeting, block_size):
         predictor, calls = deployment
@@ -167,7 +170,7 @@ def test_jobs_served_in_nonincreasing_switch_probability():
     with_the_real_manager()
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=SUPPRESS)
+@settings(max_examples=80, deadline=None, suppress_health_check=SUPPRESS, phases=PHASES)
 @given(sst.ranked_targets(), st.integers(1, 5), _deployments())
 def test_top_k_targets_at_most_k(ranked, k, deployment):
     """TopK(k) chooses the k most likely candidates at most, so no session ever

@@ -41,6 +41,29 @@ def _tuple(v: Iterable) -> tuple:
 
 
 @attrs.frozen
+class PDConfig:
+    """Prefill/decode disaggregation of every model (§3.5, Appendix C): each
+    model gets ``num_prefill`` prefill-only and ``num_decode`` decode instances
+    (these replace ``instances_per_model``); a decode instance receives KV over
+    an inbound link of ``link_bytes_per_s`` per GPU; shadow KV moves in pushes
+    of at most ``push_tokens``; shadow iterations on prefill instances last at
+    most ``max_iteration_s``. Run by :class:`shadow_sim.disagg.PDRun`."""
+
+    num_prefill: int = attrs.field(default=3, validator=positive_int)
+    num_decode: int = attrs.field(default=1, validator=positive_int)
+    link_bytes_per_s: float = attrs.field(default=50e9, validator=positive)
+    push_tokens: int = attrs.field(default=4096, validator=positive_int)
+    max_iteration_s: float = attrs.field(default=0.1, validator=positive)
+
+
+def _pd_config(value: Any) -> PDConfig | None:
+    """``None`` (colocated), a :class:`PDConfig`, or its fields as a mapping."""
+    if value is None or isinstance(value, PDConfig):
+        return value
+    return build_attrs(PDConfig, "pd", value)
+
+
+@attrs.frozen
 class SimScenario:
     """A cluster and a workload. Model names come from the catalog
     (:data:`shadow_sim.models.MODELS`); ``tp`` of 0 means the paper's rule
@@ -68,6 +91,7 @@ class SimScenario:
     max_num_seqs: int = attrs.field(default=256, validator=positive_int)
     memory_utilization: float = attrs.field(default=0.9, validator=fraction_open_closed)
     seed: int = attrs.field(default=0, validator=non_negative_int)
+    pd: PDConfig | None = attrs.field(default=None, converter=_pd_config)  # None: colocated
 
     def __attrs_post_init__(self) -> None:
         for i, name in enumerate(self.models):
@@ -111,7 +135,10 @@ def build_latency(kind: str, model: ModelConfig, device: DeviceSpec, tp: int) ->
 class SimRun(ScenarioRun):
     """A :class:`SimScenario` under one policy."""
 
-    def build_instance(self, instance_id: str, model: str, kv_policy: KVClassPolicy) -> EngineInstance:
+    def build_instance(
+        self, instance_id: str, model: str, kv_policy: KVClassPolicy,
+        engine_cls: type[EngineInstance] = EngineInstance,
+    ) -> EngineInstance:
         sc: SimScenario = self.scenario
         config, device, tp = get_model(model), get_device(sc.device), sc.tp_of(model)
         latency = build_latency(sc.latency, config, device, tp)
@@ -123,9 +150,10 @@ class SimRun(ScenarioRun):
             kv_policy = attrs.evolve(kv_policy, host=host)
         kv = KVClassManager(blocks, sc.block_size, kv_policy, kv_bytes)
         tpot = max(sc.slo.tpot_s, 5 * latency.predict_s(BatchShape((), (sc.input_tokens_median,))))
-        return EngineInstance(
+        return engine_cls(
             instance_id, model, kv, latency, tpot, EngineLimits(sc.token_budget, sc.max_num_seqs),
             num_gpus=tp, idle_power_w=device.idle_power_w, busy_power_w=device.busy_power_w,
+            validate_values=False,  # speed: the engine tests run the same code with validation on
         )
 
     def summary(self) -> dict[str, float]:
@@ -145,4 +173,8 @@ class SimBackend:
 
     def run(self, scenario: Mapping[str, Any] | SimScenario, shadow: ShadowConfig, observers: tuple = ()) -> ScenarioResult:
         sc = scenario if isinstance(scenario, SimScenario) else SimScenario.from_dict(scenario)
+        if sc.pd is not None:
+            from shadow_sim.disagg import PDRun  # disagg builds on SimRun: import it late
+
+            return PDRun(sc, shadow, observers).run()
         return SimRun(sc, shadow, observers).run()

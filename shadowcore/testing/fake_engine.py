@@ -32,6 +32,7 @@ Determinism: callers drive instances from one
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from collections.abc import Callable
@@ -125,6 +126,7 @@ class EngineInstance:
     num_iterations_run: int = 0
     last_batch_tokens: int = 0
     num_gpus: int = 1
+    validate_values: bool = True  # attrs validators on the snapshots it builds (the simulator turns them off)
     idle_power_w: float = 0.0  # per GPU
     busy_power_w: float = 0.0  # per GPU
     _step: tuple | None = None
@@ -154,11 +156,12 @@ class EngineInstance:
         """Plan and start an iteration; its end time, or None when idle."""
         batch, blocked = self._schedule(now_s)
         used = sum(n for _, n in batch)
-        snapshot = StepSnapshot(
-            self.instance_id, self.iteration, now_s, [r.view(n) for r, n in batch], len(self.waiting), blocked,
-            self.tpot_slo_s, max(0, self.limits.token_budget - used),
-            self.kv.shadow_room_blocks(now_s) * self.kv.block_size,
-        )
+        with _validation(self.validate_values):
+            snapshot = StepSnapshot(
+                self.instance_id, self.iteration, now_s, [r.view(n) for r, n in batch], len(self.waiting), blocked,
+                self.tpot_slo_s, max(0, self.limits.token_budget - used),
+                self.kv.shadow_room_blocks(now_s) * self.kv.block_size,
+            )
         plan = self.hook.begin_step(snapshot) if self.hook is not None else None
         results, chunks, reload_s = self._run_shadow(plan, now_s)
         if not batch and not chunks:
@@ -169,7 +172,7 @@ class EngineInstance:
         for r, _ in batch:
             reload_s += r.pending_reload_s
             r.pending_reload_s = 0.0
-        duration = self.latency.predict_s(snapshot.shape().with_prefills(chunks)) + reload_s
+        duration = self.latency.predict_s(snapshot.batch_shape.with_prefills(chunks)) + reload_s
         self.last_batch_tokens = used + sum(c.num_new_tokens for c in chunks)
         self._step = (batch, results, duration)
         self.busy = True
@@ -319,6 +322,16 @@ class EngineInstance:
                         chunks.append(PrefillChunk(g.num_tokens, g.start_token))
             results.append(ChunkResult(g, computed))
         return results, tuple(chunks), reload_s
+
+
+@contextlib.contextmanager
+def _validation(enabled: bool):
+    """Run attrs validators or not (values built by trusted engine code only)."""
+    if enabled:
+        yield
+        return
+    with attrs.validators.disabled():
+        yield
 
 
 def _shadow_owner(g) -> str:

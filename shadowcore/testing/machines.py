@@ -760,7 +760,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
 
     # -- checks ----------------------------------------------------------------------
     def _predict(self, snapshot: StepSnapshot, chunks: tuple[PrefillChunk, ...]) -> tuple[float, float]:
-        base = snapshot.shape()
+        base = snapshot.batch_shape
         return self.latency.predict_s(base), self.latency.predict_s(base.with_prefills(chunks))
 
     def _check_plan(self, snapshot: StepSnapshot, plan: StepPlan) -> tuple[float, float]:
@@ -844,7 +844,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
                 if take > 0:
                     chunks.append(PrefillChunk(take, s.next_token))
                     left -= take
-            t = self.latency.predict_s(snapshot.shape().with_prefills(tuple(chunks)))
+            t = self.latency.predict_s(snapshot.batch_shape.with_prefills(tuple(chunks)))
             used = t - base_s if plan.budget.bounds_stretch else t
             return used <= plan.budget.budget_s - EPS_S
 
@@ -867,7 +867,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
             return
         if charged and plan.grants:
             self.charged_stretch_s += stretch_s
-        if snapshot.shape().is_decode_only and outcome.num_shadow_tokens == 0:
+        if snapshot.batch_shape.is_decode_only and outcome.num_shadow_tokens == 0:
             self.decode_only_s += outcome.duration_s
         bound = self.credit_delta() * self.decode_only_s
         assert self.charged_stretch_s <= bound + EPS_S, (

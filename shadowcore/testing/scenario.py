@@ -18,6 +18,7 @@ from shadowcore._validators import non_negative, non_negative_int, positive, pos
 from shadowcore.config import ShadowConfig, SloConfig, build_attrs
 from shadowcore.errors import ConfigError
 from shadowcore.events import EventLoop
+from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClassManager, KVClassPolicy
 from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
@@ -205,22 +206,39 @@ class ScenarioRun:
         sc = self.scenario
         self.policy = load_policy(self.shadow.policy, field="shadow.policy")
         extra = 1 if self.policy.dedicated_instances else 0
+        self.cluster = self.build_cluster(extra)
+        by_model = self.cluster.by_model
+        dedicated = {m: insts[-1].instance_id for m, insts in by_model.items()} if extra else {}
+        self.runtime = build_runtime(self.shadow, self.cluster, sc.models, dedicated)
+        for obs in self.observers:
+            self.runtime.observers.add(obs)
+        for inst in self.cluster.by_id.values():  # fixed order: attach draws from the runtime's generator
+            inst.hook = self.attach_hook(inst)
+        self._dedicated.update(dedicated.values())
+
+    def build_instance(self, instance_id: str, model: str, kv_policy: KVClassPolicy) -> EngineInstance:
+        raise NotImplementedError
+
+    def build_cluster(self, extra: int) -> EngineCluster:
+        """The run's instances. ``by_model`` lists, per model, the instances the
+        router side may place calls on (with ``extra``, the last one of each
+        model is the dedicated shadow instance); ``by_id`` holds every instance."""
+        sc = self.scenario
         by_model = {
             m: [self.build_instance(f"{m}/{k}", m, self.policy.kv) for k in range(sc.instances_per_model + extra)]
             for m in sc.models
         }
         by_id = {i.instance_id: i for insts in by_model.values() for i in insts}
-        self.cluster = EngineCluster(self.loop, by_model, by_id)
-        dedicated = {m: insts[-1].instance_id for m, insts in by_model.items()} if extra else {}
-        self.runtime = build_runtime(self.shadow, self.cluster, sc.models, dedicated)
-        for obs in self.observers:
-            self.runtime.observers.add(obs)
-        for inst in by_id.values():  # fixed order: attach draws from the runtime's generator
-            inst.hook = self.runtime.attach(inst.instance_id, inst, inst.latency)
-        self._dedicated.update(dedicated.values())
+        return EngineCluster(self.loop, by_model, by_id)
 
-    def build_instance(self, instance_id: str, model: str, kv_policy: KVClassPolicy) -> EngineInstance:
-        raise NotImplementedError
+    def attach_hook(self, inst: EngineInstance) -> EngineHook | None:
+        """The engine hook of ``inst`` (None: the instance runs no shadow work)."""
+        return self.runtime.attach(inst.instance_id, inst, inst.latency)
+
+    def normal_arrivals(self) -> list[tuple[EngineInstance, list[tuple[float, int, int]]]]:
+        """Per instance that serves normal traffic: its (arrival, prompt, output) requests."""
+        serving = [i for i in self.cluster.by_id.values() if i.instance_id not in self._dedicated]
+        return [(inst, draw_normal(self.scenario, k)) for k, inst in enumerate(serving)]
 
 
     # -- workload -------------------------------------------------------------------
@@ -228,10 +246,9 @@ class ScenarioRun:
         sc = self.scenario
         for s in self.sessions if self.sessions is not None else draw_sessions(sc):
             self.loop.at(s.arrival_s, CALL, lambda t, s=s: self._call(s, 0))
-        serving = [i for i in self.cluster.by_id.values() if i.instance_id not in self._dedicated]
-        for k, inst in enumerate(serving):
-            for arrival, prompt, output in draw_normal(sc, k):
-                self.loop.at(arrival, NORMAL, lambda t, i=inst, p=prompt, o=output, k=k: self._normal(i, t, p, o))
+        for inst, arrivals in self.normal_arrivals():
+            for arrival, prompt, output in arrivals:
+                self.loop.at(arrival, NORMAL, lambda t, i=inst, p=prompt, o=output: self._normal(i, t, p, o))
         self.loop.run()
         return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary())
 
