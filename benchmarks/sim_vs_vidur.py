@@ -82,6 +82,8 @@ import argparse
 import contextlib
 import cProfile
 import csv
+import gc
+import subprocess
 import io
 import itertools
 import logging
@@ -147,7 +149,7 @@ def load_trace(path: Path, num: int, start: int, prompt_cap: int, output_cap: in
 def _our_classes() -> tuple[type, type]:
     from shadow_sim.models import get_model
     from shadow_sim.simulator import SimRun, SimScenario
-    from shadowcore.testing.scenario import NORMAL
+    from shadowcore.events import EventLoop
 
     @attrs.frozen
     class OneModelScenario(SimScenario):
@@ -158,40 +160,57 @@ def _our_classes() -> tuple[type, type]:
                 get_model(name)
 
     @attrs.define(eq=False)
+    class TimedLoop(EventLoop):
+        """The event loop, timed (wall and CPU) and optionally profiled around ``run``."""
+
+        wall_s: float = 0.0
+        cpu_s: float = 0.0
+        profiler: Any = None
+
+        def run(self, *args: Any, **kwargs: Any) -> None:
+            gc.collect()
+            if self.profiler is not None:
+                self.profiler.enable()
+            wall, cpu = time.perf_counter(), time.process_time()
+            super().run(*args, **kwargs)
+            self.wall_s += time.perf_counter() - wall
+            self.cpu_s += time.process_time() - cpu
+            if self.profiler is not None:
+                self.profiler.disable()
+
+    @attrs.define(eq=False)
     class TraceRun(SimRun):
-        """A :class:`SimRun` that replays ``trace`` as NORMAL requests on the one
-        serving instance instead of drawing sessions and Poisson traffic, and
-        keeps each request's TTFT and end-to-end latency."""
+        """A :class:`SimRun` whose normal traffic is ``trace`` on its one serving
+        instance (no sessions: pass ``sessions=()``), keeping each request's
+        TTFT and end-to-end latency. ``latency_model``, when given, replaces
+        the instance's own latency model (the ``vidur-model-time`` check)."""
 
         trace: tuple = ()
         latency_model: Any = None
         records: list = attrs.field(init=False, factory=list)
-        loop_wall_s: float = attrs.field(init=False, default=0.0)
+        loop: EventLoop = attrs.field(init=False, factory=TimedLoop)
 
-        def build_instance(self, instance_id: str, model: str, kv_policy: Any) -> Any:
-            # SimRun.build_instance as is, with the latency model we already loaded
-            # (simulator.build_latency cannot build a Vidur model: it calls the
-            # VidurLatencyModel constructor without grid/tables).
+        def build_instance(self, instance_id: str, model: str, kv_policy: Any, *args: Any, **kwargs: Any) -> Any:
             import shadow_sim.simulator as simmod
 
-            saved = simmod.build_latency
-            simmod.build_latency = lambda kind, config, device, tp: self.latency_model
-            try:
-                return super().build_instance(instance_id, model, kv_policy)
-            finally:
-                simmod.build_latency = saved
+            if hasattr(simmod, "build_latency"):  # older simulator.py: its Vidur path called the bare constructor
+                from shadow_sim.latency import latency_model
 
-        def run(self, profiler: cProfile.Profile | None = None) -> None:  # type: ignore[override]
+                saved = simmod.build_latency
+                simmod.build_latency = lambda kind, config, device, tp: latency_model(config, device, tp, kind=kind)
+                try:
+                    inst = super().build_instance(instance_id, model, kv_policy, *args, **kwargs)
+                finally:
+                    simmod.build_latency = saved
+            else:
+                inst = super().build_instance(instance_id, model, kv_policy, *args, **kwargs)
+            if self.latency_model is not None:
+                inst.latency = self.latency_model  # before the hook is attached, which reads it
+            return inst
+
+        def normal_arrivals(self) -> list:
             (inst,) = self.cluster.by_id.values()
-            for arrival, prompt, output in self.trace:
-                self.loop.at(arrival, NORMAL, lambda t, p=prompt, o=output: self._normal(inst, t, p, o))
-            if profiler is not None:
-                profiler.enable()
-            started = time.perf_counter()
-            self.loop.run()
-            self.loop_wall_s = time.perf_counter() - started
-            if profiler is not None:
-                profiler.disable()
+            return [(inst, list(self.trace))]
 
         def _normal_done(self, req: Any, now_s: float) -> None:
             super()._normal_done(req, now_s)
@@ -211,8 +230,9 @@ class VidurModelTime:
         return self._m.vidur_model_time_s(batch)
 
 
-def run_ours(requests: Sequence[Request], args: argparse.Namespace, latency: Any,
+def run_ours(requests: Sequence[Request], args: argparse.Namespace, latency: Any = None,
              profiler: cProfile.Profile | None = None) -> dict:
+    """``latency`` None: the instance's latency model is the one SimRun builds (VidurLatencyModel)."""
     from shadowcore.config import ShadowConfig
 
     OneModelScenario, TraceRun = _our_classes()
@@ -225,22 +245,24 @@ def run_ours(requests: Sequence[Request], args: argparse.Namespace, latency: Any
     run = TraceRun(sc, ShadowConfig.from_dict({"policy": "no-shadow"}), sessions=(), trace=tuple(requests),
                    latency_model=latency)
     setup = time.perf_counter() - setup
-    run.run(profiler)
+    run.loop.profiler = profiler
+    run.run()
     (inst,) = run.cluster.by_id.values()
     ttft = [r[0] for r in run.records]
     e2e = [r[1] for r in run.records]
     return {
         "finished": len(run.records),
-        "rejected": len(run.rejected),
+        "rejected": len(requests) - len(run.records),
         "sim_s": run.loop.now_s,
         "iterations": inst.num_iterations_run,
-        "wall_s": run.loop_wall_s,
+        "wall_s": run.loop.wall_s,
+        "cpu_s": run.loop.cpu_s,
         "setup_s": setup,
         "ttft_s": statistics.fmean(ttft) if ttft else float("nan"),
         "e2e_s": statistics.fmean(e2e) if e2e else float("nan"),
         "preemptions": inst.num_preemptions,
         "kv_blocks": inst.kv.num_blocks,
-        "events": run.loop.num_events,
+        "latency": type(inst.latency).__name__,
     }
 
 
@@ -440,29 +462,31 @@ def run_vidur(requests: Sequence[Request], args: argparse.Namespace, latency: An
     reqs = [event._request for _, event in sim._event_queue]
     if len(reqs) != len(requests):
         raise RuntimeError(f"Vidur loaded {len(reqs)} requests from its trace, expected {len(requests)}")
-    write_wall = [0.0]
+    write = [0.0, 0.0]  # wall, cpu of _write_output (excluded)
     write_output = sim._write_output
 
     def timed_write() -> None:
-        t = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         write_output()
-        write_wall[0] = time.perf_counter() - t
+        write[0], write[1] = time.perf_counter() - wall, time.process_time() - cpu
 
     sim._write_output = timed_write
     first_batch = Batch._id
+    gc.collect()
     with _vidur_quiet():
-        started = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         sim.run()
-        run_wall = time.perf_counter() - started
+        run_wall, run_cpu = time.perf_counter() - wall, time.process_time() - cpu
     done = [r for r in reqs if r.completed]
     return {
         "finished": len(done),
         "rejected": len(reqs) - len(done),
         "sim_s": sim._time,
         "iterations": Batch._id - first_batch,
-        "wall_s": run_wall - write_wall[0],
+        "wall_s": run_wall - write[0],
+        "cpu_s": run_cpu - write[1],
         "run_wall_s": run_wall,
-        "write_output_s": write_wall[0],
+        "write_output_s": write[0],
         "setup_s": setup,
         "ttft_s": statistics.fmean(r.prefill_completed_at - r.arrived_at for r in done) if done else float("nan"),
         "e2e_s": statistics.fmean(r.completed_at - r.arrived_at for r in done) if done else float("nan"),
@@ -476,6 +500,18 @@ def _best(runs: list[dict]) -> dict:
     return min(runs, key=lambda r: r["wall_s"])
 
 
+def _code_state() -> str:
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        files = sorted(line[3:] for line in dirty if line.strip())
+        return f"{head}" + (f" + uncommitted changes in {', '.join(files)}" if files else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def _print_table(cols: list[tuple[str, dict]]) -> None:
     rows = [
         ("requests finished", "finished", "{:d}"),
@@ -483,7 +519,9 @@ def _print_table(cols: list[tuple[str, dict]]) -> None:
         ("simulated seconds", "sim_s", "{:.1f}"),
         ("iterations", "iterations", "{:d}"),
         ("wall seconds (loop)", "wall_s", "{:.3f}"),
+        ("CPU seconds (loop)", "cpu_s", "{:.3f}"),
         ("iterations / wall-second", "rate", "{:,.0f}"),
+        ("iterations / CPU-second", "cpu_rate", "{:,.0f}"),
         ("simulated s / wall-second", "speed", "{:,.1f}"),
         ("mean TTFT (s)", "ttft_s", "{:.4f}"),
         ("mean end-to-end latency (s)", "e2e_s", "{:.3f}"),
@@ -491,9 +529,10 @@ def _print_table(cols: list[tuple[str, dict]]) -> None:
         ("KV blocks", "kv_blocks", "{:d}"),
     ]
     width = max(len(r[0]) for r in rows) + 2
-    print("".ljust(width) + "".join(name.rjust(22) for name, _ in cols))
+    colw = max(20, *(len(name) + 2 for name, _ in cols))
+    print("".ljust(width) + "".join(name.rjust(colw) for name, _ in cols))
     for label, key, fmt in rows:
-        print(label.ljust(width) + "".join(fmt.format(c[key]).rjust(22) if key in c else "-".rjust(22)
+        print(label.ljust(width) + "".join(fmt.format(c[key]).rjust(colw) if key in c else "-".rjust(colw)
                                            for _, c in cols))
 
 
@@ -519,13 +558,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="run Vidur with its default metrics, with write_metrics=False, or both (default)")
     ap.add_argument("--ours-latency", choices=("full", "vidur-model-time"), default="full",
                     help="our engine's latency: VidurLatencyModel.predict_s (default) or Vidur's exact model_time")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per simulator; the fastest is reported")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="interleaved runs per simulator; the fastest (wall) of each is reported (default 2)")
     ap.add_argument("--profile", type=int, nargs="?", const=15, default=0, metavar="N",
                     help="cProfile our run loop once more and print the top N functions by tottime")
     args = ap.parse_args(argv)
 
     requests, info = load_trace(args.trace, args.requests, args.start, args.prompt_cap, args.output_cap)
     span = requests[-1][0]
+    print(f"code      {_code_state()}; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     print(f"trace     {args.trace} rows [{args.start}, {args.start + len(requests)})")
     print(f"workload  {len(requests)} requests over {span:.1f} s ({len(requests) / max(span, 1e-9):.2f} req/s); "
           f"prompt mean {statistics.fmean(r[1] for r in requests):.0f} (cap {args.prompt_cap}, "
@@ -539,11 +580,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     t = time.perf_counter()
     vlm = VidurLatencyModel.for_model(args.model, args.device, args.tp, progress=sys.stderr.isatty())
     print(f"setup     VidurLatencyModel ready in {time.perf_counter() - t:.1f} s ({vlm.table_path})")
-    ours_latency = vlm if args.ours_latency == "full" else VidurModelTime(vlm)
+    ours_latency = None if args.ours_latency == "full" else VidurModelTime(vlm)
 
-    ours = _best([run_ours(requests, args, ours_latency) for _ in range(args.repeat)])
-
-    results: list[tuple[str, dict]] = [("ours (no-shadow)", ours)]
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.vidur_metrics]
+    labels = {True: "vidur +metrics", False: "vidur -metrics"}
+    ours_runs: list[dict] = []
+    vidur_runs: dict[bool, list[dict]] = {m: [] for m in modes}
+    failed: dict[bool, str] = {}
     with tempfile.TemporaryDirectory(prefix="sim_vs_vidur-") as tmp:
         work = Path(tmp)
         trace_csv = work / "trace.csv"
@@ -552,36 +595,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             with _vidur_quiet(logging.CRITICAL):
                 predictor = build_vidur_predictor(args, vlm, work)
+            print(f"setup     Vidur predictor ({args.vidur_predictor}"
+                  f"{', native' if args.vidur_native else ''}) ready in {time.perf_counter() - t:.1f} s")
         except Exception as exc:  # report exactly what fails, keep our numbers
             print(f"VIDUR FAILED building its predictor: {type(exc).__name__}: {exc}")
             predictor = None
-        if predictor is not None:
-            print(f"setup     Vidur predictor ({args.vidur_predictor}"
-                  f"{', native' if args.vidur_native else ''}) ready in {time.perf_counter() - t:.1f} s")
-            modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.vidur_metrics]
+            failed = {m: "predictor" for m in modes}
+        for _ in range(max(1, args.repeat)):  # interleaved: load from other processes hits both sides alike
+            ours_runs.append(run_ours(requests, args, ours_latency))
             for metrics in modes:
-                label = "vidur sarathi" + (" +metrics" if metrics else " -metrics")
-                try:
-                    runs = [run_vidur(requests, args, vlm, predictor, ours["kv_blocks"], trace_csv, work, metrics)
-                            for _ in range(args.repeat)]
-                except Exception as exc:
-                    print(f"VIDUR FAILED ({label}): {type(exc).__name__}: {exc}")
+                if metrics in failed:
                     continue
-                best = _best(runs)
-                print(f"setup     {label}: Simulator() {best['setup_s']:.2f} s; run() {best['run_wall_s']:.3f} s "
-                      f"of which _write_output() {best['write_output_s']:.3f} s (excluded)")
-                results.append((label, best))
+                try:
+                    vidur_runs[metrics].append(
+                        run_vidur(requests, args, vlm, predictor, ours_runs[0]["kv_blocks"], trace_csv, work, metrics)
+                    )
+                except Exception as exc:
+                    failed[metrics] = f"{type(exc).__name__}: {exc}"
+                    print(f"VIDUR FAILED ({labels[metrics]}): {failed[metrics]}")
 
+    ours = _best(ours_runs)
+    print(f"setup     ours: SimRun construction {ours['setup_s']:.2f} s (latency model: {ours['latency']})")
+    results: list[tuple[str, dict]] = [("ours no-shadow", ours)]
+    for metrics in modes:
+        if vidur_runs[metrics]:
+            best = _best(vidur_runs[metrics])
+            print(f"setup     {labels[metrics]}: Simulator() {best['setup_s']:.2f} s; run() {best['run_wall_s']:.3f} s "
+                  f"of which _write_output() {best['write_output_s']:.3f} s (excluded)")
+            results.append((labels[metrics], best))
     for _, r in results:
         r["rate"] = r["iterations"] / r["wall_s"] if r["wall_s"] else float("inf")
+        r["cpu_rate"] = r["iterations"] / r["cpu_s"] if r["cpu_s"] else float("inf")
         r["speed"] = r["sim_s"] / r["wall_s"] if r["wall_s"] else float("inf")
-    print()
+    print(f"\nbest of {max(1, args.repeat)} interleaved runs each:")
     _print_table(results)
     print()
     for label, r in results[1:]:
         print(f"ratio ours / {label}: {ours['rate'] / r['rate']:.2f}x iterations per wall-second "
-              f"({ours['speed'] / r['speed']:.2f}x simulated seconds per wall-second); "
-              f"TTFT ours/vidur {ours['ttft_s'] / r['ttft_s']:.3f}, e2e ours/vidur {ours['e2e_s'] / r['e2e_s']:.3f}")
+              f"({ours['cpu_rate'] / r['cpu_rate']:.2f}x per CPU-second, "
+              f"{ours['speed'] / r['speed']:.2f}x simulated seconds per wall-second); "
+              f"mean TTFT ours/vidur {ours['ttft_s'] / r['ttft_s']:.3f}, mean e2e ours/vidur {ours['e2e_s'] / r['e2e_s']:.3f}")
     if args.ours_latency != "full":
         print("note: --ours-latency vidur-model-time looks latencies up through numpy; our rate is not representative")
 
@@ -592,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = pstats.Stats(prof, stream=out)
         stats.sort_stats("tottime").print_stats(args.profile)
         print(f"\ncProfile of our run loop (top {args.profile} by tottime; profiling inflates the wall time):")
-        print(out.getvalue())
+        print(out.getvalue().strip())
     return 0
 
 

@@ -121,4 +121,16 @@ class LinearLatencyModel:
         )
 
 
-__all__ = ["BatchShape", "LatencyModel", "LinearLatencyModel", "PrefillChunk"]
+__all__ = ["BatchShape", "LatencyModel", "LinearLatencyModel", "PrefillChunk", "chunked_prefill_s"]
+
+
+def chunked_prefill_s(latency: LatencyModel, num_tokens: int, chunk_tokens: int, num_context_tokens: int = 0) -> float:
+    """Predicted time to prefill ``num_tokens`` alone in chunks of ``chunk_tokens``
+    on top of ``num_context_tokens`` already cached (the isolated prefill of SLOs
+    and the placement estimate)."""
+    total, done = 0.0, 0
+    while done < num_tokens:
+        n = min(chunk_tokens, num_tokens - done)
+        total += latency.predict_s(BatchShape((PrefillChunk(n, num_context_tokens + done),)))
+        done += n
+    return total

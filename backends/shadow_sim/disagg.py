@@ -212,6 +212,8 @@ class KVFabric:
     num_pushed_tokens: int = 0  # inserted into D's shadow class
     num_dropped_push_tokens: int = 0  # arrived but could not be inserted
     num_unpinned: int = 0
+    num_backoffs: int = 0  # candidates skipped: D lost their pushed KV recently
+    _pushed: dict = attrs.Factory(dict)  # job -> (epoch, pushed up to token, end of last push)
 
     # -- placement ----------------------------------------------------------------
     def decode_for(self, req: EngineRequest, model: str) -> DecodeInstance:
@@ -324,11 +326,28 @@ class KVFabric:
                 continue
             hashes = job.history.block_hashes(bs)
             d_held = _held_blocks(d.kv, hashes)
+            if self._backing_off(job.key, job.history.epoch, d_held * bs, d):
+                continue
             p_held = _held_blocks(self.cluster.by_id[job.instance_id].kv, hashes, device_only=True)
             if p_held > d_held:
                 out.append(PushCandidate(job.key, p_held * bs, d_held * bs, job.switch_probability))
                 hashes_by_job[job.key] = (hashes, job.history.epoch)
         return out, hashes_by_job
+
+    def _backing_off(self, job: object, epoch: int, d_held: int, d: DecodeInstance) -> bool:
+        """Anti-churn: D lacks KV pushed for ``job`` (lost, or dropped on
+        arrival: its prefix ends below the pushed end) and the last push ended
+        less than ``cold_age_s`` ago. D
+        reclaims shadow blocks first, so under memory pressure an immediate
+        re-push would be lost again; this is the cold-age rule of shadow
+        allocations applied to pushes."""
+        pushed = self._pushed.get(job)
+        if pushed is None or pushed[0] != epoch or d_held >= pushed[1]:
+            return False
+        if self.loop.now_s - pushed[2] >= d.kv.policy.cold_age_s:
+            return False
+        self.num_backoffs += 1
+        return True
 
     def _try_push(self, link: KVLink) -> None:
         """Ask the push policy for the next push onto an idle link."""
@@ -367,6 +386,7 @@ class KVFabric:
             self.num_pushed_tokens += grant.num_tokens
         else:
             self.num_dropped_push_tokens += grant.num_tokens
+        self._pushed[grant.job] = (epoch, grant.start_token + grant.num_tokens, now)  # lost or dropped: back off
         self.pump(link)
 
 

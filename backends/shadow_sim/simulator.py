@@ -15,9 +15,10 @@ from typing import Any
 
 import attrs
 
-from shadow_sim.hardware import DeviceSpec, get_device, tensor_parallel_degree
-from shadow_sim.models import ModelConfig, get_model
-from shadow_sim.roofline import RooflineLatencyModel
+from shadow_sim.hardware import get_device, tensor_parallel_degree
+from shadow_sim.latency import KINDS as LATENCY_KINDS
+from shadow_sim.latency import latency_model, vidur_available
+from shadow_sim.models import get_model
 from shadowcore._validators import (
     fraction_open_closed,
     non_negative,
@@ -29,11 +30,9 @@ from shadowcore._validators import (
 from shadowcore.config import ShadowConfig, SloConfig, build_attrs
 from shadowcore.errors import ConfigError
 from shadowcore.kv import KVClassManager, KVClassPolicy
-from shadowcore.latency import BatchShape, LatencyModel
+from shadowcore.latency import BatchShape
 from shadowcore.testing.fake_engine import EngineInstance, EngineLimits, pool_blocks
 from shadowcore.testing.scenario import ScenarioResult, ScenarioRun
-
-LATENCY_KINDS = ("roofline", "vidur")
 
 
 def _tuple(v: Iterable) -> tuple:
@@ -71,7 +70,7 @@ class SimScenario:
 
     models: tuple[str, ...] = attrs.field(default=("Qwen2.5-7B", "Llama-3.1-70B"), converter=_tuple)
     device: str = "H100-80GB"
-    latency: str = "roofline"
+    latency: str = "vidur"  # "vidur" (needs the sim extra), "roofline" or "auto"
     tp: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
     instances_per_model: int = attrs.field(default=4, validator=positive_int)
     duration_s: float = attrs.field(default=600.0, validator=positive)
@@ -104,6 +103,8 @@ class SimScenario:
         get_device(self.device)
         if self.latency not in LATENCY_KINDS:
             raise ConfigError("latency", self.latency, f"must be one of {', '.join(LATENCY_KINDS)}")
+        if self.latency == "vidur" and not vidur_available():
+            raise ConfigError("latency", self.latency, "needs the sim extra: pip install -e '.[sim]' (or use roofline)")
         if self.tp and len(self.tp) != len(self.models):
             raise ConfigError("tp", self.tp, f"needs one entry per model ({len(self.models)})")
         for i, t in enumerate(self.tp):
@@ -123,14 +124,6 @@ class SimScenario:
         return t or tensor_parallel_degree(config, device)
 
 
-def build_latency(kind: str, model: ModelConfig, device: DeviceSpec, tp: int) -> LatencyModel:
-    if kind == "vidur":
-        from shadow_sim.vidur_latency import VidurLatencyModel  # heavy: only when asked for
-
-        return VidurLatencyModel(model, device, tp)
-    return RooflineLatencyModel(model, device, tp)
-
-
 @attrs.define(eq=False)
 class SimRun(ScenarioRun):
     """A :class:`SimScenario` under one policy."""
@@ -141,7 +134,7 @@ class SimRun(ScenarioRun):
     ) -> EngineInstance:
         sc: SimScenario = self.scenario
         config, device, tp = get_model(model), get_device(sc.device), sc.tp_of(model)
-        latency = build_latency(sc.latency, config, device, tp)
+        latency = latency_model(config, device, tp, kind=sc.latency)
         kv_bytes = float(config.kv_bytes_per_token())
         blocks = pool_blocks(device.hbm_bytes * tp, config.serving_weight_bytes, kv_bytes, sc.block_size,
                              sc.memory_utilization)

@@ -21,7 +21,7 @@ from shadowcore.events import EventLoop
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClassManager, KVClassPolicy
-from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
+from shadowcore.latency import BatchShape, LinearLatencyModel, chunked_prefill_s
 from shadowcore.pipeline import ShadowRuntime, build_runtime
 from shadowcore.policy import PolicySpec, load_policy
 from shadowcore.testing.fake_engine import EngineInstance, EngineLimits, EngineRequest
@@ -115,7 +115,8 @@ class EngineCluster:
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
         inst = self.by_id[instance_id]
         work = inst.queued_prefill_tokens + num_uncached_tokens
-        return self.loop.now_s + inst.latency.predict_s(BatchShape((PrefillChunk(work, 0),)))
+        t = chunked_prefill_s(inst.latency, work, inst.limits.token_budget)  # context ignored: an estimate
+        return self.loop.now_s + t
 
     def kick(self, inst: EngineInstance) -> None:
         """Start an iteration on an idle instance now (no-op when busy)."""
@@ -263,7 +264,8 @@ class ScenarioRun:
         history.append(prompt)
         req = EngineRequest(rid, RequestKind.NORMAL, history, prompt, output, now_s, inst.tpot_slo_s * 40,
                           inst.tpot_slo_s, on_token=lambda r, t: r.history.append(1), on_finish=self._normal_done)
-        req.ttft_slo_s = max(self.scenario.slo.ttft_s, 5 * inst.latency.predict_s(BatchShape((PrefillChunk(prompt),))))
+        isolated = chunked_prefill_s(inst.latency, prompt, inst.limits.token_budget)
+        req.ttft_slo_s = max(self.scenario.slo.ttft_s, 5 * isolated)
         self._enqueue(inst, req)
 
     def _normal_done(self, req: EngineRequest, now_s: float) -> None:
