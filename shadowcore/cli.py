@@ -21,7 +21,7 @@ from shadowcore.errors import ConfigError, PluginError
 from shadowcore.registry import Registry, backends, policies
 
 DEFAULT_POLICIES = ("no-shadow", "harvest-slo-host", "oracle-host")
-DEFAULT_BACKEND = "fake"
+DEFAULT_BACKEND = "sim"
 COLUMNS = (
     ("call_latency_s", "call lat (s)", "{:.3f}"),
     ("switch_latency_s", "switch lat (s)", "{:.3f}"),

@@ -43,7 +43,7 @@ class _GateMachine(SlackControllerMachine):
     checks = frozenset({"gate"})
 
     def snapshot_kinds(self):
-        return st.sampled_from(["waiting", "blocked", "any", "idle", "routed", "decode"])
+        return st.sampled_from(("waiting", "blocked", "any", "idle", "routed", "decode"))
 
 
 def test_no_shadow_while_waiting_or_blocked():
@@ -67,7 +67,7 @@ class _IdleMachine(SlackControllerMachine):
     checks = frozenset({"idle"})
 
     def snapshot_kinds(self):
-        return st.sampled_from(["idle", "idle", "idle", "routed", "decode"])
+        return st.sampled_from(("idle", "idle", "idle", "routed", "decode"))
 
 
 def test_idle_shadow_iterations_within_beta_T():
@@ -88,7 +88,7 @@ class _CreditMachine(SlackControllerMachine):
         ))
 
     def snapshot_kinds(self):
-        return st.sampled_from(["decode", "decode", "routed", "routed", "idle", "any"])
+        return st.sampled_from(("decode", "decode", "routed", "routed", "idle", "any"))
 
 
 def test_routed_stretch_bounded_by_delta_decode_time():

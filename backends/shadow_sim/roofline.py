@@ -40,7 +40,7 @@ from shadow_sim.hardware import DeviceSpec, get_device, tensor_parallel_degree
 from shadow_sim.models import ModelConfig, get_model
 from shadowcore._validators import fraction_open_closed, non_negative, positive, positive_int
 from shadowcore.errors import ConfigError
-from shadowcore.latency import BatchShape, PrefillChunk
+from shadowcore.latency import BatchShape, chunked_prefill_s
 
 _MOE_READ_MODES = ("total", "expected")
 
@@ -192,13 +192,7 @@ class RooflineLatencyModel:
         """Time to prefill ``num_tokens`` alone, in chunks of ``chunk_tokens`` (None: one)."""
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ConfigError("chunk_tokens", chunk_tokens, "must be >= 1 or None")
-        step = chunk_tokens or num_tokens
-        total, done = 0.0, 0
-        while done < num_tokens:
-            q = min(step, num_tokens - done)
-            total += self.predict_s(BatchShape((PrefillChunk(q, done),)))
-            done += q
-        return total
+        return chunked_prefill_s(self, num_tokens, chunk_tokens or max(1, num_tokens))
 
     def batch1_decode_s(self, context_tokens: int) -> float:
         """One decode iteration of a single sequence over ``context_tokens``."""

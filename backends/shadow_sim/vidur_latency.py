@@ -108,7 +108,7 @@ from shadow_sim.vidur_profiles import (
 )
 from shadowcore._validators import fraction_open_closed, non_negative, positive, positive_int
 from shadowcore.errors import ConfigError
-from shadowcore.latency import BatchShape
+from shadowcore.latency import BatchShape, chunked_prefill_s
 
 TABLE_SCHEMA = 1
 """Bumped whenever the exported tables' layout or meaning changes."""
@@ -690,14 +690,7 @@ class VidurLatencyModel:
     # -------------------------------------------------------------- helpers
     def isolated_prefill_s(self, num_tokens: int, chunk_tokens: int = 2048) -> float:
         """Time to prefill ``num_tokens`` alone, in chunks of ``chunk_tokens``."""
-        from shadowcore.latency import PrefillChunk
-
-        total, done = 0.0, 0
-        while done < num_tokens:
-            q = min(chunk_tokens, num_tokens - done)
-            total += self.predict_s(BatchShape((PrefillChunk(q, done),)))
-            done += q
-        return total
+        return chunked_prefill_s(self, num_tokens, chunk_tokens)
 
     @property
     def meta(self) -> dict[str, Any]:

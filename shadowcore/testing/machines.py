@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -60,6 +60,11 @@ Draw = Callable[[st.SearchStrategy[Any]], Any]
 
 #: Absolute tolerance (seconds) of every time comparison.
 EPS_S = 1e-9
+
+
+def _pick(data: st.DataObject, items: Sequence[Any]) -> Any:
+    """One of ``items`` (an index draw: no strategy object built per call)."""
+    return items[data.draw(st.integers(0, len(items) - 1))]
 
 
 # =====================================================================================
@@ -261,8 +266,8 @@ class KVClassMachine(RuleBasedStateMachine):
         four when there is one, otherwise :func:`~shadowcore.testing.strategies.hash_chains`."""
         spilled = [c for c in self.chains if any(self.kv.in_host(h) for h in c)]
         if spilled and data.draw(st.integers(0, 3), label="reload") == 0:
-            return list(data.draw(st.sampled_from(spilled)))
-        return data.draw(sst.hash_chains(self.chains, next_hash=self.next_hash, max_new=self.max_new_blocks))
+            return list(_pick(data, spilled))
+        return sst.draw_hash_chain(data.draw, self.chains, next_hash=self.next_hash, max_new=self.max_new_blocks)
 
     def _remember(self, chain: list[int]) -> None:
         self.universe.update(chain)
@@ -334,12 +339,12 @@ class KVClassMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.owners))
     @rule(data=st.data())
     def extend(self, data: st.DataObject) -> None:
-        owner = data.draw(st.sampled_from(sorted(self.owners)))
+        owner = _pick(data, sorted(self.owners))
         requester, chain, _ = self.owners[owner]
         longer = [c for c in self.chains if len(c) > len(chain) and list(c[: len(chain)]) == chain]
         new: list[int] = []
         if longer and data.draw(st.booleans()):
-            other = data.draw(st.sampled_from(longer))
+            other = _pick(data, longer)
             new = list(other[len(chain) : len(chain) + data.draw(st.integers(1, len(other) - len(chain)))])
         n_fresh = data.draw(st.integers(0, 3))
         new += list(range(self.next_hash, self.next_hash + n_fresh))
@@ -368,7 +373,7 @@ class KVClassMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.owners))
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        self._release(data.draw(st.sampled_from(sorted(self.owners))))
+        self._release(_pick(data, sorted(self.owners)))
 
     def _release(self, owner: str) -> None:
         _, chain, _ = self.owners.pop(owner)
@@ -382,7 +387,10 @@ class KVClassMachine(RuleBasedStateMachine):
     def advance_time(self, data: st.DataObject) -> None:
         """Time moves forward only; steps of exactly ``cold_age_s`` are likely."""
         cold = self.cold_age_s
-        self.now += data.draw(st.one_of(st.just(cold), sst.grid_times(2 * cold + 2.0)))
+        if data.draw(st.booleans()):
+            self.now += cold
+        else:
+            self.now += data.draw(st.integers(0, int((2 * cold + 2.0) / sst.TIME_QUANTUM_S))) * sst.TIME_QUANTUM_S
 
     # -- invariants ----------------------------------------------------------------
     @invariant()
@@ -435,6 +443,7 @@ class KVClassMachine(RuleBasedStateMachine):
 # Slack controller + engine hook
 # =====================================================================================
 SLACK_CHECKS = frozenset({"gate", "budget", "idle", "credit", "grants", "order", "liveness"})
+_KINDS = st.sampled_from(("idle", "idle", "routed", "routed", "decode", "decode", "any", "waiting", "blocked"))
 
 
 class StubEnginePort:
@@ -595,7 +604,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
 
     def snapshot_kinds(self) -> st.SearchStrategy[str]:
         """Which kind of snapshot each step shows."""
-        return st.sampled_from(["idle", "idle", "routed", "routed", "decode", "decode", "any", "waiting", "blocked"])
+        return _KINDS
 
     # -- expectations for the shipped controllers -----------------------------------
     def idle_cap_s(self, snapshot: StepSnapshot) -> float | None:
@@ -679,11 +688,11 @@ class SlackControllerMachine(RuleBasedStateMachine):
     def change_jobs(self, data: st.DataObject) -> None:
         live = self._live()
         actions = ["open", "open"] + (["grow", "grow", "reprioritise", "compact", "evict", "close"] if live else [])
-        action = data.draw(st.sampled_from(actions), label="action")
+        action = _pick(data, actions)
         if action == "open":
             self.open_job(data)
             return
-        job = data.draw(st.sampled_from(live), label="job")
+        job = _pick(data, live)
         getattr(self, action + "_job")(job, data)
 
     def open_job(self, data: st.DataObject) -> None:
@@ -739,15 +748,15 @@ class SlackControllerMachine(RuleBasedStateMachine):
             opts.update(blocked=True, waiting=None)
         else:
             opts.update(waiting=None, blocked=None)
-        snapshot = data.draw(sst.snapshots(
-            instance_id=self.instance_id, iteration=self.iteration, now_s=self.now, tpot_slo_s=self.tpot_s,
-            max_free_token_budget=4096, **opts,
-        ), label="snapshot")
+        snapshot = sst.draw_snapshot(
+            data.draw, instance_id=self.instance_id, iteration=self.iteration, now_s=self.now,
+            tpot_slo_s=self.tpot_s, max_free_token_budget=4096, **opts,
+        )
         if hasattr(self.jobs, "served"):
             self.jobs.served = None
         plan = self.hook.begin_step(snapshot)
         base_s, predicted_s = self._check_plan(snapshot, plan)
-        outcome = data.draw(sst.step_outcomes(plan, block_size=self.block_size), label="outcome")
+        outcome = sst.draw_step_outcome(data.draw, plan, block_size=self.block_size)
         self.hook.end_step(outcome)
         for r in outcome.results:
             job = self.jobs.job(r.grant.job)
@@ -756,7 +765,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
         self._check_credit(snapshot, plan, outcome, predicted_s - base_s)
         live = self._live()
         if live and data.draw(st.booleans(), label="stream"):  # a routed call streams output meanwhile
-            self.grow_job(data.draw(st.sampled_from(live), label="job"), data)
+            self.grow_job(_pick(data, live), data)
 
     # -- checks ----------------------------------------------------------------------
     def _predict(self, snapshot: StepSnapshot, chunks: tuple[PrefillChunk, ...]) -> tuple[float, float]:

@@ -20,12 +20,18 @@ Main entry points:
 * :func:`slack_controllers`, :func:`targetings`, :func:`ranked_targets` -- the
   strategy objects shipped with the core;
 * :func:`step_outcomes` -- an engine's report for a given plan.
+
+The composite strategies ``request_views``, ``batches``, ``snapshots``,
+``hash_chains`` and ``step_outcomes`` wrap plain functions ``draw_*(draw,
+...)`` with the same arguments; state machines call those with ``data.draw``
+(much faster than building a new strategy object per step).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hypothesis import strategies as st
 
@@ -55,7 +61,7 @@ from shadowcore.types import (
 #: Grid of times where exact equality matters (binary fraction: exact in floats).
 TIME_QUANTUM_S = 0.5
 
-_UNSET = object()
+Draw = Callable[[st.SearchStrategy[Any]], Any]
 
 
 def grid_times(max_s: float = 20.0) -> st.SearchStrategy[float]:
@@ -68,9 +74,16 @@ def _coefficient(max_value: float) -> st.SearchStrategy[float]:
     return st.one_of(st.just(0.0), st.floats(0.0, max_value, allow_nan=False, allow_infinity=False))
 
 
+_PROBABILITIES = st.one_of(st.sampled_from((0.0, 0.25, 0.5, 1.0)), st.floats(0.0, 1.0))
+_KINDS = st.sampled_from(RequestKind)
+_PHASES = st.sampled_from(Phase)
+_CHOICES = st.sampled_from(("full", "full", "zero", "part", "omit"))
+_CHOICES_REPORTED = st.sampled_from(("full", "full", "zero", "part"))
+
+
 def probabilities() -> st.SearchStrategy[float]:
     """Probabilities in [0, 1], with the edges and ties common."""
-    return st.one_of(st.sampled_from([0.0, 0.25, 0.5, 1.0]), st.floats(0.0, 1.0))
+    return _PROBABILITIES
 
 
 # -- latency -----------------------------------------------------------------------
@@ -101,9 +114,12 @@ def latency_models() -> st.SearchStrategy[LinearLatencyModel]:
 
 
 # -- snapshots -----------------------------------------------------------------------
-@st.composite
-def request_views(
-    draw,
+# Each ``draw_*`` function takes hypothesis' ``draw`` (``data.draw`` in a state
+# machine) and draws only from cached primitive strategies; the composite
+# strategies below wrap them. State machines call the functions directly:
+# building a fresh composite strategy per step costs more than the step.
+def draw_request_view(
+    draw: Draw,
     now_s: float | None = None,
     *,
     kind: RequestKind | None = None,
@@ -117,8 +133,8 @@ def request_views(
     positive, sometimes negative."""
     if now_s is None:
         now_s = draw(st.floats(0.0, 1000.0))
-    kind = draw(st.sampled_from(RequestKind)) if kind is None else kind
-    phase = draw(st.sampled_from(Phase)) if phase is None else phase
+    kind = draw(_KINDS) if kind is None else kind
+    phase = draw(_PHASES) if phase is None else phase
     tpot = draw(st.floats(0.005, 0.2)) if tpot_slo_s is None else tpot_slo_s
     ttft = draw(st.floats(0.05, 5.0))
     rid = request_id if request_id is not None else f"r{draw(st.integers(0, 10**6))}"
@@ -140,9 +156,8 @@ def request_views(
     )
 
 
-@st.composite
-def batches(
-    draw,
+def draw_batch(
+    draw: Draw,
     now_s: float,
     *,
     min_size: int = 0,
@@ -156,22 +171,20 @@ def batches(
     if has_routed:
         min_size = max(min_size, 1)
     n = draw(st.integers(min_size, max(min_size, max_size)))
-    phase_st = st.sampled_from(list(phases)) if phases else st.sampled_from(Phase)
+    phase_st = st.sampled_from(tuple(phases)) if phases else _PHASES
+    routed_at = draw(st.integers(0, n - 1)) if has_routed else -1  # the routed call need not be first
     out = []
     for i in range(n):
         kind = RequestKind.NORMAL if has_routed is False else None
-        if has_routed and i == 0:
+        if i == routed_at:
             kind = RequestKind.ROUTED
-        r = draw(request_views(now_s, kind=kind, phase=draw(phase_st), tpot_slo_s=tpot_slo_s, request_id=f"r{i}"))
-        out.append(r)
-    if has_routed:  # the routed call need not be first in the batch
-        out = draw(st.permutations(out))
+        out.append(draw_request_view(draw, now_s, kind=kind, phase=draw(phase_st), tpot_slo_s=tpot_slo_s,
+                                     request_id=f"r{i}"))
     return tuple(out)
 
 
-@st.composite
-def snapshots(
-    draw,
+def draw_snapshot(
+    draw: Draw,
     *,
     instance_id: str = "i0",
     iteration: int | None = None,
@@ -207,10 +220,10 @@ def snapshots(
     if idle:
         batch: tuple[RequestView, ...] = ()
     else:
-        batch = draw(batches(
-            now_s, min_size=1, max_size=max_batch, has_routed=has_routed,
-            tpot_slo_s=tpot if same_tpot else None, phases=[Phase.DECODE] if decode_only else None,
-        ))
+        batch = draw_batch(
+            draw, now_s, min_size=1, max_size=max_batch, has_routed=has_routed,
+            tpot_slo_s=tpot if same_tpot else None, phases=(Phase.DECODE,) if decode_only else None,
+        )
     if waiting is None:
         waiting = draw(st.integers(0, 3)) == 0  # drawn: one snapshot in four has a queue
     num_waiting = draw(st.integers(1, 16)) if waiting else 0
@@ -219,6 +232,14 @@ def snapshots(
         instance_id, iteration, now_s, batch, num_waiting, adm_blocked, tpot,
         draw(st.integers(0, max_free_token_budget)), draw(st.integers(0, max_shadow_room_tokens)),
     )
+
+
+request_views = st.composite(draw_request_view)
+request_views.__doc__ = draw_request_view.__doc__
+batches = st.composite(draw_batch)
+batches.__doc__ = draw_batch.__doc__
+snapshots = st.composite(draw_snapshot)
+snapshots.__doc__ = draw_snapshot.__doc__
 
 
 # -- KV ---------------------------------------------------------------------------------
@@ -249,18 +270,22 @@ def kv_policies(
     return st.builds(KVClassPolicy, cap, grid_times(max_cold_age_s), tier)
 
 
-@st.composite
-def hash_chains(draw, known: Sequence[Sequence[int]] = (), *, next_hash: int = 1, max_new: int = 6) -> list[int]:
+def draw_hash_chain(draw: Draw, known: Sequence[Sequence[int]] = (), *, next_hash: int = 1,
+                    max_new: int = 6) -> list[int]:
     """A block-hash chain: usually a prefix of a ``known`` chain (often all of
     it) followed by fresh hashes ``next_hash, next_hash+1, ...``. As with real
     chained hashes, a hash always follows the same prefix."""
     prefix: list[int] = []
     if known and draw(st.integers(0, 2)) > 0:
-        base = draw(st.sampled_from(list(known)))
+        base = known[draw(st.integers(0, len(known) - 1))]
         cut = len(base) if draw(st.booleans()) else draw(st.integers(0, len(base)))
         prefix = list(base[:cut])
     n_new = draw(st.integers(0 if prefix else 1, max_new))
     return prefix + list(range(next_hash, next_hash + n_new))
+
+
+hash_chains = st.composite(draw_hash_chain)
+hash_chains.__doc__ = draw_hash_chain.__doc__
 
 
 # -- strategies shipped with the core ----------------------------------------------------
@@ -312,9 +337,8 @@ def shadow_grants(draw, block_size: int = 16) -> ShadowGrant:
     )
 
 
-@st.composite
-def step_outcomes(
-    draw, plan: StepPlan, *, block_size: int = 1, duration_s: float | None = None, allow_omitted: bool = True
+def draw_step_outcome(
+    draw: Draw, plan: StepPlan, *, block_size: int = 1, duration_s: float | None = None, allow_omitted: bool = True
 ) -> StepOutcome:
     """An engine's report for ``plan``: each grant computed in full, dropped
     (0), cut to a whole number of blocks, or (``allow_omitted``) not reported
@@ -322,8 +346,7 @@ def step_outcomes(
     [0.5, 2]."""
     results = []
     for g in plan.grants:
-        choice = draw(st.sampled_from(["full", "full", "zero", "part", "omit"] if allow_omitted
-                                      else ["full", "full", "zero", "part"]))
+        choice = draw(_CHOICES if allow_omitted else _CHOICES_REPORTED)
         if choice == "omit":
             continue
         if choice == "full":
@@ -340,8 +363,13 @@ def step_outcomes(
     return StepOutcome(plan.instance_id, plan.iteration, duration_s, tuple(results))
 
 
+step_outcomes = st.composite(draw_step_outcome)
+step_outcomes.__doc__ = draw_step_outcome.__doc__
+
+
 __all__ = [
-    "TIME_QUANTUM_S", "batch_shapes", "batches", "grid_times", "hash_chains", "host_tier_params", "job_keys",
+    "TIME_QUANTUM_S", "batch_shapes", "batches", "draw_batch", "draw_hash_chain", "draw_request_view",
+    "draw_snapshot", "draw_step_outcome", "grid_times", "hash_chains", "host_tier_params", "job_keys",
     "kv_policies", "latency_models", "prefill_chunks", "probabilities", "ranked_targets", "request_views",
     "shadow_grants", "slack_controllers", "snapshots", "step_outcomes", "targetings",
 ]

@@ -7,12 +7,13 @@ Roofline latency, two small models, short runs: the whole file runs in seconds.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
-
 from shadow_sim.disagg import DecodeInstance, KVFabric, PDRun, PrefillInstance, _held_blocks, prefill_controller
 from shadow_sim.simulator import PDConfig, SimBackend, SimScenario
+
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
 from shadowcore.slack import EagerController, NoShadowController, PrefillInstanceController, SloSlackController
@@ -187,7 +188,7 @@ def test_no_push_while_link_carries_normal_transfer(monkeypatch: pytest.MonkeyPa
     pushes = normals = 0
     for link in run.fabric.links.values():
         recs = sorted(link.records, key=lambda r: (r.start_s, r.end_s))
-        for a, b in zip(recs, recs[1:]):
+        for a, b in itertools.pairwise(recs):
             assert b.start_s >= a.end_s - 1e-12, (a, b)  # serialized
         for r in recs:
             if r.kind == "push":
