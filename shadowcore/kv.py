@@ -10,7 +10,9 @@ Invariants (each has a property test):
 
 * Shadow blocks (in use or cached) never exceed ``cap_blocks``.
 * A normal allocation evicts an idle shadow block before any normal block;
-  eviction is LRU (least recently released first) within a class.
+  eviction is LRU (least recently released first) within a class; a released
+  chain goes idle tail first, so its tail is evicted before its head and
+  what survives is still a prefix (vLLM frees blocks in reverse order too).
 * A shadow allocation takes free blocks or idle blocks older than
   ``cold_age_s`` only; it never displaces a younger entry of either class.
 * A block in use (ref count > 0) is never evicted.
@@ -265,7 +267,7 @@ class KVClassManager:
     def release(self, owner_id: str, now_s: float) -> None:
         """Drop an owner's references; its hashed blocks stay cached (idle)."""
         owner = self._owners.pop(owner_id)
-        for h in owner.hashes:
+        for h in reversed(owner.hashes):  # tail first, so LRU evicts a context's tail before its head (as vLLM)
             block = self._blocks[h]
             block.ref_count -= 1
             if block.ref_count == 0:

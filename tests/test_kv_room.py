@@ -52,3 +52,14 @@ def test_shadow_room_matches_definition(ops, cap, cold_age, num_blocks) -> None:
             if kv.allocate(owner, hashes, 0, cls, now) is not None:
                 owners.append(owner)
         assert kv.shadow_room_blocks(now) == brute_force_room(kv, now)
+
+
+def test_eviction_takes_a_released_chain_tail_first() -> None:
+    """What survives eviction of a released context is still a usable prefix."""
+    kv = KVClassManager(6, 4, KVClassPolicy())
+    chain = [11, 12, 13, 14]
+    assert kv.allocate("ctx", chain, 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("ctx", 1.0)
+    assert kv.allocate("other", [], 3, KVClass.NORMAL, 2.0) is not None  # 2 free + 1 evicted
+    assert kv.match_prefix(chain).num_device_blocks == 3
+    assert not kv.is_cached(14)

@@ -70,8 +70,11 @@ def grid_times(max_s: float = 20.0) -> st.SearchStrategy[float]:
 
 
 def _coefficient(max_value: float) -> st.SearchStrategy[float]:
-    """A non-negative coefficient: often exactly 0, otherwise up to ``max_value``."""
-    return st.one_of(st.just(0.0), st.floats(0.0, max_value, allow_nan=False, allow_infinity=False))
+    """A non-negative coefficient: exactly 0 one time in five, otherwise in
+    ``[max_value / 50, max_value]``."""
+    return st.tuples(st.integers(0, 4), st.floats(max_value / 50, max_value)).map(
+        lambda t: 0.0 if t[0] == 0 else t[1]
+    )
 
 
 _PROBABILITIES = st.one_of(st.sampled_from((0.0, 0.25, 0.5, 1.0)), st.floats(0.0, 1.0))
@@ -136,12 +139,15 @@ def draw_request_view(
     kind = draw(_KINDS) if kind is None else kind
     phase = draw(_PHASES) if phase is None else phase
     tpot = draw(st.floats(0.005, 0.2)) if tpot_slo_s is None else tpot_slo_s
-    ttft = draw(st.floats(0.05, 5.0))
+    ttft = draw(st.floats(0.05, 2.0))
     rid = request_id if request_id is not None else f"r{draw(st.integers(0, 10**6))}"
     context = draw(st.integers(0, 32768))
     if phase is Phase.DECODE:
-        steps = draw(st.integers(0, 500))
-        pace = draw(st.floats(0.0, 1.3))  # fraction of the SLO pace already used
+        steps = draw(st.integers(0, 12))
+        if steps == 12:
+            steps = draw(st.integers(12, 500))
+        # fraction of the SLO pace used so far; near (1 - margin) the slack is tight
+        pace = draw(st.floats(0.0, 1.3)) if draw(st.booleans()) else draw(st.floats(0.75, 1.0))
         since_first = min(now_s, pace * tpot * (steps + 1))
         first = now_s - since_first
         arrival = max(0.0, first - draw(st.floats(0.0, ttft)))
@@ -149,7 +155,7 @@ def draw_request_view(
             rid, kind, phase, arrival, 1, context, ttft, tpot,
             num_remaining_prefill_tokens=0, first_token_s=first, num_decode_steps=steps,
         )
-    waited = min(now_s, draw(st.floats(0.0, 1.2)) * ttft)
+    waited = min(now_s, (draw(st.floats(0.0, 1.2)) if draw(st.booleans()) else draw(st.floats(0.75, 1.0))) * ttft)
     return RequestView(
         rid, kind, phase, now_s - waited, draw(st.integers(0, 4096)), context, ttft, tpot,
         num_remaining_prefill_tokens=draw(st.integers(0, 16384)),
