@@ -55,7 +55,9 @@ def _load_scenario(path: str | None) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}:{e.lineno}", e.doc.splitlines()[e.lineno - 1] if e.doc else "", e.msg) from None
+        lines = e.doc.splitlines()
+        line = lines[e.lineno - 1] if 0 < e.lineno <= len(lines) else ""
+        raise ConfigError(f"{path}:{e.lineno}:{e.colno}", line, e.msg) from None
     except OSError as e:
         raise ConfigError("--scenario", path, str(e)) from None
     if not isinstance(data, dict):

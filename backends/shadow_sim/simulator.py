@@ -110,6 +110,11 @@ class SimScenario:
         for i, t in enumerate(self.tp):
             if t not in (0, 1, 2, 4, 8):
                 raise ConfigError(f"tp[{i}]", t, "must be 0 (auto), 1, 2, 4 or 8")
+        for i, name in enumerate(self.models):  # the model must fit the device (before anything runs)
+            try:
+                self.tp_of(name)
+            except ConfigError as e:
+                raise ConfigError(f"models[{i}]", name, f"{e.problem} on {self.device}") from None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], field: str = "scenario") -> SimScenario:

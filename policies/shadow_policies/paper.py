@@ -12,6 +12,7 @@ same KV and targeting keywords so that sweeps can vary them uniformly:
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 from shadowcore.errors import ConfigError
@@ -48,11 +49,26 @@ _USER_ARG = {
 }
 
 
+#: Keywords every policy passes through ``**kv`` to the KV class and predictor.
+_KV_ARGS = frozenset({"shadow_cap", "cold_age_s", "host_capacity_bytes", "pcie_bytes_per_s", "pseudo_count"})
+
+
+def _accepted(factory: Callable[..., PolicySpec]) -> frozenset[str]:
+    params = inspect.signature(factory).parameters
+    named = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    has_kv = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return frozenset(named | (_KV_ARGS if has_kv else set()))
+
+
 def _user_args(factory: Callable[..., PolicySpec]) -> Callable[..., PolicySpec]:
     """Re-raise a component's ConfigError under the keyword argument it came from."""
 
     @functools.wraps(factory)
     def wrapper(*args, **kwargs) -> PolicySpec:
+        unknown = sorted(set(kwargs) - _accepted(factory))
+        if unknown:
+            known = ", ".join(sorted(_accepted(factory)))
+            raise ConfigError(unknown[0], kwargs[unknown[0]], f"unknown argument of this policy (known: {known})")
         try:
             return factory(*args, **kwargs)
         except ConfigError as e:

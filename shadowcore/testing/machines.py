@@ -727,8 +727,8 @@ class SlackControllerMachine(RuleBasedStateMachine):
     # -- the iteration ---------------------------------------------------------------
     @rule(data=st.data())
     def steps(self, data: st.DataObject) -> None:
-        """One to four engine iterations."""
-        for _ in range(data.draw(st.integers(1, 4), label="iterations")):
+        """One to three engine iterations."""
+        for _ in range(data.draw(st.integers(1, 3), label="iterations")):
             self.step(data)
 
     def step(self, data: st.DataObject) -> None:
@@ -750,7 +750,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
             opts.update(waiting=None, blocked=None)
         snapshot = sst.draw_snapshot(
             data.draw, instance_id=self.instance_id, iteration=self.iteration, now_s=self.now,
-            tpot_slo_s=self.tpot_s, max_free_token_budget=4096, **opts,
+            tpot_slo_s=self.tpot_s, max_batch=4, max_free_token_budget=4096, **opts,
         )
         if hasattr(self.jobs, "served"):
             self.jobs.served = None

@@ -88,3 +88,9 @@ def test_bad_scenarios_name_field_and_choices(scenario: dict, field: str, needle
     with pytest.raises(ConfigError) as info:
         SimScenario.from_dict({**SMALL, **scenario})
     assert field in str(info.value) and needle in str(info.value)
+
+
+def test_model_that_fits_no_device_fails_before_running() -> None:
+    with pytest.raises(ConfigError) as info:
+        SimScenario.from_dict({**SMALL, "models": ["Qwen2.5-7B", "DeepSeek-R1"]})
+    assert info.value.field == "scenario.models[1]" and "H100-80GB" in str(info.value)

@@ -1,0 +1,42 @@
+"""The command line: bad input gets one line naming the file, line and column,
+or the field; nothing runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from shadowcore.cli import main
+from shadowcore.config import PluginRef
+from shadowcore.errors import ConfigError
+from shadowcore.policy import load_policy
+
+
+@pytest.mark.parametrize(("text", "where"), [('{"a":\n', ":2:1"), ('{"duration_s": 1,,}', ":1:18"), ("[1, 2]", "JSON object")])
+def test_bad_scenario_file_names_file_line_column(tmp_path, capsys, text: str, where: str) -> None:
+    path = tmp_path / "scenario.json"
+    path.write_text(text)
+    assert main(["simulate", "--backend", "fake", "--scenario", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err and where in err
+
+
+def test_unknown_scenario_field_is_named(tmp_path, capsys) -> None:
+    path = tmp_path / "scenario.json"
+    path.write_text('{"duraton_s": 5}')
+    assert main(["simulate", "--backend", "fake", "--scenario", str(path)]) == 2
+    assert "scenario.duraton_s" in capsys.readouterr().err
+
+
+def test_unknown_policy_argument_is_named_with_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_policy(PluginRef("harvest-slo", {"bogus": 1}))
+    assert info.value.field == "policy.args.bogus" and "beta" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_policy(PluginRef("no-shadow", {"oracle": True}))  # flags are not arguments
+    assert info.value.field == "policy.args.oracle"
+
+
+def test_fake_backend_simulate_prints_table(capsys) -> None:
+    assert main(["simulate", "--backend", "fake", "--duration", "20", "--policies", "no-shadow,harvest-slo"]) == 0
+    out = capsys.readouterr().out
+    assert "no-shadow" in out and "harvest-slo" in out and "switch TTFT" in out
