@@ -16,22 +16,34 @@ Each machine checks a set of named invariants (``checks``; all by default).
 The tests of the core enable one at a time, so that a failure names the
 invariant; a plugin author usually keeps them all::
 
-    from hypothesis import settings
+    from hypothesis import Phase, settings
+    from hypothesis import strategies as st
     from shadowcore.testing.machines import SlackControllerMachine
 
     class MyControllerMachine(SlackControllerMachine):
         def make_controller(self, draw):
             return MyController(beta=draw(st.floats(0.1, 1.0)))
 
+    MyControllerMachine.TestCase.settings = settings(
+        max_examples=50, stateful_step_count=25, deadline=None,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],  # no slow "explain"
+    )
     TestMyController = MyControllerMachine.TestCase
-    TestMyController.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
 
-Needs hypothesis (the ``dev`` extra). The stubs (:class:`StubEnginePort`,
-:class:`StubJobSource`) do not, and example-based tests use them too.
+A controller that is not one of the shipped ones should also override the
+expectations the machine cannot guess: ``idle_cap_s``,
+``budget_upper_bound_s`` and ``credit_charged`` return ``None`` (check
+skipped) for a controller they do not know; ``credit_delta`` reads
+``controller.delta``.
+
+This module imports hypothesis (the ``dev`` extra); :mod:`shadowcore` never
+imports it. The stubs (:class:`StubEnginePort`, :class:`StubJobSource`) are
+plain classes that example-based tests use too.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -576,9 +588,10 @@ class SlackControllerMachine(RuleBasedStateMachine):
     positive budget means even ``max(n_min, 1 block)`` tokens would not fit.
 
     Subclass hooks: :meth:`make_controller`, :meth:`make_latency_model`,
-    :meth:`make_port`, :meth:`make_job_source`, :meth:`snapshot_kinds`, and the
-    expectations :meth:`idle_cap_s`, :meth:`budget_upper_bound_s`,
-    :meth:`credit_charged`, :meth:`credit_delta`.
+    :meth:`make_port`, :meth:`make_job_source`, :meth:`snapshot_kinds`; the job
+    actions (``open_job``, ``grow_job``, ``reprioritise_job``, ``compact_job``,
+    ``evict_job``, ``close_job``); and the expectations :meth:`idle_cap_s`,
+    :meth:`budget_upper_bound_s`, :meth:`credit_charged`, :meth:`credit_delta`.
     """
 
     checks: ClassVar[frozenset[str]] = SLACK_CHECKS
@@ -824,10 +837,10 @@ class SlackControllerMachine(RuleBasedStateMachine):
                     assert g.switch_probability == s.switch_probability, (g, s)
         if "order" in self.checks:
             ps = [g.switch_probability for g in grants]
-            assert all(a >= b for a, b in zip(ps, ps[1:])), f"grants not in non-increasing switch probability: {ps}"
+            assert all(a >= b for a, b in itertools.pairwise(ps)), f"grants not in non-increasing switch probability: {ps}"
             if served is not None:
                 sp = [s.switch_probability for s in served]
-                assert all(a >= b for a, b in zip(sp, sp[1:])), f"job source order not non-increasing: {sp}"
+                assert all(a >= b for a, b in itertools.pairwise(sp)), f"job source order not non-increasing: {sp}"
                 assert [g.job for g in grants] == [s.key for s in served[: len(grants)]], (
                     "grants do not follow the job order", grants, served,
                 )

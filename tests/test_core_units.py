@@ -1,0 +1,277 @@
+"""Example-based unit tests of the core: numbers worked out by hand.
+
+Eq. 1 and the prefill slack, the linear latency model, every branch of
+Algorithm 1 through a real :class:`~shadowcore.hook.EngineHook`, the
+routed-step credit, leave-one-session-out switch prediction and the
+probability gate.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shadowcore.hook import EngineHook
+from shadowcore.job import SessionHistory, ShadowJob
+from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
+from shadowcore.slack import (
+    CreditAccount,
+    HarvestController,
+    SloSlackController,
+    decode_slack_s,
+    min_batch_slack_s,
+    prefill_slack_s,
+    remaining_prefill_s,
+)
+from shadowcore.switch import EmpiricalSwitchPredictor, ProbabilityGate, TopK, rank_targets
+from shadowcore.testing.machines import StubEnginePort, StubJobSource
+from shadowcore.types import (
+    BudgetReason,
+    ChunkResult,
+    JobKey,
+    Phase,
+    RequestKind,
+    RequestView,
+    ShadowGrant,
+    SlackBudget,
+    StepOutcome,
+    StepPlan,
+    StepSnapshot,
+)
+
+T = 0.04  # TPOT SLO of the instance: beta * T = 0.02 s with beta = 0.5
+# 4 ms per iteration plus 60 us per prefill token; decodes and attention free.
+LATENCY = LinearLatencyModel(
+    overhead_s=0.004, prefill_s_per_token=6e-5, attention_s_per_token_pair=0.0,
+    decode_s_per_seq=0.0, decode_s_per_context_token=0.0,
+)
+
+
+def decode(rid: str, *, now: float, since_first: float, steps: int = 0, kind=RequestKind.NORMAL,
+           tpot: float = T) -> RequestView:
+    return RequestView(rid, kind, Phase.DECODE, 0.0, 1, 100, 1.0, tpot,
+                       first_token_s=now - since_first, num_decode_steps=steps)
+
+
+def prefill(rid: str, *, arrival: float, scheduled: int, remaining: int, context: int = 0, ttft: float = 1.0,
+            kind=RequestKind.NORMAL) -> RequestView:
+    return RequestView(rid, kind, Phase.PREFILL, arrival, scheduled, context, ttft, T,
+                       num_remaining_prefill_tokens=remaining)
+
+
+def snap(batch=(), *, now: float = 1.0, waiting: int = 0, blocked: bool = False, free: int = 8192,
+         room: int = 8192, iteration: int = 0) -> StepSnapshot:
+    return StepSnapshot("i0", iteration, now, tuple(batch), waiting, blocked, T, free, room)
+
+
+# -- Eq. 1, prefill slack, latency model ----------------------------------------------------------
+def test_eq1_decode_slack_by_hand():
+    # sigma = (1 - m) T (k + 1) - (t - f) = 0.9 * 0.025 * 4 - 0.05 = 0.04
+    r = decode("d", now=10.05, since_first=0.05, steps=3, tpot=0.025)
+    assert decode_slack_s(r, 10.05, 0.1) == pytest.approx(0.04)
+    # behind its pace: negative slack
+    late = decode("d", now=10.0, since_first=0.2, steps=3, tpot=0.025)
+    assert decode_slack_s(late, 10.0, 0.1) == pytest.approx(0.09 - 0.2)
+
+
+def test_prefill_slack_by_hand():
+    # (1 - m) F - (t - a) - p = 0.9 * 1.0 - 0.5 - 0.1 = 0.3
+    r = prefill("p", arrival=9.5, scheduled=512, remaining=0)
+    assert prefill_slack_s(r, 10.0, 0.1, 0.1) == pytest.approx(0.3)
+
+
+def test_remaining_prefill_time_runs_chunks_alone():
+    lat = LinearLatencyModel(0.001, 1e-5, 0.0, 0.0, 0.0)
+    r = prefill("p", arrival=0.0, scheduled=100, remaining=5000)
+    # chunks of 2048, 2048, 904: 3 iterations of 1 ms + 5000 * 10 us
+    assert remaining_prefill_s(r, lat, 2048) == pytest.approx(0.003 + 0.05)
+    # the batch minimum takes the tighter of a decode and that prefill
+    s = snap([r, decode("d", now=1.0, since_first=0.0)], now=1.0)
+    expected = min(0.9 * 1.0 - 1.0 - 0.053, 0.9 * T)
+    assert min_batch_slack_s(s, lat, 0.1, 2048) == pytest.approx(expected)
+    assert min_batch_slack_s(snap(), lat, 0.1, 2048) == float("inf")
+
+
+def test_linear_latency_model_by_hand():
+    lat = LinearLatencyModel(0.001, 1e-5, 1e-9, 1e-4, 1e-8)
+    shape = BatchShape((PrefillChunk(100, 50),), (1000, 2000))
+    # 1 ms + 100 * 10 us + 1e-9 * 100 * (50 + 50) + 2 * 100 us + 1e-8 * 3000
+    assert lat.predict_s(shape) == pytest.approx(0.001 + 0.001 + 1e-5 + 2e-4 + 3e-5)
+    assert lat.predict_s(BatchShape()) == 0.0
+
+
+# -- Algorithm 1, each branch ---------------------------------------------------------------------
+def make_hook(controller, *jobs: tuple[float, int], block_size: int = 16):
+    """A hook with one job per ``(switch_probability, history tokens)``."""
+    source = StubJobSource()
+    for i, (p, tokens) in enumerate(jobs):
+        h = SessionHistory(f"s{i}")
+        h.append(tokens)
+        source.add(ShadowJob(JobKey(f"s{i}", "B"), "i0", h, block_size, switch_probability=p, sequence=i))
+    hook = EngineHook("i0", source, controller, LATENCY, StubEnginePort(block_size))
+    return hook, source
+
+
+def run(hook: EngineHook, snapshot: StepSnapshot, duration: float | None = None, computed: bool = True) -> StepPlan:
+    plan = hook.begin_step(snapshot)
+    results = [ChunkResult(g, g.num_tokens if computed else 0) for g in plan.grants]
+    hook.end_step(StepOutcome("i0", snapshot.iteration, plan.predicted_s if duration is None else duration, results))
+    return plan
+
+
+def slo(n_min: int = 256) -> SloSlackController:
+    return SloSlackController(beta=0.5, delta=0.025, n_min=n_min, margin=0.1, chunk_tokens=2048)
+
+
+def test_line1_waiting_queue_gets_nothing():
+    hook, _ = make_hook(slo(), (0.9, 4096))
+    plan = run(hook, snap(waiting=1))
+    assert plan.budget == SlackBudget(0.0, BudgetReason.WAITING)
+    assert plan.grants == ()
+
+
+def test_line1_blocked_admission_gets_nothing():
+    hook, _ = make_hook(slo(), (0.9, 4096))
+    plan = run(hook, snap(blocked=True))
+    assert plan.budget == SlackBudget(0.0, BudgetReason.BLOCKED)
+    assert plan.grants == ()
+
+
+def test_line3_idle_instance_gets_beta_T():
+    hook, _ = make_hook(slo(), (0.9, 4096))
+    plan = run(hook, snap())
+    assert plan.budget == SlackBudget(0.5 * T, BudgetReason.IDLE)
+    # line 10: 0.004 + 6e-5 n <= 0.02  ->  n <= 266.7  ->  256 (whole blocks of 16)
+    assert [(g.start_token, g.num_tokens) for g in plan.grants] == [(0, 256)]
+    assert plan.predicted_s == pytest.approx(0.004 + 256 * 6e-5)
+
+
+def test_line5_routed_call_spends_credit_earned_on_decode_only_iterations():
+    hook, _ = make_hook(slo(), (0.9, 4096))
+    routed = [decode("r", now=1.0, since_first=0.0, kind=RequestKind.ROUTED)]
+    plan = run(hook, snap(routed))
+    assert plan.budget == SlackBudget(0.0, BudgetReason.ROUTED_CREDIT, bounds_stretch=True)
+    assert plan.grants == ()
+    # that iteration was decode-only without shadow: it earned delta * 4 ms; a decode-only iteration
+    # (no shadow room, so no shadow) of 1 s earns delta * 1 s = 0.025 s
+    run(hook, snap([decode("d", now=2.0, since_first=0.0)], now=2.0, room=0, iteration=1), duration=1.0)
+    earned = 0.025 * 0.004 + 0.025 * 1.0
+    assert hook.slack.credit.balance_s == pytest.approx(earned)
+    plan = run(hook, snap(routed, now=3.0, iteration=2))
+    # budget min(credit, beta T) = 0.02 bounds the stretch: 6e-5 n <= 0.02 -> n <= 333 -> 320
+    assert plan.budget == SlackBudget(0.02, BudgetReason.ROUTED_CREDIT, bounds_stretch=True)
+    assert plan.num_shadow_tokens == 320
+    assert plan.predicted_stretch_s == pytest.approx(320 * 6e-5)
+    assert hook.slack.credit.balance_s == pytest.approx(earned - 320 * 6e-5)
+
+
+def test_line7_slo_slack_and_line12_n_min():
+    # sigma = 0.9 * 0.04 * 1 - 0.02 = 0.016 < beta T: 0.004 + 6e-5 n <= 0.016 -> n = 192
+    batch = [decode("d", now=1.0, since_first=0.02)]
+    hook, _ = make_hook(slo(n_min=256), (0.9, 4096))
+    plan = run(hook, snap(batch))
+    assert plan.budget.reason is BudgetReason.SLO_SLACK and not plan.budget.bounds_stretch
+    assert plan.budget.budget_s == pytest.approx(0.016)
+    assert plan.grants == ()  # 192 < n_min = 256
+    hook, _ = make_hook(slo(n_min=0), (0.9, 4096))
+    assert run(hook, snap(batch)).num_shadow_tokens == 192
+
+
+def test_line11_shadow_kv_room_caps_tokens():
+    hook, _ = make_hook(slo(n_min=64), (0.9, 4096))
+    plan = run(hook, snap(room=100))
+    assert plan.num_shadow_tokens == 96  # whole blocks of 16 within 100
+    hook, _ = make_hook(slo(n_min=64), (0.9, 4096))
+    assert run(hook, snap(free=40)).grants == ()  # 32 tokens < n_min
+
+
+def test_line15_jobs_by_switch_probability():
+    hook, _ = make_hook(slo(), (0.2, 4096), (0.9, 64), (0.5, 100))
+    plan = run(hook, snap())
+    # 256 tokens: all 64 of the 0.9 job, then the 0.5 job's 96 (its whole blocks), then 96 of the 0.2 job
+    assert [(g.job.session_id, g.num_tokens, g.switch_probability) for g in plan.grants] == [
+        ("s1", 64, 0.9), ("s2", 96, 0.5), ("s0", 96, 0.2),
+    ]
+    # the next plan continues where each job's held prefix ends
+    plan = run(hook, snap(iteration=1))
+    assert [(g.job.session_id, g.start_token) for g in plan.grants] == [("s0", 96)]
+
+
+# -- routed-step credit -----------------------------------------------------------------------------
+def _plan(budget: SlackBudget, grants=(), base=0.004, predicted=0.004) -> StepPlan:
+    return StepPlan("i0", 0, budget, grants, base, predicted)
+
+
+GRANT = ShadowGrant(JobKey("s", "B"), 0, 0, 16, 0.5)
+
+
+def test_credit_accrues_on_decode_only_iterations_only():
+    c = CreditAccount(0.1)
+    decode_only = snap([decode("d", now=1.0, since_first=0.0)])
+    mixed = snap([decode("d", now=1.0, since_first=0.0), prefill("p", arrival=0.9, scheduled=64, remaining=0)])
+    none = _plan(SlackBudget(0.0, BudgetReason.SLO_SLACK))
+    c.earn(decode_only, none, StepOutcome("i0", 0, 0.05))
+    assert (c.balance_s, c.earned_s) == (pytest.approx(0.005), pytest.approx(0.005))
+    c.earn(mixed, none, StepOutcome("i0", 0, 0.05))  # a prefill in the batch
+    c.earn(snap(), none, StepOutcome("i0", 0, 0.05))  # idle
+    c.earn(decode_only, _plan(SlackBudget(1.0, BudgetReason.SLO_SLACK), [GRANT]), StepOutcome("i0", 0, 0.05))
+    c.earn(decode_only, none, StepOutcome("i0", 0, 0.05, [ChunkResult(GRANT, 16)]))  # shadow computed
+    assert c.balance_s == pytest.approx(0.005)
+
+
+def test_credit_is_spent_by_predicted_stretch_of_credit_budgets():
+    c = CreditAccount(0.1, balance_s=0.005)
+    c.spend(_plan(SlackBudget(0.005, BudgetReason.ROUTED_CREDIT, bounds_stretch=True), [GRANT], 0.004, 0.006))
+    assert (c.balance_s, c.spent_s) == (pytest.approx(0.003), pytest.approx(0.002))
+    c.spend(_plan(SlackBudget(0.005, BudgetReason.SLO_SLACK), [GRANT], 0.004, 0.006))  # not a credit budget
+    c.spend(_plan(SlackBudget(0.005, BudgetReason.ROUTED_CREDIT, bounds_stretch=True)))  # no grants
+    assert c.balance_s == pytest.approx(0.003)
+
+
+def test_harvest_uses_credit_on_every_busy_iteration():
+    h = HarvestController(beta=0.5, delta=0.1, n_min=0)
+    busy = snap([decode("d", now=1.0, since_first=0.0)])
+    assert h.budget(busy, LATENCY) == SlackBudget(0.0, BudgetReason.CREDIT, bounds_stretch=True)
+    h.observe(busy, _plan(SlackBudget(0.0, BudgetReason.CREDIT, True)), StepOutcome("i0", 0, 0.1))
+    b = h.budget(busy, LATENCY)
+    assert (b.budget_s, b.reason, b.bounds_stretch) == (pytest.approx(0.01), BudgetReason.CREDIT, True)
+    assert h.budget(snap(), LATENCY) == SlackBudget(0.5 * T, BudgetReason.IDLE)
+
+
+# -- switch prediction ----------------------------------------------------------------------------
+PAST = [("s1", "t", ["A", "B", "A", "B"]), ("s2", "t", ["A", "A", "A"])]
+
+
+def test_empirical_predictor_leaves_the_predicted_session_out():
+    p = EmpiricalSwitchPredictor(pseudo_count=1.0).fit(PAST)
+    only_s2 = EmpiricalSwitchPredictor(pseudo_count=1.0).fit(PAST[1:])
+    only_s1 = EmpiricalSwitchPredictor(pseudo_count=1.0).fit(PAST[:1])
+    # s1 sees only s2's transitions out of A (A->A twice): (0 + 1) / (2 + 1 + 0 + 1)
+    assert p.switch_probability("s1", "t", "A") == pytest.approx(1 / 4)
+    assert p.switch_probability("s1", "t", "A") == only_s2.switch_probability("s1", "t", "A")
+    assert p.next_model_distribution("s1", "t", "A", "ABC") == only_s2.next_model_distribution("s1", "t", "A", "ABC")
+    # s2 sees only s1's (A->B twice): (2 + 1) / (0 + 1 + 2 + 1)
+    assert p.switch_probability("s2", "t", "A") == pytest.approx(3 / 4)
+    assert p.switch_probability("s2", "t", "A") == only_s1.switch_probability("s2", "t", "A")
+    # a session outside the fitted set sees everything: (2 + 1) / (2 + 1 + 2 + 1)
+    assert p.switch_probability("new", "t", "A") == pytest.approx(1 / 2)
+    assert p.next_model_distribution("new", "t", "A", "ABC") == pytest.approx({"B": 3 / 4, "C": 1 / 4})
+    # live transitions are learned online, also for a fitted session (its fitted ones stay out)
+    p.observe_transition("s1", "t", "A", "B")
+    assert p.switch_probability("s1", "t", "A") == pytest.approx((1 + 1) / (2 + 1 + 1 + 1))
+
+
+def test_empirical_predictor_without_prior_or_data():
+    p = EmpiricalSwitchPredictor(pseudo_count=0.0)
+    assert p.switch_probability("s", "t", "A") == 0.5
+    assert p.next_model_distribution("s", "t", "A", "ABC") == {"B": 0.5, "C": 0.5}
+
+
+def test_probability_gate_keeps_targets_at_or_above_threshold():
+    ranked = rank_targets(0.5, {"B": 0.5, "C": 0.3, "D": 0.2})
+    assert [(t.model, t.switch_probability) for t in ranked] == [
+        ("B", pytest.approx(0.25)), ("C", pytest.approx(0.15)), ("D", pytest.approx(0.1)),
+    ]
+    assert [t.model for t in ProbabilityGate(0.25).choose(ranked)] == ["B"]  # inclusive
+    assert ProbabilityGate(0.26).choose(ranked) == []
+    assert ProbabilityGate(0.0).choose(ranked) == ranked
+    assert [t.model for t in TopK(2).choose(ranked)] == ["B", "C"]
