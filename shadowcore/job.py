@@ -157,6 +157,8 @@ class ShadowJob:
         self.num_inflight_tokens = max(0, self.num_inflight_tokens - num_granted)
         if epoch != self.epoch or start_token != self.num_held_tokens:
             return False
-        self.num_held_tokens += num_computed
+        # A block-level cache holds whole blocks only (as refresh() assumes): the
+        # tail of a partially computed chunk is not held, so grants stay aligned.
+        self.num_held_tokens += num_computed - num_computed % self.block_size
         self.num_computed_tokens += num_computed
         return True

@@ -15,6 +15,7 @@ from shadowcore.job import SessionHistory, ShadowJob
 from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
 from shadowcore.slack import (
     CreditAccount,
+    EagerController,
     HarvestController,
     SloSlackController,
     decode_slack_s,
@@ -194,6 +195,16 @@ def test_line15_jobs_by_switch_probability():
     # the next plan continues where each job's held prefix ends
     plan = run(hook, snap(iteration=1))
     assert [(g.job.session_id, g.start_token) for g in plan.grants] == [("s0", 96)]
+
+
+def test_partial_result_keeps_grants_on_block_boundaries():
+    hook, _ = make_hook(EagerController(), (0.5, 64))
+    plan = hook.begin_step(snap(free=32))
+    assert [(g.start_token, g.num_tokens) for g in plan.grants] == [(0, 32)]
+    # the engine computed 21 of 32 tokens: one whole block of 16 is held, the 5-token tail is not
+    hook.end_step(StepOutcome("i0", 0, 0.01, [ChunkResult(plan.grants[0], 21)]))
+    plan = run(hook, snap(free=32, iteration=1))
+    assert [(g.start_token, g.num_tokens) for g in plan.grants] == [(16, 32)]
 
 
 # -- routed-step credit -----------------------------------------------------------------------------

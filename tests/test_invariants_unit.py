@@ -235,6 +235,19 @@ def test_host_tier_capacity_and_reload_cost():
     _run(_HostMachine, 50, 35)
 
 
+# -- further hook invariants (beyond the ten above) -----------------------------------------------
+class _GrantsMachine(SlackControllerMachine):
+    checks = frozenset({"grants", "liveness"})
+
+
+def test_grants_whole_blocks_within_limits_at_least_n_min_and_maximal():
+    """Lines 10-14: grants are whole blocks starting where each job's held
+    prefix ends (also after partial results), within the token budget, the
+    shadow KV room and the jobs' missing tokens; a non-empty plan has >= n_min
+    tokens, and the plan is maximal (one more block would not fit)."""
+    _run(_GrantsMachine, 40, 25)
+
+
 # -- the machines with every check on (what a plugin author runs) ---------------------------------
 def test_kv_machine_all_checks():
     _run(KVClassMachine, 30, 30)

@@ -480,14 +480,17 @@ class StubEnginePort:
         self.evictions += 1
 
     def computed(self, history: SessionHistory, epoch: int, start: int, num_tokens: int) -> None:
-        """An engine cached ``[start, start + num_tokens)`` of ``history``."""
+        """An engine computed ``[start, start + num_tokens)`` of ``history``; it
+        caches the whole blocks of it."""
         if num_tokens <= 0 or epoch != history.epoch:
             return
         e, n = self.cached.get(history.session_id, (epoch, 0))
         if e != epoch:
             n = 0
+        end = start + num_tokens
+        end -= end % self.block_size
         if start <= n:
-            self.cached[history.session_id] = (epoch, max(n, start + num_tokens))
+            self.cached[history.session_id] = (epoch, max(n, end))
 
 
 @attrs.frozen

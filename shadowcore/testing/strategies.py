@@ -80,8 +80,8 @@ def _coefficient(max_value: float) -> st.SearchStrategy[float]:
 _PROBABILITIES = st.one_of(st.sampled_from((0.0, 0.25, 0.5, 1.0)), st.floats(0.0, 1.0))
 _KINDS = st.sampled_from(RequestKind)
 _PHASES = st.sampled_from(Phase)
-_CHOICES = st.sampled_from(("full", "full", "zero", "part", "omit"))
-_CHOICES_REPORTED = st.sampled_from(("full", "full", "zero", "part"))
+_CHOICES = st.sampled_from(("full", "full", "zero", "part", "ragged", "omit"))
+_CHOICES_REPORTED = st.sampled_from(("full", "full", "zero", "part", "ragged"))
 
 
 def probabilities() -> st.SearchStrategy[float]:
@@ -347,9 +347,9 @@ def draw_step_outcome(
     draw: Draw, plan: StepPlan, *, block_size: int = 1, duration_s: float | None = None, allow_omitted: bool = True
 ) -> StepOutcome:
     """An engine's report for ``plan``: each grant computed in full, dropped
-    (0), cut to a whole number of blocks, or (``allow_omitted``) not reported
-    at all. ``duration_s`` defaults to the plan's prediction times a factor in
-    [0.5, 2]."""
+    (0), cut to a whole number of blocks, cut anywhere, or (``allow_omitted``)
+    not reported at all. ``duration_s`` defaults to the plan's prediction
+    times a factor in [0.5, 2]."""
     results = []
     for g in plan.grants:
         choice = draw(_CHOICES if allow_omitted else _CHOICES_REPORTED)
@@ -359,8 +359,10 @@ def draw_step_outcome(
             n = g.num_tokens
         elif choice == "zero":
             n = 0
-        else:
+        elif choice == "part":
             n = block_size * draw(st.integers(0, g.num_tokens // block_size))
+        else:
+            n = draw(st.integers(0, g.num_tokens))
         results.append(ChunkResult(g, n))
     if duration_s is None:
         duration_s = plan.predicted_s * draw(st.floats(0.5, 2.0))
