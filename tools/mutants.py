@@ -1,0 +1,149 @@
+"""Break each invariant on purpose and check that its named test fails.
+
+Each mutation is (test file, test name, source file, old text, new text
+[, expected count]). The script copies the repository to a temporary folder,
+applies one mutation there (the checkout is never edited), runs the named
+test and reports whether it failed. Exit status 1 if any mutant survives.
+
+    python tools/mutants.py            # all
+    python tools/mutants.py cap topk   # some
+
+Anchors are exact source text: when a refactor moves them the script says
+which mutation no longer applies.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+UNIT = "tests/test_invariants_unit.py"
+E2E = "tests/test_invariants_e2e.py"
+EVICT_ONE = "    def _evict_one(self, requester: KVClass, now_s: float, protect: set[int]) -> None:\n"
+
+MUTATIONS: dict[str, tuple] = {
+    "gate": (UNIT, "test_no_shadow_while_waiting_or_blocked", "shadowcore/slack.py",
+             '    """Algorithm 1 line 1: nothing while anything waits or is blocked."""\n',
+             '    """Algorithm 1 line 1: nothing while anything waits or is blocked."""\n    return None\n'),
+    "budget-hook": (UNIT, "test_predicted_iteration_within_budget", "shadowcore/hook.py",
+                    "used = t - base_s if budget.bounds_stretch else t", "used = t - base_s"),
+    "budget-slo": (UNIT, "test_predicted_iteration_within_budget", "shadowcore/slack.py",
+                   "return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)",
+                   "return SlackBudget(cap, BudgetReason.SLO_SLACK)"),
+    "idle": (UNIT, "test_idle_shadow_iterations_within_beta_T", "shadowcore/slack.py",
+             "return SlackBudget(cap, BudgetReason.IDLE)", "return SlackBudget(2 * cap, BudgetReason.IDLE)", 2),
+    "credit-earn": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
+                    "if snapshot.batch_shape.is_decode_only and outcome.num_shadow_tokens == 0 and not plan.grants:",
+                    "if outcome.num_shadow_tokens == 0 and not plan.grants:"),
+    "credit-spend": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
+                     "self.balance_s -= cost", "pass"),
+    "cap": (UNIT, "test_shadow_kv_never_exceeds_cap", "shadowcore/kv.py",
+            "        if kv_class is KVClass.SHADOW and self.num_shadow_blocks + num > self.cap_blocks:\n"
+            "            return False\n", ""),
+    "class-order": (UNIT, "test_evict_shadow_before_normal_and_lru_within_class", "shadowcore/kv.py",
+                    EVICT_ONE + "        for cls in (KVClass.SHADOW, KVClass.NORMAL):\n",
+                    EVICT_ONE + "        for cls in (KVClass.NORMAL, KVClass.SHADOW):\n"),
+    "lru-mru": (UNIT, "test_evict_shadow_before_normal_and_lru_within_class", "shadowcore/kv.py",
+                EVICT_ONE + "        for cls in (KVClass.SHADOW, KVClass.NORMAL):\n            for h in self._idle[cls]:\n",
+                EVICT_ONE + "        for cls in (KVClass.SHADOW, KVClass.NORMAL):\n"
+                "            for h in reversed(self._idle[cls]):\n"),
+    "young": (UNIT, "test_shadow_never_displaces_young_entry", "shadowcore/kv.py",
+              "return now_s - idle_since_s > self.cold_age_s", "return now_s - idle_since_s >= self.cold_age_s"),
+    "order-hook": (UNIT, "test_jobs_served_in_nonincreasing_switch_probability", "shadowcore/hook.py",
+                   "    for job in jobs:\n", "    for job in sorted(jobs, key=lambda j: j.switch_probability):\n"),
+    "order-manager": (UNIT, "test_jobs_served_in_nonincreasing_switch_probability", "shadowcore/manager.py",
+                      "jobs.sort(key=lambda j: (-j.switch_probability, j.sequence))",
+                      "jobs.sort(key=lambda j: (j.switch_probability, j.sequence))"),
+    "topk": (UNIT, "test_top_k_targets_at_most_k", "shadowcore/switch.py",
+             "return list(ranked[: self.k])", "return list(ranked[: self.k + 1])"),
+    "host-trim": (UNIT, "test_host_tier_capacity_and_reload_cost", "shadowcore/kv.py",
+                  "        while len(self._host) > capacity:\n            self._host.popitem(last=False)\n", ""),
+    "host-cost": (UNIT, "test_host_tier_capacity_and_reload_cost", "shadowcore/kv.py",
+                  "return num_blocks * self.block_bytes / host.pcie_bytes_per_s",
+                  "return num_blocks * self.kv_bytes_per_token / host.pcie_bytes_per_s"),
+    "job-unaligned": (UNIT, "test_grants_whole_blocks_within_limits_at_least_n_min_and_maximal", "shadowcore/job.py",
+                      "self.num_held_tokens += num_computed - num_computed % self.block_size",
+                      "self.num_held_tokens += num_computed"),
+    "n_min": (UNIT, "test_grants_whole_blocks_within_limits_at_least_n_min_and_maximal", "shadowcore/hook.py",
+              "if n == 0 or n < self.slack.n_min:", "if n == 0:"),
+    "not-maximal": (UNIT, "test_grants_whole_blocks_within_limits_at_least_n_min_and_maximal", "shadowcore/hook.py",
+                    "n = lo * block", "n = max(0, lo - 1) * block"),
+    "refresh-held": (E2E, "test_no_token_prefilled_twice_on_target", "shadowcore/job.py",
+                     "self.num_held_tokens = min(aligned, self.num_target_tokens)", "self.num_held_tokens = 0"),
+    "abab-held": (E2E, "test_abab_computes_only_deltas", "shadowcore/job.py",
+                  "self.num_held_tokens = min(aligned, self.num_target_tokens)", "self.num_held_tokens = 0"),
+    "random-order": (E2E, "test_same_seed_identical_plans", "shadowcore/manager.py",
+                     "jobs.sort(key=lambda j: (-j.switch_probability, j.sequence))",
+                     "import random; jobs.sort(key=lambda j: (-j.switch_probability, random.random()))"),
+    "keep-chosen-job": (E2E, "test_switch_call_never_waits_on_shadow", "shadowcore/manager.py",
+                        "        self._close(JobKey(s.session_id, call.model))\n", "",
+                        "            if model == s.current_model or model not in chosen:",
+                        "            if model != s.current_model and model not in chosen:",
+                        "            job.switch_probability = chosen[model].switch_probability",
+                        "            job.switch_probability = chosen[model].switch_probability if model in chosen else 1.0"),
+    "head-first": ("tests/test_kv_room.py", "test_eviction_takes_a_released_chain_tail_first", "shadowcore/kv.py",
+                   "        for h in reversed(owner.hashes):", "        for h in owner.hashes:"),
+    "cold-count": ("tests/test_kv_room.py", "test_shadow_room_matches_definition", "shadowcore/kv.py",
+                   "                self._leave_idle(block)\n                del self._blocks[h]",
+                   "                del self._blocks[h]"),
+}
+
+
+def _apply(root: Path, path: str, edits: tuple) -> None:
+    f = root / path
+    text = f.read_text()
+    pairs = [(edits[i], edits[i + 1]) for i in range(0, len(edits) - 1, 2)]
+    count = edits[-1] if len(edits) % 2 else 1
+    for old, new in pairs:
+        n = text.count(old)
+        if n != count:
+            raise SystemExit(f"{path}: expected {count} match(es) of {old!r}, found {n}: update tools/mutants.py")
+        text = text.replace(old, new)
+    f.write_text(text)
+
+
+def run(name: str, timeout_s: int = 600, mutate: bool = True) -> tuple[bool, float]:
+    """Whether the named test failed in a copy with (or, as a control, without) the mutation."""
+    test_file, test, path, *edits = MUTATIONS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
+            ".git", ".hypothesis", ".pytest_cache", "__pycache__", "*.egg-info", ".ruff_cache", "site"))
+        if mutate:
+            _apply(copy, path, tuple(edits))
+        paths = os.pathsep.join(str(copy / p) for p in (".", "backends", "policies"))
+        env = dict(os.environ, PYTHONPATH=paths)
+        t0 = time.time()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-o", "timeout=0", "-x",
+             "-k", test],
+            cwd=copy, env=env, capture_output=True, text=True, timeout=timeout_s,
+        )
+        return proc.returncode != 0, time.time() - t0
+
+
+def main(names: list[str]) -> int:
+    names = names or list(MUTATIONS)
+    for name in names:  # control: every named test passes on the unmutated copy
+        failed, _ = run(name, mutate=False)
+        if failed:
+            print(f"control failed: {MUTATIONS[name][1]} fails without any mutation")
+            return 2
+    survivors = []
+    for name in names:
+        caught, seconds = run(name)
+        print(f"{name:<18} {MUTATIONS[name][1]:<70} {'caught' if caught else 'SURVIVED'} ({seconds:.0f} s)", flush=True)
+        if not caught:
+            survivors.append(name)
+    print(f"{len(names) - len(survivors)}/{len(names)} mutants caught")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
