@@ -231,6 +231,12 @@ class CallArrival:
     now_s: float = attrs.field(validator=non_negative)
     task: str = ""
     new_token_ids: tuple[int, ...] | None = None
+    #: When set, the session history is first replaced by a summary of this many
+    #: tokens (compaction at the model's window); the call's prompt is then the
+    #: summary plus its new input. Every shadow job restarts from the new epoch.
+    compact_to_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(non_negative_int)
+    )
 
 
 @attrs.frozen

@@ -55,12 +55,15 @@ def test_no_shadow_while_waiting_or_blocked():
 class _BudgetMachine(SlackControllerMachine):
     checks = frozenset({"budget"})
 
+    def snapshot_kinds(self):  # the busy cases, where the budget is a slack or a credit
+        return st.sampled_from(("any", "decode", "decode", "routed", "idle"))
+
 
 def test_predicted_iteration_within_budget():
     """Lines 4-10: with shadow tokens the predicted iteration (slack and idle
     budgets) or its predicted stretch (credit budgets) fits the budget, and the
     budget is at most beta*T / min_r sigma_r (Eq. 1, independently computed)."""
-    _run(_BudgetMachine, 50, 25)
+    _run(_BudgetMachine, 150, 30)
 
 
 class _IdleMachine(SlackControllerMachine):

@@ -1,0 +1,41 @@
+"""Compaction at the model's window: the history restarts as a summary, every
+shadow job restarts from the new epoch, and the next switch finds the summary
+(not the old context) cached."""
+
+from __future__ import annotations
+
+from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.testing.scenario import FakeRun, FakeScenario
+from shadowcore.types import CallArrival, JobKey
+
+
+def _run() -> FakeRun:
+    sc = FakeScenario.from_dict({"models": ["A", "B"], "latency_scale": [1.0, 1.0], "instances_per_model": 1,
+                                 "normal_rate_per_s": 0.0, "duration_s": 1.0})
+    return FakeRun(sc, ShadowConfig(PluginRef("harvest-slo", {"n_min": 16})), sessions=())
+
+
+def test_compaction_resets_history_and_jobs() -> None:
+    run = _run()
+    manager = run.runtime.manager
+    manager.on_call_arrival(CallArrival("s", "A", 3000, 0.0))
+    manager.on_output_tokens("s", 200)
+    job = manager.job(JobKey("s", "B"))
+    assert job is not None and job.num_target_tokens == 3200 // 16 * 16
+    old_hashes = manager.sessions["s"].history.block_hashes(16)
+    manager.on_call_arrival(CallArrival("s", "A", 500, 1.0, compact_to_tokens=1000))
+    history = manager.sessions["s"].history
+    assert history.num_tokens == 1500 and history.epoch == 1
+    assert not set(history.block_hashes(16)) & set(old_hashes)  # the summary shares no block
+    job = manager.job(JobKey("s", "B"))
+    assert job.num_missing_tokens == 1500 // 16 * 16  # the shadow restarts from the summary
+
+
+def test_negative_compaction_is_rejected() -> None:
+    import pytest
+
+    from shadowcore.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        CallArrival("s", "A", 10, 0.0, compact_to_tokens=-1)
+    assert info.value.field == "compact_to_tokens"
