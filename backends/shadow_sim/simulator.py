@@ -32,7 +32,8 @@ from shadowcore.errors import ConfigError
 from shadowcore.kv import KVClassManager, KVClassPolicy
 from shadowcore.latency import BatchShape
 from shadowcore.testing.fake_engine import EngineInstance, EngineLimits, pool_blocks
-from shadowcore.testing.scenario import ScenarioResult, ScenarioRun
+from shadowcore.testing.scenario import ScenarioResult, ScenarioRun, SessionPlan
+from shadowcore.workloads.sessions import SessionPreset, generate, get_preset
 
 
 def _tuple(v: Iterable) -> tuple:
@@ -90,6 +91,10 @@ class SimScenario:
     max_num_seqs: int = attrs.field(default=256, validator=positive_int)
     memory_utilization: float = attrs.field(default=0.9, validator=fraction_open_closed)
     seed: int = attrs.field(default=0, validator=non_negative_int)
+    #: A Table 1 session preset (``shadowcore.workloads.sessions.PRESETS``) instead
+    #: of the Markov session fields above; its small/large models map to
+    #: ``models[0]``/``models[1]`` and it compacts at their context windows.
+    preset: str = ""
     pd: PDConfig | None = attrs.field(default=None, converter=_pd_config)  # None: colocated
 
     def __attrs_post_init__(self) -> None:
@@ -110,11 +115,25 @@ class SimScenario:
         for i, t in enumerate(self.tp):
             if t not in (0, 1, 2, 4, 8):
                 raise ConfigError(f"tp[{i}]", t, "must be 0 (auto), 1, 2, 4 or 8")
+        if self.preset:
+            self.session_preset()  # unknown names list the valid ones; windows must fit
         for i, name in enumerate(self.models):  # the model must fit the device (before anything runs)
             try:
                 self.tp_of(name)
             except ConfigError as e:
                 raise ConfigError(f"models[{i}]", name, f"{e.problem} on {self.device}") from None
+
+    def session_preset(self) -> SessionPreset:
+        """The preset mapped onto this cluster's models and context windows."""
+        preset = get_preset(self.preset)
+        if len(self.models) != len(preset.models):
+            raise ConfigError("models", self.models, f"preset {self.preset!r} needs {len(preset.models)} models")
+        windows = tuple(get_model(m).max_context_tokens for m in self.models)
+        try:
+            return attrs.evolve(preset, models=self.models, windows=windows,
+                                session_rate_per_s=self.session_rate_per_s)
+        except ConfigError as e:
+            raise ConfigError("preset", self.preset, f"does not fit these models' windows {windows}: {e}") from None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], field: str = "scenario") -> SimScenario:
@@ -153,6 +172,19 @@ class SimRun(ScenarioRun):
             num_gpus=tp, idle_power_w=device.idle_power_w, busy_power_w=device.busy_power_w,
             validate_values=False,  # speed: the engine tests run the same code with validation on
         )
+
+    def session_plans(self) -> list[SessionPlan]:
+        sc: SimScenario = self.scenario
+        if not sc.preset:
+            return super().session_plans()
+        return [
+            SessionPlan(
+                a.session_id, a.arrival_s, tuple(c.model for c in a.calls),
+                tuple(c.num_appended_tokens for c in a.calls), tuple(c.num_output_tokens for c in a.calls),
+                tuple(c.compact_to_tokens for c in a.calls), (*a.tool_gaps_s, 0.0),
+            )
+            for a in generate(sc.session_preset(), sc.duration_s, sc.seed)
+        ]
 
     def summary(self) -> dict[str, float]:
         out = super().summary()

@@ -142,13 +142,18 @@ def _lognormal(rng: np.random.Generator, median: float, sigma: float = 0.6) -> i
 
 @attrs.frozen
 class SessionPlan:
-    """One scripted agent session: its calls' models, new input and output tokens."""
+    """One agent session as the runner plays it: per call its model, the tokens
+    appended at arrival (new input and tool result), its output tokens, and
+    optionally a compaction before it and the gap after it (else the
+    scenario's ``tool_gap_s``)."""
 
     session_id: str
     arrival_s: float
     models: tuple[str, ...]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    compact_to: tuple[int | None, ...] = ()
+    gaps_s: tuple[float, ...] = ()
 
 
 def draw_sessions(sc: FakeScenario) -> list[SessionPlan]:
@@ -220,6 +225,10 @@ class ScenarioRun:
     def build_instance(self, instance_id: str, model: str, kv_policy: KVClassPolicy) -> EngineInstance:
         raise NotImplementedError
 
+    def session_plans(self) -> list[SessionPlan]:
+        """The sessions of this run (default: Markov sessions from the scenario's fields)."""
+        return draw_sessions(self.scenario)
+
     def build_cluster(self, extra: int) -> EngineCluster:
         """The run's instances. ``by_model`` lists, per model, the instances the
         router side may place calls on (with ``extra``, the last one of each
@@ -244,8 +253,7 @@ class ScenarioRun:
 
     # -- workload -------------------------------------------------------------------
     def run(self) -> ScenarioResult:
-        sc = self.scenario
-        for s in self.sessions if self.sessions is not None else draw_sessions(sc):
+        for s in self.sessions if self.sessions is not None else self.session_plans():
             self.loop.at(s.arrival_s, CALL, lambda t, s=s: self._call(s, 0))
         for inst, arrivals in self.normal_arrivals():
             for arrival, prompt, output in arrivals:
@@ -280,7 +288,10 @@ class ScenarioRun:
     def _call(self, s: SessionPlan, index: int) -> None:
         now = self.loop.now_s
         manager = self.runtime.manager
-        placement = manager.on_call_arrival(CallArrival(s.session_id, s.models[index], s.inputs[index], now))
+        compact = s.compact_to[index] if s.compact_to else None
+        placement = manager.on_call_arrival(
+            CallArrival(s.session_id, s.models[index], s.inputs[index], now, compact_to_tokens=compact)
+        )
         inst = self.cluster.by_id[placement.instance_id]
         history = manager.sessions[s.session_id].history
         req = EngineRequest(
@@ -303,7 +314,8 @@ class ScenarioRun:
             req.num_cached_tokens,
         ))
         if index + 1 < len(s.models):
-            self.loop.at(self.loop.now_s + self.scenario.tool_gap_s, CALL, lambda t: self._call(s, index + 1))
+            gap = s.gaps_s[index] if s.gaps_s else self.scenario.tool_gap_s
+            self.loop.at(self.loop.now_s + gap, CALL, lambda t: self._call(s, index + 1))
         else:
             self.runtime.manager.on_session_end(s.session_id)
         self.cluster.kick_all()

@@ -94,3 +94,20 @@ def test_model_that_fits_no_device_fails_before_running() -> None:
     with pytest.raises(ConfigError) as info:
         SimScenario.from_dict({**SMALL, "models": ["Qwen2.5-7B", "DeepSeek-R1"]})
     assert info.value.field == "scenario.models[1]" and "H100-80GB" in str(info.value)
+
+
+def test_table1_preset_sessions_run_to_completion() -> None:
+    scenario = {**SMALL, "preset": "fusionbench", "models": ["Llama-3.1-8B", "Llama-3.1-70B"], "duration_s": 120.0}
+    run = SimRun(SimScenario.from_dict(scenario), ShadowConfig(PluginRef("harvest-slo-host")))
+    plans = run.session_plans()
+    result = run.run()
+    assert plans and all(p.gaps_s and len(p.compact_to) == len(p.models) for p in plans)
+    assert {m for p in plans for m in p.models} <= {"Llama-3.1-8B", "Llama-3.1-70B"}
+    assert len(run.calls) == sum(len(p.models) for p in plans)  # every call of every session completed
+    assert result.metrics["switch_calls"] > 0
+
+
+def test_unknown_preset_lists_valid_ones() -> None:
+    with pytest.raises(ConfigError) as info:
+        SimScenario.from_dict({**SMALL, "preset": "nonesuch"})
+    assert "nonesuch" in str(info.value) and "fusionbench" in str(info.value)
