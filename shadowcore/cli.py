@@ -4,6 +4,12 @@
 workload seed for all) and prints a comparison table; with no arguments it
 runs the embedded default on the default backend. ``shadowprefill plugins``
 lists registered policies and backends and whether each loads.
+
+Other subcommands (``sweep``, ``reproduce``, ``serve``, ``vllm-serve``...) are
+plugins of the entry-point group ``shadowprefill.commands``: each is a
+``main(argv) -> int`` callable, imported only when its subcommand runs (so
+this module imports nothing beyond the core), and a broken one is named in
+the error.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError, PluginError
-from shadowcore.registry import Registry, backends, policies
+from shadowcore.registry import Registry, backends, commands, policies
 
 DEFAULT_POLICIES = ("no-shadow", "harvest-slo-host", "oracle-host")
 DEFAULT_BACKEND = "sim"
@@ -34,7 +40,7 @@ COLUMNS = (
 
 
 def _plugins(_args: argparse.Namespace) -> int:
-    for title, registry in (("policies", policies), ("backends", backends)):
+    for title, registry in (("policies", policies), ("backends", backends), ("commands", commands)):
         print(f"{title} ({registry.group}):")
         for name, entries in registry.entries().items():
             print(f"  {name:<20} {_status(registry, name)}  {', '.join(e.target for e in entries)}")
@@ -95,7 +101,20 @@ def format_table(results: Sequence[Any]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _run_plugin_command(name: str, argv: list[str]) -> int:
+    try:
+        return int(commands.load(name)(argv) or 0)
+    except (ConfigError, PluginError) as e:
+        print(f"shadowprefill {name}: error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    builtin = {"simulate", "plugins"}
+    plugin_commands = {n: e for n, e in commands.entries().items() if n not in builtin}
+    if argv and argv[0] in plugin_commands:  # its own parser handles its arguments and --help
+        return _run_plugin_command(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="shadowprefill", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     sim = sub.add_parser("simulate", help="run one scenario under several policies")
@@ -105,11 +124,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--duration", type=float, help="simulated seconds of arrivals")
     sim.add_argument("--seed", type=int, default=0, help="policy seed")
     sim.set_defaults(func=_simulate)
-    plug = sub.add_parser("plugins", help="list registered policies and backends")
+    plug = sub.add_parser("plugins", help="list registered policies, backends and commands")
     plug.set_defaults(func=_plugins)
+    for name, entries in plugin_commands.items():  # listed in --help; run above
+        sub.add_parser(name, help=f"(plugin {entries[0].target}; see shadowprefill {name} --help)")
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["simulate", *(argv or [])])
+        args = parser.parse_args(["simulate", *argv])
     try:
         return args.func(args)
     except (ConfigError, PluginError) as e:

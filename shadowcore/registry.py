@@ -1,8 +1,10 @@
 """Plugins: entry-point groups resolved lazily, plus ``package.module:Object``.
 
 Groups: ``shadowprefill.policies`` (factories returning a
-:class:`~shadowcore.policy.PolicySpec`) and ``shadowprefill.backends``
-(backend factories). Built-in policies and backends register through the same
+:class:`~shadowcore.policy.PolicySpec`), ``shadowprefill.backends``
+(backend factories) and ``shadowprefill.commands`` (subcommands of the
+``shadowprefill`` command: ``main(argv) -> int`` callables that parse their
+own arguments). Built-in policies and backends register through the same
 entry points as third-party ones (see ``pyproject.toml``).
 
 Invariants:
@@ -28,6 +30,7 @@ from shadowcore.errors import PluginError
 
 POLICY_GROUP = "shadowprefill.policies"
 BACKEND_GROUP = "shadowprefill.backends"
+COMMAND_GROUP = "shadowprefill.commands"
 
 
 @attrs.frozen
@@ -104,3 +107,4 @@ class Registry:
 
 policies = Registry(POLICY_GROUP)
 backends = Registry(BACKEND_GROUP)
+commands = Registry(COMMAND_GROUP)

@@ -40,3 +40,36 @@ def test_fake_backend_simulate_prints_table(capsys) -> None:
     assert main(["simulate", "--backend", "fake", "--duration", "20", "--policies", "no-shadow,harvest-slo"]) == 0
     out = capsys.readouterr().out
     assert "no-shadow" in out and "harvest-slo" in out and "switch TTFT" in out
+
+
+@pytest.fixture
+def command_plugins(tmp_path, monkeypatch):
+    """Two subcommand plugins in a throwaway module: one that works, one whose module is missing."""
+    (tmp_path / "cli_plugin_mod.py").write_text(
+        "def hello(argv):\n    print('hello', *argv)\n    return 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from shadowcore.registry import PluginEntry, commands
+
+    entries = [PluginEntry("hello", "cli_plugin_mod:hello", "t"), PluginEntry("broken", "no_such_mod_xyz:main", "t")]
+    monkeypatch.setattr(commands, "source", lambda group: entries)
+    monkeypatch.setattr(commands, "_loaded", {})
+    return commands
+
+
+def test_plugin_subcommand_gets_its_own_argv(command_plugins, capsys) -> None:
+    assert main(["hello", "--flag", "x"]) == 3
+    assert capsys.readouterr().out == "hello --flag x\n"
+
+
+def test_broken_plugin_subcommand_is_named(command_plugins, capsys) -> None:
+    assert main(["broken"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'broken'" in err and "no_such_mod_xyz" in err
+
+
+def test_plugin_subcommands_are_listed_in_help(command_plugins, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "hello" in out and "broken" in out

@@ -1,0 +1,110 @@
+"""The wire contract between the router side (gateway) and engines that run
+the shadow scheduler: how a request says what it is.
+
+A request to a vLLM engine carries its tag in the per-request extra
+arguments (``SamplingParams.extra_args`` offline, the ``vllm_xargs`` field of
+the OpenAI-compatible API over HTTP). vLLM only passes flat string, integer
+and float values there, so a tag is a few flat keys, all prefixed
+``shadowprefill_``. A request without any such key is normal traffic.
+
+* A **routed** call: ``shadowprefill_kind = "routed"`` and its session id.
+  The engine hook treats it as a routed call in Algorithm 1 (routed-step
+  protection) and its prompt becomes the session context.
+* A **shadow** request: ``shadowprefill_kind = "shadow"``, the session id,
+  the target model (the engine's own model), the session epoch and the switch
+  probability. Its prompt is the session context so far; it is prefill-only
+  (one output token at most) and the engine runs it only in slack. A newer
+  shadow request of the same (session, target) supersedes an older one.
+
+Invariants: :meth:`ShadowTag.to_extra_args` and :func:`parse_tag` are
+inverse; malformed tags raise one ``ValueError`` naming the key and value.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from shadowcore._validators import non_empty_str, non_negative_int, probability
+
+PREFIX = "shadowprefill_"
+KIND_KEY = PREFIX + "kind"
+SESSION_KEY = PREFIX + "session"
+TARGET_KEY = PREFIX + "target_model"
+EPOCH_KEY = PREFIX + "epoch"
+PROBABILITY_KEY = PREFIX + "switch_probability"
+
+
+class TagKind(enum.Enum):
+    ROUTED = "routed"
+    SHADOW = "shadow"
+
+
+@attrs.frozen
+class ShadowTag:
+    """What a request is, as the engine's scheduler reads it."""
+
+    kind: TagKind
+    session_id: str = attrs.field(validator=non_empty_str)
+    target_model: str = ""  # shadow requests only
+    epoch: int = attrs.field(default=0, validator=non_negative_int)
+    switch_probability: float = attrs.field(default=1.0, validator=probability)
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind is TagKind.SHADOW and not self.target_model:
+            raise ValueError(f"{TARGET_KEY}: a shadow request needs its target model")
+
+    @property
+    def is_shadow(self) -> bool:
+        return self.kind is TagKind.SHADOW
+
+    def to_extra_args(self) -> dict[str, str | int | float]:
+        out: dict[str, str | int | float] = {KIND_KEY: self.kind.value, SESSION_KEY: self.session_id}
+        if self.kind is TagKind.SHADOW:
+            out[TARGET_KEY] = self.target_model
+            out[EPOCH_KEY] = self.epoch
+            out[PROBABILITY_KEY] = self.switch_probability
+        return out
+
+
+def parse_tag(extra_args: Mapping[str, Any] | None) -> ShadowTag | None:
+    """The tag in a request's extra arguments, or ``None`` for normal traffic."""
+    if not extra_args or KIND_KEY not in extra_args:
+        return None
+    raw_kind = extra_args[KIND_KEY]
+    try:
+        kind = TagKind(raw_kind)
+    except ValueError:
+        known = ", ".join(k.value for k in TagKind)
+        raise ValueError(f"{KIND_KEY} = {raw_kind!r}: must be one of {known}") from None
+    session = extra_args.get(SESSION_KEY)
+    if not isinstance(session, str) or not session:
+        raise ValueError(f"{SESSION_KEY} = {session!r}: must be a non-empty string")
+    if kind is TagKind.ROUTED:
+        return ShadowTag(kind, session)
+    target = extra_args.get(TARGET_KEY)
+    if not isinstance(target, str) or not target:
+        raise ValueError(f"{TARGET_KEY} = {target!r}: a shadow request needs its target model")
+    epoch = _number(extra_args, EPOCH_KEY, 0)
+    if epoch != int(epoch) or epoch < 0:
+        raise ValueError(f"{EPOCH_KEY} = {extra_args.get(EPOCH_KEY)!r}: must be a non-negative integer")
+    p = _number(extra_args, PROBABILITY_KEY, 1.0)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{PROBABILITY_KEY} = {p!r}: must be in [0, 1]")
+    return ShadowTag(kind, session, target, int(epoch), float(p))
+
+
+def _number(extra_args: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra_args.get(key, default)
+    if isinstance(value, str):  # HTTP clients may send numbers as strings
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{key} = {value!r}: not a number") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key} = {value!r}: not a finite number")
+    return float(value)
