@@ -614,219 +614,257 @@ def build_profiles(
     bandwidth: BandwidthModel | None = None,
 ) -> VidurProfiles:
     """Build Vidur's ``mlp.csv``, ``attention.csv`` (and ``all_reduce.csv`` if tp > 1)."""
-    import pandas as pd
-
     model = get_model(model) if isinstance(model, str) else model
     device = get_device(device) if isinstance(device, str) else device
     grid = grid or ProfileGrid()
-    bw = bandwidth or BandwidthModel()
     if tp not in (1, 2, 4, 8):
         raise ConfigError("tensor_parallel", tp, "must be 1, 2, 4 or 8 (the all-reduce tables' sizes)")
-    k = kernel_tables(device.name)
-    a = bw.activation_bytes
-    sh = _shapes(model, tp, a)
-    L = model.num_layers
-    notes: list[str] = []
-    kv_limit = grid.kv_limit(model)
-
-    # ----- mlp.csv
-    T = np.asarray(token_grid(grid), dtype=float)
-    wdt = "fp8" if model.weight_dtype_bytes <= 1 else "bfloat16"
-    edt = "fp8" if model.expert_bytes_per_param <= 1 else "bfloat16"
-
-    def g(m: Any, n: float, kk: float, dt: str = wdt) -> np.ndarray:
-        return k.gemm_ms(m, n, kk, dt)
-
-    def ew(nbytes_per_token: float, tokens: np.ndarray = T) -> np.ndarray:
-        return bw.kernel_ms(device, tokens * nbytes_per_token)
-
-    attn_layers = sh.full_layers + sh.window_layers
-    if model.mla is not None:
-        m = model.mla
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q_proj = (
-            g(T, m.q_lora_rank, sh.h) + g(T, sh.heads * qk, m.q_lora_rank)
-            if m.q_lora_rank
-            else g(T, sh.heads * qk, sh.h)
-        )
-        pre_attn = (
-            q_proj + g(T, m.latent_dim, sh.h) + g(T, sh.heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
-        )
-        post_attn = g(T, sh.h, sh.heads * m.v_head_dim)
-        rope = ew(2 * (sh.heads + 1) * m.qk_rope_head_dim * a)
-        notes.append("MLA attention costed with equivalent MHA (prefill) / MQA-over-latent (decode) FA3 shapes")
-    else:
-        pre_attn = g(T, (sh.heads + 2 * sh.kv_heads) * sh.head_dim, sh.h)
-        post_attn = g(T, sh.h, sh.heads * sh.head_dim)
-        rope = ew(2 * (sh.heads + sh.kv_heads) * sh.head_dim * a)
-    pre = pre_attn * attn_layers
-    post = post_attn * attn_layers
-    rope = rope * attn_layers
-    if sh.linear_layers:
-        per_layer = model.extra_dense_params / sh.linear_layers
-        pre = pre + g(T, per_layer / sh.h / tp, sh.h) * sh.linear_layers
-        notes.append("linear-attention layers: projections as one GEMM, mixing by the bandwidth/FLOP model")
-    pre, post, rope = pre / L, post / L, rope / L
-
-    gate = 2 if model.gated_mlp else 1
-    act_bytes = (3 if model.gated_mlp else 2) * a
-
-    def dense_mlp(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return g(T, gate * width / tp, sh.h), g(T, sh.h, width / tp), ew(act_bytes * width / tp)
-
-    if model.is_moe:
-        E, kk_, I = model.num_experts, model.num_active_experts, model.intermediate_size
-        touched = E * (1.0 - (1.0 - kk_ / E) ** T)
-        per_expert = T * kk_ / touched
-
-        def grouped(n: float, kdim: float) -> np.ndarray:
-            # One fused launch over the touched experts: m = rows per expert,
-            # n = touched x expert width (<= 65536-wide pieces, the table's limit).
-            out = np.empty_like(T)
-            for i, (u, m_e) in enumerate(zip(touched, per_expert, strict=True)):
-                pieces = math.ceil(u * n / 65536)
-                out[i] = pieces * g(m_e, u * n / pieces, kdim, edt).item()
-            return np.maximum.accumulate(out)  # T ascending: more tokens never cheaper
-
-        up_m = grouped(gate * I / tp, sh.h) + g(T, E, sh.h, "bfloat16")
-        down_m = grouped(sh.h, I / tp)
-        act_m = bw.kernel_ms(device, T * kk_ * act_bytes * I / tp) + bw.kernel_ms(device, T * kk_ * 4 * sh.h * a)
-        if model.num_shared_experts:
-            su, sd, sa = dense_mlp(model.num_shared_experts * I)
-            up_m, down_m, act_m = up_m + su, down_m + sd, act_m + sa
-        up, down, act = up_m * model.moe_layers, down_m * model.moe_layers, act_m * model.moe_layers
-        if model.num_dense_layers:
-            du, dd, da = dense_mlp(model.dense_intermediate_size)
-            up = up + du * model.num_dense_layers
-            down = down + dd * model.num_dense_layers
-            act = act + da * model.num_dense_layers
-        up, down, act = up / L, down / L, act / L
-        notes.append(
-            "MoE: Vidur 0.0.26 has no MoE op; expert GEMMs from the gemm table with the expected touched experts"
-        )
-        if model.expert_bytes_per_param < 1:
-            notes.append("sub-byte experts (MXFP4) costed with per-tensor FP8 GEMM timings")
-    else:
-        up, down, act = dense_mlp(model.intermediate_size)
-    norm = ew(4 * sh.h * a)
-
-    mlp = pd.DataFrame(
-        {
-            "n_head": model.num_heads,
-            "n_kv_head": _vidur_kv_heads(model),
-            "n_embd": model.hidden_size,
-            "n_expanded_embd": model.intermediate_size,
-            "use_gated_mlp": model.gated_mlp,
-            "vocab_size": model.vocab_size,
-            "num_tensor_parallel_workers": tp,
-            "num_tokens": T.astype(int),
-            "time_stats.attn_pre_proj.median": pre,
-            "time_stats.attn_post_proj.median": post,
-            "time_stats.mlp_up_proj.median": up,
-            "time_stats.mlp_down_proj.median": down,
-            "time_stats.mlp_act.median": act,
-            "time_stats.input_layernorm.median": norm,
-            "time_stats.post_attention_layernorm.median": norm,
-            "time_stats.attn_rope.median": rope,
-            "time_stats.add.median": 0.0,
-        }
-    )
-
-    # ----- attention.csv
-    kvs = np.asarray(kv_grid(kv_limit, grid.points_per_octave), dtype=float)
-    chunks = np.asarray(chunk_grid(grid), dtype=float)
-    kv_p, q_p = np.meshgrid(kvs, chunks, indexing="ij")
-    keep = kv_p >= q_p
-    kv_p, q_p = kv_p[keep], q_p[keep]
-    c_p = kv_p - q_p
-    bsz = np.asarray(decode_batch_grid(grid), dtype=float)
-    b_d, kv_d = np.meshgrid(bsz, kvs, indexing="ij")
-    b_d, kv_d = b_d.ravel(), kv_d.ravel()
-
-    pcurve, rho, ctx_ref = k.prefill_curve(*sh.ctx_shape)
-    dsurf, gen_ref = k.decode_surface(*sh.gen_shape)
-    if ctx_ref != sh.ctx_shape or gen_ref != sh.gen_shape:
-        notes.append(f"attention shape {sh.ctx_shape}/{sh.gen_shape} scaled from measured {ctx_ref}/{gen_ref}")
-
-    def prefill_full(c: np.ndarray, q: np.ndarray) -> np.ndarray:
-        return np.maximum(pcurve(_pairs(q)) + rho * q * c, dsurf(np.ones_like(q), c + q))
-
-    def prefill_window(c: np.ndarray, q: np.ndarray, w: int) -> np.ndarray:
-        qw = np.minimum(q, w)
-        extra = np.clip(_window_pairs(c, q, w) - _pairs(qw), 0, None)
-        return np.maximum(pcurve(_pairs(qw)) + rho * extra, dsurf(np.ones_like(q), np.minimum(c + q, w)))
-
-    def linear_mix(tokens: np.ndarray, seqs: np.ndarray) -> np.ndarray:
-        """Gated DeltaNet layer mixing: state read+write per sequence, 4 FLOPs per state value per token."""
-        state = model.recurrent_state_bytes / max(sh.linear_layers, 1) / tp
-        flops = 4 * (state / a) * tokens / (device.bf16_flops_per_s * bw.linear_attention_mfu) * 1e3
-        return bw.kernel_ms(device, 2 * state * seqs) + flops
-
-    t_pre = prefill_full(c_p, q_p) * sh.full_layers
-    t_dec = dsurf(b_d, kv_d) * sh.full_layers
-    if sh.window_layers:
-        t_pre = t_pre + prefill_window(c_p, q_p, sh.window) * sh.window_layers
-        t_dec = t_dec + dsurf(b_d, np.minimum(kv_d, sh.window)) * sh.window_layers
-        notes.append(f"sliding window {sh.window}: full-attention tables with the window's pairs / context")
-    if sh.linear_layers:
-        t_pre = t_pre + linear_mix(q_p, np.ones_like(q_p)) * sh.linear_layers
-        t_dec = t_dec + linear_mix(b_d, b_d) * sh.linear_layers
-    t_pre, t_dec = t_pre / L, t_dec / L
-    kv_save_bytes = sh.kv_bytes_token_layer * 2 * attn_layers / L  # read K,V + write the cache
-
-    common = {
-        "n_embd": model.hidden_size,
-        "n_q_head": model.num_heads,
-        "n_kv_head": _vidur_kv_heads(model),
-        "block_size": _VIDUR_BLOCK_SIZE,
-        "num_tensor_parallel_workers": tp,
-    }
-    prefill_rows = pd.DataFrame(
-        {
-            **common,
-            "batch_size": 1,
-            "prefill_chunk_size": q_p.astype(int),
-            "kv_cache_size": kv_p.astype(int),
-            "is_prefill": True,
-            "time_stats.attn_prefill.median": t_pre,
-            "time_stats.attn_decode.median": np.nan,
-            "time_stats.attn_kv_cache_save.median": bw.kernel_ms(device, q_p * kv_save_bytes),
-        }
-    )
-    decode_rows = pd.DataFrame(
-        {
-            **common,
-            "batch_size": b_d.astype(int),
-            "prefill_chunk_size": 0,
-            "kv_cache_size": kv_d.astype(int),
-            "is_prefill": False,
-            "time_stats.attn_prefill.median": np.nan,
-            "time_stats.attn_decode.median": t_dec,
-            "time_stats.attn_kv_cache_save.median": bw.kernel_ms(device, b_d * kv_save_bytes),
-        }
-    )
-    attention = pd.concat([prefill_rows, decode_rows], ignore_index=True)
-    csv = {"mlp.csv": _to_csv(mlp), "attention.csv": _to_csv(attention)}
-
-    # ----- all_reduce.csv
+    b = _ProfileBuilder(model, device, tp, grid, bandwidth or BandwidthModel())
+    mlp = b.mlp_table()
+    prefill_rows, decode_rows = b.attention_tables()
+    csv = {"mlp.csv": _to_csv(mlp), "attention.csv": _to_csv(_concat(prefill_rows, decode_rows))}
     if tp > 1:
-        elements = T * model.hidden_size
-        ar = pd.DataFrame(
-            {
-                "num_workers": tp,
-                "devices_per_node": tp,
-                "collective": "all_reduce",
-                "size": (elements * 2).astype(np.int64),  # bytes; Vidur divides by 2 * n_embd
-                "time_stats.all_reduce.median": k.allreduce_ms(tp, elements),
-            }
-        )
+        ar = b.all_reduce_table()
         _check_finite("all_reduce.csv", ar)
         csv["all_reduce.csv"] = _to_csv(ar)
-
     _check_finite("mlp.csv", mlp)
     _check_finite("attention.csv", prefill_rows.drop(columns=["time_stats.attn_decode.median"]))
     _check_finite("attention.csv", decode_rows.drop(columns=["time_stats.attn_prefill.median"]))
-    return VidurProfiles(model, device, tp, grid, csv, tuple(notes))
+    return VidurProfiles(model, device, tp, grid, csv, tuple(b.notes))
+
+
+def _concat(*frames: pd.DataFrame) -> pd.DataFrame:
+    import pandas as pd
+
+    return pd.concat(frames, ignore_index=True)
+
+
+class _ProfileBuilder:
+    """One model on one device at one TP degree: the per-layer operation times
+    Vidur's tables hold, from the kernel tables and the bandwidth model.
+
+    Every time is per layer (totals over the model's layers divided by its
+    layer count), in milliseconds, over the token grid ``tokens`` (mlp.csv) or
+    the (context, chunk) and (batch, context) grids (attention.csv). ``notes``
+    collects every approximation made, in the order it was made.
+    """
+
+    def __init__(self, model: ModelConfig, device: DeviceSpec, tp: int, grid: ProfileGrid, bw: BandwidthModel):
+        self.model, self.device, self.tp, self.grid, self.bw = model, device, tp, grid, bw
+        self.k = kernel_tables(device.name)
+        self.a = bw.activation_bytes
+        self.sh = _shapes(model, tp, self.a)
+        self.notes: list[str] = []
+        self.tokens = np.asarray(token_grid(grid), dtype=float)
+        self.wdt = "fp8" if model.weight_dtype_bytes <= 1 else "bfloat16"
+        self.edt = "fp8" if model.expert_bytes_per_param <= 1 else "bfloat16"
+        self.gate = 2 if model.gated_mlp else 1
+        self.act_bytes = (3 if model.gated_mlp else 2) * self.a
+
+    # ----- helpers over the token grid
+    def g(self, m: Any, n: float, kk: float, dt: str | None = None) -> np.ndarray:
+        return self.k.gemm_ms(m, n, kk, dt or self.wdt)
+
+    def ew(self, nbytes_per_token: float) -> np.ndarray:
+        return self.bw.kernel_ms(self.device, self.tokens * nbytes_per_token)
+
+    # ----- mlp.csv
+    def attention_projections(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-layer (pre-attention projection, post projection, rope)."""
+        model, sh, T, g = self.model, self.sh, self.tokens, self.g
+        attn_layers = sh.full_layers + sh.window_layers
+        if model.mla is not None:
+            m = model.mla
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            q_proj = (
+                g(T, m.q_lora_rank, sh.h) + g(T, sh.heads * qk, m.q_lora_rank)
+                if m.q_lora_rank
+                else g(T, sh.heads * qk, sh.h)
+            )
+            pre_attn = (
+                q_proj + g(T, m.latent_dim, sh.h)
+                + g(T, sh.heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+            )
+            post_attn = g(T, sh.h, sh.heads * m.v_head_dim)
+            rope = self.ew(2 * (sh.heads + 1) * m.qk_rope_head_dim * self.a)
+            self.notes.append("MLA attention costed with equivalent MHA (prefill) / MQA-over-latent (decode) FA3 shapes")
+        else:
+            pre_attn = g(T, (sh.heads + 2 * sh.kv_heads) * sh.head_dim, sh.h)
+            post_attn = g(T, sh.h, sh.heads * sh.head_dim)
+            rope = self.ew(2 * (sh.heads + sh.kv_heads) * sh.head_dim * self.a)
+        pre, post, rope = pre_attn * attn_layers, post_attn * attn_layers, rope * attn_layers
+        if sh.linear_layers:
+            per_layer = model.extra_dense_params / sh.linear_layers
+            pre = pre + g(T, per_layer / sh.h / self.tp, sh.h) * sh.linear_layers
+            self.notes.append("linear-attention layers: projections as one GEMM, mixing by the bandwidth/FLOP model")
+        L = model.num_layers
+        return pre / L, post / L, rope / L
+
+    def dense_mlp(self, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(up, down, activation) of one dense MLP of ``width`` (whole layer)."""
+        T, tp = self.tokens, self.tp
+        return (self.g(T, self.gate * width / tp, self.sh.h), self.g(T, self.sh.h, width / tp),
+                self.ew(self.act_bytes * width / tp))
+
+    def grouped_experts(self, touched: np.ndarray, per_expert: np.ndarray, n: float, kdim: float) -> np.ndarray:
+        """One fused launch over the touched experts: m = rows per expert, n =
+        touched x expert width (<= 65536-wide pieces, the table's limit)."""
+        out = np.empty_like(self.tokens)
+        for i, (u, m_e) in enumerate(zip(touched, per_expert, strict=True)):
+            pieces = math.ceil(u * n / 65536)
+            out[i] = pieces * self.g(m_e, u * n / pieces, kdim, self.edt).item()
+        return np.maximum.accumulate(out)  # T ascending: more tokens never cheaper
+
+    def moe_mlp(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-layer (up, down, activation) of a MoE model (dense layers included)."""
+        model, sh, T, tp, a = self.model, self.sh, self.tokens, self.tp, self.a
+        E, kk_, I = model.num_experts, model.num_active_experts, model.intermediate_size
+        touched = E * (1.0 - (1.0 - kk_ / E) ** T)
+        per_expert = T * kk_ / touched
+        up_m = self.grouped_experts(touched, per_expert, self.gate * I / tp, sh.h) + self.g(T, E, sh.h, "bfloat16")
+        down_m = self.grouped_experts(touched, per_expert, sh.h, I / tp)
+        act_m = (self.bw.kernel_ms(self.device, T * kk_ * self.act_bytes * I / tp)
+                 + self.bw.kernel_ms(self.device, T * kk_ * 4 * sh.h * a))
+        if model.num_shared_experts:
+            su, sd, sa = self.dense_mlp(model.num_shared_experts * I)
+            up_m, down_m, act_m = up_m + su, down_m + sd, act_m + sa
+        up, down, act = up_m * model.moe_layers, down_m * model.moe_layers, act_m * model.moe_layers
+        if model.num_dense_layers:
+            du, dd, da = self.dense_mlp(model.dense_intermediate_size)
+            up = up + du * model.num_dense_layers
+            down = down + dd * model.num_dense_layers
+            act = act + da * model.num_dense_layers
+        self.notes.append(
+            "MoE: Vidur 0.0.26 has no MoE op; expert GEMMs from the gemm table with the expected touched experts"
+        )
+        if model.expert_bytes_per_param < 1:
+            self.notes.append("sub-byte experts (MXFP4) costed with per-tensor FP8 GEMM timings")
+        L = model.num_layers
+        return up / L, down / L, act / L
+
+    def mlp_table(self) -> pd.DataFrame:
+        import pandas as pd
+
+        model = self.model
+        pre, post, rope = self.attention_projections()
+        up, down, act = self.moe_mlp() if model.is_moe else self.dense_mlp(model.intermediate_size)
+        norm = self.ew(4 * self.sh.h * self.a)
+        return pd.DataFrame(
+            {
+                "n_head": model.num_heads,
+                "n_kv_head": _vidur_kv_heads(model),
+                "n_embd": model.hidden_size,
+                "n_expanded_embd": model.intermediate_size,
+                "use_gated_mlp": model.gated_mlp,
+                "vocab_size": model.vocab_size,
+                "num_tensor_parallel_workers": self.tp,
+                "num_tokens": self.tokens.astype(int),
+                "time_stats.attn_pre_proj.median": pre,
+                "time_stats.attn_post_proj.median": post,
+                "time_stats.mlp_up_proj.median": up,
+                "time_stats.mlp_down_proj.median": down,
+                "time_stats.mlp_act.median": act,
+                "time_stats.input_layernorm.median": norm,
+                "time_stats.post_attention_layernorm.median": norm,
+                "time_stats.attn_rope.median": rope,
+                "time_stats.add.median": 0.0,
+            }
+        )
+
+    # ----- attention.csv
+    def linear_mix(self, tokens: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        """Gated DeltaNet layer mixing: state read+write per sequence, 4 FLOPs per state value per token."""
+        state = self.model.recurrent_state_bytes / max(self.sh.linear_layers, 1) / self.tp
+        flops = 4 * (state / self.a) * tokens / (self.device.bf16_flops_per_s * self.bw.linear_attention_mfu) * 1e3
+        return self.bw.kernel_ms(self.device, 2 * state * seqs) + flops
+
+    def attention_times(
+        self, c_p: np.ndarray, q_p: np.ndarray, b_d: np.ndarray, kv_d: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer prefill times at (context before, chunk) and decode times at (batch, context)."""
+        sh = self.sh
+        pcurve, rho, ctx_ref = self.k.prefill_curve(*sh.ctx_shape)
+        dsurf, gen_ref = self.k.decode_surface(*sh.gen_shape)
+        if ctx_ref != sh.ctx_shape or gen_ref != sh.gen_shape:
+            self.notes.append(f"attention shape {sh.ctx_shape}/{sh.gen_shape} scaled from measured {ctx_ref}/{gen_ref}")
+        t_pre = np.maximum(pcurve(_pairs(q_p)) + rho * q_p * c_p, dsurf(np.ones_like(q_p), c_p + q_p)) * sh.full_layers
+        t_dec = dsurf(b_d, kv_d) * sh.full_layers
+        if sh.window_layers:
+            w = sh.window
+            qw = np.minimum(q_p, w)
+            extra = np.clip(_window_pairs(c_p, q_p, w) - _pairs(qw), 0, None)
+            t_win = np.maximum(pcurve(_pairs(qw)) + rho * extra, dsurf(np.ones_like(q_p), np.minimum(c_p + q_p, w)))
+            t_pre = t_pre + t_win * sh.window_layers
+            t_dec = t_dec + dsurf(b_d, np.minimum(kv_d, w)) * sh.window_layers
+            self.notes.append(f"sliding window {w}: full-attention tables with the window's pairs / context")
+        if sh.linear_layers:
+            t_pre = t_pre + self.linear_mix(q_p, np.ones_like(q_p)) * sh.linear_layers
+            t_dec = t_dec + self.linear_mix(b_d, b_d) * sh.linear_layers
+        L = self.model.num_layers
+        return t_pre / L, t_dec / L
+
+    def attention_tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """attention.csv's prefill rows and decode rows."""
+        import pandas as pd
+
+        model, sh, grid = self.model, self.sh, self.grid
+        kvs = np.asarray(kv_grid(grid.kv_limit(model), grid.points_per_octave), dtype=float)
+        chunks = np.asarray(chunk_grid(grid), dtype=float)
+        kv_p, q_p = np.meshgrid(kvs, chunks, indexing="ij")
+        keep = kv_p >= q_p
+        kv_p, q_p = kv_p[keep], q_p[keep]
+        bsz = np.asarray(decode_batch_grid(grid), dtype=float)
+        b_d, kv_d = np.meshgrid(bsz, kvs, indexing="ij")
+        b_d, kv_d = b_d.ravel(), kv_d.ravel()
+        t_pre, t_dec = self.attention_times(kv_p - q_p, q_p, b_d, kv_d)
+        kv_save_bytes = sh.kv_bytes_token_layer * 2 * (sh.full_layers + sh.window_layers) / model.num_layers
+        common = {
+            "n_embd": model.hidden_size,
+            "n_q_head": model.num_heads,
+            "n_kv_head": _vidur_kv_heads(model),
+            "block_size": _VIDUR_BLOCK_SIZE,
+            "num_tensor_parallel_workers": self.tp,
+        }
+        prefill_rows = pd.DataFrame(
+            {
+                **common,
+                "batch_size": 1,
+                "prefill_chunk_size": q_p.astype(int),
+                "kv_cache_size": kv_p.astype(int),
+                "is_prefill": True,
+                "time_stats.attn_prefill.median": t_pre,
+                "time_stats.attn_decode.median": np.nan,
+                "time_stats.attn_kv_cache_save.median": self.bw.kernel_ms(self.device, q_p * kv_save_bytes),
+            }
+        )
+        decode_rows = pd.DataFrame(
+            {
+                **common,
+                "batch_size": b_d.astype(int),
+                "prefill_chunk_size": 0,
+                "kv_cache_size": kv_d.astype(int),
+                "is_prefill": False,
+                "time_stats.attn_prefill.median": np.nan,
+                "time_stats.attn_decode.median": t_dec,
+                "time_stats.attn_kv_cache_save.median": self.bw.kernel_ms(self.device, b_d * kv_save_bytes),
+            }
+        )
+        return prefill_rows, decode_rows
+
+    # ----- all_reduce.csv
+    def all_reduce_table(self) -> pd.DataFrame:
+        import pandas as pd
+
+        elements = self.tokens * self.model.hidden_size
+        return pd.DataFrame(
+            {
+                "num_workers": self.tp,
+                "devices_per_node": self.tp,
+                "collective": "all_reduce",
+                "size": (elements * 2).astype(np.int64),  # bytes; Vidur divides by 2 * n_embd
+                "time_stats.all_reduce.median": self.k.allreduce_ms(self.tp, elements),
+            }
+        )
 
 
 def _check_finite(name: str, df: pd.DataFrame) -> None:
