@@ -78,6 +78,12 @@ def _simulate(args: argparse.Namespace) -> int:
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     configs = [ShadowConfig(PluginRef(n), seed=args.seed) for n in names]
     backend = backends.load(args.backend)()
+    compare = getattr(backend, "compare", None)  # a backend's own runner (sim: matched calls, reductions, +-SE)
+    if compare is not None:
+        table = compare(scenario, configs)
+        if table is not None:
+            print(table)
+            return 0
     results = []
     for i, cfg in enumerate(configs, 1):
         print(f"[{i}/{len(configs)}] {cfg.policy.name} ...", file=sys.stderr, flush=True)

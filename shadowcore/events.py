@@ -22,6 +22,7 @@ class EventLoop:
     num_events: int = 0
     _heap: list = attrs.Factory(list)
     _seq: itertools.count = attrs.Factory(itertools.count)
+    _free_running: bool = False  # inside run() with no until_s and no stop
 
     def at(self, time_s: float, kind: int, action: Callable[[float], None]) -> None:
         """Run ``action(time_s)`` at ``time_s`` (never in the past)."""
@@ -33,15 +34,32 @@ class EventLoop:
         """Process events in order until none is left, the next is after
         ``until_s``, or ``stop()`` is true after an event."""
         heap = self._heap
-        while heap:
-            if until_s is not None and heap[0][0] > until_s:
-                break
-            time_s, _, _, action = heapq.heappop(heap)
-            self.now_s = time_s
-            self.num_events += 1
-            action(time_s)
-            if stop is not None and stop():
-                break
+        self._free_running = until_s is None and stop is None
+        try:
+            while heap:
+                if until_s is not None and heap[0][0] > until_s:
+                    break
+                time_s, _, _, action = heapq.heappop(heap)
+                self.now_s = time_s
+                self.num_events += 1
+                action(time_s)
+                if stop is not None and stop():
+                    break
+        finally:
+            self._free_running = False
+
+    def advance_to(self, time_s: float) -> bool:
+        """For the action of the event being run, as its last step: when an
+        event at ``time_s`` scheduled now would be the very next one ``run``
+        pops (``run`` has no bound or stop condition and every queued event is
+        strictly later), move the clock there, count it, and return True; the
+        caller then runs that event's action itself, inline, saving the heap
+        round trip. Otherwise change nothing and return False."""
+        if not self._free_running or time_s < self.now_s or (self._heap and self._heap[0][0] <= time_s):
+            return False
+        self.now_s = time_s
+        self.num_events += 1
+        return True
 
     def __len__(self) -> int:
         return len(self._heap)

@@ -27,10 +27,9 @@ import attrs
 
 from shadowcore.job import SessionHistory, ShadowJob
 from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
-from shadowcore.manager import ShadowManager
 from shadowcore.metrics import ObserverSet
 from shadowcore.slack import SlackController
-from shadowcore.types import ShadowGrant, SlackBudget, StepOutcome, StepPlan, StepSnapshot
+from shadowcore.types import JobKey, ShadowGrant, SlackBudget, StepOutcome, StepPlan, StepSnapshot
 
 
 @runtime_checkable
@@ -51,12 +50,25 @@ class EnginePort(Protocol):
         ...
 
 
+@runtime_checkable
+class JobSource(Protocol):
+    """Where a hook gets its jobs: the router-side :class:`~shadowcore.manager.ShadowManager`, or an
+    engine-local table of shadow requests (the vLLM scheduler's)."""
+
+    def pending_jobs(self, instance_id: str) -> list[ShadowJob]:
+        """Jobs on the instance with tokens missing, highest switch probability first."""
+        ...
+
+    def job(self, key: JobKey) -> ShadowJob | None:
+        ...
+
+
 @attrs.define(eq=False)
 class EngineHook:
     """Per-instance planner of shadow chunks."""
 
     instance_id: str
-    manager: ShadowManager
+    manager: JobSource  # a ShadowManager, or an engine-local job table
     slack: SlackController
     latency: LatencyModel
     port: EnginePort
@@ -98,6 +110,40 @@ class EngineHook:
             self._commit(r.grant, r.num_computed_tokens)
         self.slack.observe(snapshot, plan, outcome)
         self.observers.emit("on_step_end", snapshot, plan, outcome)
+
+    # -- skipping iterations that provably get nothing -------------------------------
+    def can_skip(self) -> bool:
+        """True when :meth:`begin_step` on a steady decode batch (nothing
+        waiting, no admission blocked, every request decoding) would provably
+        plan no grant and change no state but what :meth:`skip_step` does, so
+        an engine may call :meth:`skip_step` instead of building the snapshot:
+        no observer, a :attr:`~SlackController.skippable` controller, and
+        either one that never grants, no pending job here, or pending jobs
+        that need no refresh and miss fewer whole-block tokens than ``n_min``
+        (or than one block), which :meth:`_size` would then never grant."""
+        slack = self.slack
+        if self.observers.observers or not slack.skippable or self._pending is not None:
+            return False
+        if slack.never_grants:
+            return True
+        jobs = self.manager.pending_jobs(self.instance_id)
+        if not jobs:
+            return True
+        evictions = self.port.eviction_count()
+        missing = 0
+        for pending in jobs:
+            if pending.validated_at != evictions or pending.epoch != pending.history.epoch:
+                return False  # begin_step would refresh it
+            missing += pending.num_missing_tokens
+        block = self.port.block_size
+        n = missing // block * block
+        return n == 0 or n < slack.n_min
+
+    def skip_step(self, duration_s: float, decode_only: bool) -> None:
+        """An iteration :meth:`can_skip` allowed ran for ``duration_s``: the
+        controller's accounting for it (``commit`` + ``observe`` of a plan
+        without grants); no plan, no outcome, no observer call."""
+        self.slack.observe_skipped(duration_s, decode_only)
 
     # -- planning -------------------------------------------------------------------
     def _refreshed_jobs(self) -> list[ShadowJob]:

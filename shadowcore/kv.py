@@ -37,6 +37,10 @@ class KVClass(enum.Enum):
     NORMAL = "normal"
     SHADOW = "shadow"
 
+    # Members are singletons: identity hashing is exact and keeps dict lookups
+    # keyed by class (idle lists, counters) in C (Enum's own __hash__ is Python).
+    __hash__ = object.__hash__
+
 
 @attrs.frozen
 class HostTierParams:
@@ -147,6 +151,12 @@ class KVClassManager:
     @property
     def num_host_blocks(self) -> int:
         return len(self._host)
+
+    @property
+    def num_idle_blocks(self) -> int:
+        """Cached blocks no owner holds (both classes): what a normal
+        allocation may evict."""
+        return len(self._idle[KVClass.SHADOW]) + len(self._idle[KVClass.NORMAL])
 
     @property
     def num_cached_blocks(self) -> int:
@@ -267,15 +277,18 @@ class KVClassManager:
     def release(self, owner_id: str, now_s: float) -> None:
         """Drop an owner's references; its hashed blocks stay cached (idle)."""
         owner = self._owners.pop(owner_id)
+        blocks, idle, cold_queue = self._blocks, self._idle, self._cold_queue
+        token = self._num_releases
         for h in reversed(owner.hashes):  # tail first, so LRU evicts a context's tail before its head (as vLLM)
-            block = self._blocks[h]
+            block = blocks[h]
             block.ref_count -= 1
             if block.ref_count == 0:
                 block.idle_since_s = now_s
-                self._num_releases += 1
-                block.idle_token = self._num_releases
-                self._cold_queue.append((now_s, h, block.idle_token))
-                self._idle[block.kv_class][h] = None
+                token += 1
+                block.idle_token = token
+                cold_queue.append((now_s, h, token))
+                idle[block.kv_class][h] = None
+        self._num_releases = token
         self._free(owner.num_private_blocks, owner.kv_class)
 
     def reload_seconds(self, num_blocks: int) -> float:

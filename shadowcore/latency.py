@@ -82,6 +82,12 @@ class LatencyModel(Protocol):
         """Duration of one iteration that runs ``batch``; 0.0 when empty."""
         ...
 
+# Optional, not part of the Protocol: ``predict_decodes_s(num_decodes,
+# total_context, max_context) -> float | None`` returns exactly (bit for bit)
+# what ``predict_s`` gives for a decode-only batch with those aggregates, or
+# None when the model cannot tell from them; engines use it to time steady
+# decode iterations without building the per-sequence tuple.
+
 
 @attrs.frozen
 class LinearLatencyModel:
@@ -118,6 +124,20 @@ class LinearLatencyModel:
             + self.attention_s_per_token_pair * attention_pairs
             + self.decode_s_per_seq * batch.num_decodes
             + self.decode_s_per_context_token * sum(batch.decode_context_tokens)
+        )
+
+
+    def predict_decodes_s(self, num_decodes: int, total_context: int, max_context: int) -> float | None:
+        """:meth:`predict_s` of a decode-only batch from its aggregates (the
+        same float operations in the same order: bit-identical)."""
+        if num_decodes <= 0:
+            return None
+        return (
+            self.overhead_s
+            + self.prefill_s_per_token * 0
+            + self.attention_s_per_token_pair * 0.0
+            + self.decode_s_per_seq * num_decodes
+            + self.decode_s_per_context_token * total_context
         )
 
 

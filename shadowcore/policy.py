@@ -22,9 +22,9 @@ import attrs
 import numpy as np
 
 from shadowcore.config import PluginRef
-from shadowcore.errors import ConfigError, PluginError
+from shadowcore.errors import ConfigError
 from shadowcore.kv import KVClassPolicy
-from shadowcore.registry import Registry
+from shadowcore.registry import Registry, build_plugin
 from shadowcore.registry import policies as _policies
 from shadowcore.slack import SlackController
 from shadowcore.switch import SwitchPredictor, Targeting
@@ -78,16 +78,4 @@ class PolicySpec:
 
 def load_policy(ref: PluginRef, registry: Registry = _policies, field: str = "policy") -> PolicySpec:
     """Resolve ``ref`` and call it with its arguments; errors name ``field``."""
-    try:
-        factory = registry.load(ref.name)
-    except PluginError as e:
-        raise ConfigError(f"{field}.name", ref.name, str(e)) from None
-    try:
-        spec = factory(**ref.args)
-    except ConfigError as e:
-        raise ConfigError(f"{field}.args.{e.field}", e.value, e.problem) from None
-    except TypeError as e:
-        raise ConfigError(f"{field}.args", dict(ref.args), str(e)) from None
-    if not isinstance(spec, PolicySpec):
-        raise ConfigError(f"{field}.name", ref.name, f"returned {type(spec).__name__}, not a PolicySpec")
-    return spec
+    return build_plugin(registry, ref.name, ref.args, field, PolicySpec)

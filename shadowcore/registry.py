@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from shadowcore.errors import PluginError
+from shadowcore.errors import ConfigError, PluginError
 
 POLICY_GROUP = "shadowprefill.policies"
 BACKEND_GROUP = "shadowprefill.backends"
@@ -108,3 +108,22 @@ class Registry:
 policies = Registry(POLICY_GROUP)
 backends = Registry(BACKEND_GROUP)
 commands = Registry(COMMAND_GROUP)
+
+
+def build_plugin(registry: Registry, name: str, args: Any, field: str, kind: type) -> Any:
+    """Call the factory registered as ``name`` with ``args`` and check it built a
+    ``kind``; every failure is one :class:`ConfigError` naming ``field``
+    (``field.name`` for the plugin, ``field.args...`` for its arguments)."""
+    try:
+        factory = registry.load(name)
+    except PluginError as e:
+        raise ConfigError(f"{field}.name", name, str(e)) from None
+    try:
+        built = factory(**args)
+    except ConfigError as e:
+        raise ConfigError(f"{field}.args.{e.field}", e.value, e.problem) from None
+    except TypeError as e:
+        raise ConfigError(f"{field}.args", dict(args), str(e)) from None
+    if not isinstance(built, kind):
+        raise ConfigError(f"{field}.name", name, f"returned {type(built).__name__}, not a {kind.__name__}")
+    return built

@@ -187,6 +187,23 @@ class RooflineLatencyModel:
             + tokens * k.allreduce_s_per_token
         )
 
+    def predict_decodes_s(self, num_decodes: int, total_context: int, max_context: int) -> float | None:
+        """:meth:`predict_s` of a decode-only batch from its aggregates, the
+        same float operations in the same order (so bit-identical); ``None``
+        for a sliding-window model, whose cost needs every context."""
+        k = self._k
+        if k.window or num_decodes <= 0:
+            return None
+        return (
+            self.iteration_overhead_s
+            + self._gemm_s(num_decodes, num_decodes)
+            + total_context * k.decode_s_per_ctx_full
+            + num_decodes * k.per_decode_s
+            + num_decodes * k.per_seq_state_s
+            + k.allreduce_fixed_s
+            + num_decodes * k.allreduce_s_per_token
+        )
+
     # -------------------------------------------------------------- helpers
     def isolated_prefill_s(self, num_tokens: int, chunk_tokens: int | None = 2048) -> float:
         """Time to prefill ``num_tokens`` alone, in chunks of ``chunk_tokens`` (None: one)."""

@@ -637,6 +637,35 @@ class VidurLatencyModel:
             + nd * self.decode_seq_overhead_s
         )
 
+    def predict_decodes_s(self, num_decodes: int, total_context: int, max_context: int) -> float | None:
+        """:meth:`predict_s` of a decode-only batch of ``num_decodes`` sequences
+        from its aggregates (total and longest context): the same lookups and
+        float operations in the same order, so bit-identical; same errors."""
+        rt = self._rt
+        nd = num_decodes
+        if nd <= 0:
+            return None
+        if nd > rt["bmax"]:
+            raise ProfileCoverageError("decode batch size", nd, f"beyond the tables' max_decode_batch {rt['bmax']}")
+        if max_context > rt["kv_limit"]:
+            raise ProfileCoverageError(
+                "decode context", max_context, f"beyond the tables' max_kv_tokens {rt['kv_limit']}"
+            )
+        total = total_context
+        j = (total + 255) >> 8 if total <= _DENSE_S else 257 + bisect.bisect_left(rt["geo"], total)
+        t = rt["decode"][(nd - 1) * rt["decode_cols"] + j]
+        if nd > rt["limit"]:
+            raise ProfileCoverageError("batch tokens", nd, f"beyond the tables' max_batch_tokens {rt['limit']}")
+        head = nd * rt["head_row_s"]
+        return (
+            t
+            + rt["tokens"][nd]
+            + rt["fixed_s"]
+            + (head if head > rt["head_read_s"] else rt["head_read_s"])  # noqa: FURB136 (faster than max)
+            + nd * rt["seq_s"]
+            + nd * self.decode_seq_overhead_s
+        )
+
     def extra_costs_s(self, batch: BatchShape) -> float:
         """The part of :meth:`predict_s` outside Vidur's ``model_time``.
 

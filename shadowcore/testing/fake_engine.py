@@ -42,7 +42,7 @@ import attrs
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClass, KVClassManager
-from shadowcore.latency import LatencyModel, PrefillChunk
+from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
 from shadowcore.types import ChunkResult, Phase, RequestKind, RequestView, StepOutcome, StepPlan, StepSnapshot
 
 
@@ -97,6 +97,12 @@ class EngineRequest:
         )
 
 
+def append_output_to_history(req: EngineRequest, now_s: float) -> None:
+    """An ``on_token`` callback: the request's own history grows with its
+    output (normal traffic). Engines recognise it and inline it."""
+    req.history.append(1)
+
+
 @attrs.frozen
 class EngineLimits:
     token_budget: int = 2048
@@ -130,6 +136,14 @@ class EngineInstance:
     idle_power_w: float = 0.0  # per GPU
     busy_power_w: float = 0.0  # per GPU
     _step: tuple | None = None
+    # Steady-decode fast path (see _start_steady): every running request decodes,
+    # with these aggregates of their contexts; ``_due`` need a block before the next.
+    _steady: bool = False
+    _ctx_total: int = 0
+    _ctx_max: int = 0
+    _due: list = attrs.Factory(list)
+    num_fast_iterations: int = 0  # iterations run by the fast path (a diagnostic)
+    _steady_s: float = 0.0
 
     def energy_j(self, wall_s: float) -> float:
         """GPU energy over ``wall_s``: idle power throughout, busy power while iterating."""
@@ -148,12 +162,17 @@ class EngineInstance:
 
     # -- queue --------------------------------------------------------------------
     def enqueue(self, req: EngineRequest) -> None:
-        self.waiting.append(req)
+        self.waiting.append(req)  # start_step leaves the fast path while anything waits
         self.queued_prefill_tokens += req.num_tokens
 
     # -- one iteration ------------------------------------------------------------
     def start_step(self, now_s: float) -> float | None:
         """Plan and start an iteration; its end time, or None when idle."""
+        if self._steady and not self.waiting:
+            end = self._start_steady(now_s)
+            if end is not None:
+                return end
+        self._steady = False
         batch, blocked = self._schedule(now_s)
         used = sum(n for _, n in batch)
         with _validation(self.validate_values):
@@ -179,6 +198,9 @@ class EngineInstance:
         return now_s + duration
 
     def end_step(self, now_s: float) -> None:
+        if self._step is None:
+            self._end_steady(now_s)
+            return
         batch, results, duration = self._step
         self._step = None
         self.busy = False
@@ -194,6 +216,105 @@ class EngineInstance:
         for req, n in batch:
             if req in self.running:  # not preempted meanwhile
                 self._advance(req, n, now_s)
+        self._check_steady()
+
+    # -- steady decode iterations (fast path) ---------------------------------------
+    # An iteration where nothing waits, every running request decodes one token
+    # and the hook provably grants nothing (EngineHook.can_skip) is the slow
+    # path's iteration with its constant parts skipped: the same batch (all
+    # running requests, one token each, in running order), the same block
+    # reservations in the same order, the same duration (the latency model's
+    # predict_decodes_s from the aggregates is bit-identical to predict_s), the
+    # same per-request updates and callbacks in batch order, and the hook's
+    # accounting through skip_step. No snapshot, view, plan or outcome is built.
+    # tests/sim/test_speed_equivalence.py pins that the results are identical.
+
+    def _check_steady(self) -> None:
+        """After a slow iteration: is every running request decoding (with no
+        pending reload)? If so, set the aggregates and the due list."""
+        bs = self.kv.block_size
+        total = longest = 0
+        due = []
+        for req in self.running:
+            c = req.num_computed_tokens
+            if req.first_token_s is None or req.num_tokens - c != 1 or req.pending_reload_s:
+                self._steady = False
+                return
+            total += c
+            longest = max(longest, c)
+            if c + 2 > req.num_blocks * bs:
+                due.append(req)
+        self._steady = bool(self.running)
+        self._ctx_total, self._ctx_max, self._due = total, longest, due
+
+    def _start_steady(self, now_s: float) -> float | None:
+        """Start a steady decode iteration, or return None for the slow path:
+        before any reservation when one could preempt (the slow path then
+        preempts), or after them when the hook may grant (the slow path then
+        finds them made and plans)."""
+        if len(self.running) > self.limits.token_budget:
+            return None
+        due = self._due
+        if due:
+            kv = self.kv
+            bs = kv.block_size
+            needs = [-(-(req.num_computed_tokens + 2) // bs) - req.num_blocks for req in due]
+            # Every extend below succeeds (free or idle blocks; a normal owner may
+            # evict any idle block), so the slow path would preempt nobody either.
+            if sum(needs) > kv.num_free_blocks + kv.num_idle_blocks:
+                return None
+            for req, need in zip(due, needs, strict=True):  # in running order, as _schedule reserves
+                if need > 0:
+                    if not kv.extend(req.owner_id, (), need, now_s):
+                        raise AssertionError(f"{self.instance_id}: extend failed after the room check")
+                    req.num_blocks += need
+            due.clear()
+        if self.hook is not None and not self.hook.can_skip():  # after the reservations, as begin_step is
+            return None  # the slow path finds the blocks reserved and does the rest
+        nd = len(self.running)
+        fast = getattr(self.latency, "predict_decodes_s", None)
+        duration = fast(nd, self._ctx_total, self._ctx_max) if fast is not None else None
+        if duration is None:
+            ctx = tuple(r.num_computed_tokens for r in self.running)
+            duration = self.latency.predict_s(BatchShape((), ctx))
+        self.last_batch_tokens = nd
+        self._step = None
+        self._steady_s = duration
+        self.busy = True
+        return now_s + duration
+
+    def _end_steady(self, now_s: float) -> None:
+        """End a steady decode iteration: one token for every running request,
+        in running order (finishes included), then the next aggregates."""
+        duration = self._steady_s
+        self.busy = False
+        self.busy_s += duration
+        self.num_iterations_run += 1
+        self.num_fast_iterations += 1
+        if self.hook is not None:
+            self.hook.skip_step(duration, True)
+        self.iteration += 1
+        bs = self.kv.block_size
+        total = longest = 0
+        due = self._due
+        for req in list(self.running):
+            req.num_computed_tokens += 1
+            req.num_generated += 1
+            on_token = req.on_token
+            if on_token is append_output_to_history and req.history.token_ids is None:
+                req.history.num_tokens += 1  # what SessionHistory.append(1) does without token ids
+            elif on_token is not None:
+                on_token(req, now_s)
+            if req.num_generated >= req.num_output_tokens:
+                self._finish(req, now_s)
+                continue
+            c = req.num_computed_tokens
+            total += c
+            longest = max(longest, c)
+            if c + 2 > req.num_blocks * bs:
+                due.append(req)
+        self._ctx_total, self._ctx_max = total, longest
+        self._steady = bool(self.running)
 
     # -- scheduling -----------------------------------------------------------------
     def _schedule(self, now_s: float) -> tuple[list[tuple[EngineRequest, int]], bool]:

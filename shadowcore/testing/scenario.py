@@ -24,7 +24,7 @@ from shadowcore.kv import KVClassManager, KVClassPolicy
 from shadowcore.latency import BatchShape, LinearLatencyModel, chunked_prefill_s
 from shadowcore.pipeline import ShadowRuntime, build_runtime
 from shadowcore.policy import PolicySpec, load_policy
-from shadowcore.testing.fake_engine import EngineInstance, EngineLimits, EngineRequest
+from shadowcore.testing.fake_engine import EngineInstance, EngineLimits, EngineRequest, append_output_to_history
 from shadowcore.types import CallArrival, RequestKind
 
 # Event kinds: at equal times an iteration end frees its slots before new work
@@ -132,8 +132,20 @@ class EngineCluster:
                 self.loop.at(self.loop.now_s, WAKE, lambda t, i=inst: self.kick(i))
 
     def _on_step_end(self, inst: EngineInstance) -> None:
-        inst.end_step(self.loop.now_s)
-        self.kick(inst)
+        """End ``inst``'s iteration and start its next; while that one ends
+        before any other queued event, run its end inline (what the loop
+        would pop next anyway: ``EventLoop.advance_to``)."""
+        loop = self.loop
+        while True:
+            inst.end_step(loop.now_s)
+            if inst.busy:
+                return
+            end = inst.start_step(loop.now_s)
+            if end is None:
+                return
+            if not loop.advance_to(end):
+                loop.at(end, STEP_END, lambda t, i=inst: self._on_step_end(i))
+                return
 
 
 def _lognormal(rng: np.random.Generator, median: float, sigma: float = 0.6) -> int:
@@ -271,7 +283,7 @@ class ScenarioRun:
         history = SessionHistory(rid)
         history.append(prompt)
         req = EngineRequest(rid, RequestKind.NORMAL, history, prompt, output, now_s, inst.tpot_slo_s * 40,
-                          inst.tpot_slo_s, on_token=lambda r, t: r.history.append(1), on_finish=self._normal_done)
+                          inst.tpot_slo_s, on_token=append_output_to_history, on_finish=self._normal_done)
         isolated = chunked_prefill_s(inst.latency, prompt, inst.limits.token_budget)
         req.ttft_slo_s = max(self.scenario.slo.ttft_s, 5 * isolated)
         self._enqueue(inst, req)

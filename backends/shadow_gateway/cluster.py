@@ -1,0 +1,164 @@
+"""The gateway's view of its instances: health, load, and what each holds.
+
+:class:`GatewayCluster` implements the core's
+:class:`~shadowcore.manager.ClusterPort` from what the gateway itself saw: a
+routed call that completed on an instance left its prompt and output cached
+there (whole blocks); a shadow request that completed left its prompt cached.
+The gateway cannot see evictions, so "cached" here is an *expectation*; the
+engine's own prefix cache decides, and a routed call never depends on it.
+
+Invariants:
+
+* A known prefix is a reference to a session's token list and a length, never
+  a copy; comparing it with a history costs nothing while the history is the
+  same list (same epoch) and a prefix comparison otherwise.
+* Cached counts are whole blocks and never exceed the history.
+* An unhealthy instance is never placed while a healthy one serves the model
+  (its estimated completion is pushed beyond any healthy one's), and gets no
+  shadow work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from shadow_gateway.config import GatewayConfig, InstanceConfig, ModelConfig, SchedulerKind
+from shadowcore.job import SessionHistory
+
+UNHEALTHY_PENALTY_S = 1e9
+
+
+def common_prefix(a: Sequence[int], a_len: int, b: Sequence[int], b_len: int) -> int:
+    """Length of the common prefix of ``a[:a_len]`` and ``b[:b_len]``."""
+    n = min(a_len, b_len)
+    if a is b:
+        return n
+    lo, hi = 0, n  # galloping would be faster; slices compare at C speed
+    if a[:n] == b[:n]:
+        return n
+    while lo < hi:  # binary search on prefix equality
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@attrs.define(eq=False)
+class KnownPrefix:
+    """Tokens of one session expected cached on one instance, by source."""
+
+    routed_ids: list[int] | None = None
+    routed_len: int = 0
+    shadow_ids: list[int] | None = None
+    shadow_len: int = 0
+
+    def matched(self, ids: Sequence[int] | None, length: int) -> tuple[int, int]:
+        """(tokens matched via routed calls, via shadows)."""
+        if ids is None:
+            return 0, 0
+        r = common_prefix(self.routed_ids, self.routed_len, ids, length) if self.routed_ids is not None else 0
+        s = common_prefix(self.shadow_ids, self.shadow_len, ids, length) if self.shadow_ids is not None else 0
+        return r, s
+
+
+@attrs.define(eq=False)
+class InstanceState:
+    config: InstanceConfig
+    model: ModelConfig
+    is_shadow_only: bool = False
+    healthy: bool = True
+    num_failures: int = 0
+    num_routed_inflight: int = 0
+    num_inflight_uncached_tokens: int = 0
+    shadow_blocked_until_s: float = 0.0
+    known: dict[str, KnownPrefix] = attrs.Factory(dict)
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def scheduler(self) -> SchedulerKind:
+        return self.config.scheduler
+
+
+@attrs.define(eq=False)
+class GatewayCluster:
+    """ClusterPort for the ShadowManager, plus the gateway's instance state."""
+
+    config: GatewayConfig
+    unhealthy_after: int = 2
+    by_id: dict[str, InstanceState] = attrs.field(init=False, factory=dict)
+    _by_model: dict[str, list[str]] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.unhealthy_after = self.config.health.unhealthy_after
+        for m in self.config.models:
+            self._by_model[m.name] = [i.id for i in m.instances]
+            for inst in m.instances:
+                self.by_id[inst.id] = InstanceState(inst, m)
+            if m.shadow_instance is not None:
+                self.by_id[m.shadow_instance.id] = InstanceState(m.shadow_instance, m, is_shadow_only=True)
+
+    def shadow_instances(self) -> dict[str, str]:
+        return {m.name: m.shadow_instance.id for m in self.config.models if m.shadow_instance is not None}
+
+    # -- ClusterPort ------------------------------------------------------------------
+    def instances(self, model: str) -> Sequence[str]:
+        return self._by_model.get(model, [])
+
+    def block_size(self, instance_id: str) -> int:
+        return self.by_id[instance_id].model.block_size
+
+    def cached_prefix_tokens(self, instance_id: str, history: SessionHistory) -> int:
+        inst = self.by_id[instance_id]
+        known = inst.known.get(history.session_id)
+        if known is None or history.token_ids is None:
+            return 0
+        r, s = known.matched(history.token_ids, history.num_tokens)
+        n = max(r, s)
+        return n - n % inst.model.block_size
+
+    def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
+        inst = self.by_id[instance_id]
+        t = (inst.num_inflight_uncached_tokens + num_uncached_tokens) / inst.model.prefill_tokens_per_s
+        return t + (0.0 if inst.healthy else UNHEALTHY_PENALTY_S)
+
+    # -- gateway bookkeeping ---------------------------------------------------------
+    def healthy_instances(self, model: str) -> list[InstanceState]:
+        return [self.by_id[i] for i in self.instances(model) if self.by_id[i].healthy]
+
+    def record_routed(self, instance_id: str, session_id: str, ids: list[int], num_tokens: int) -> None:
+        inst = self.by_id[instance_id]
+        k = inst.known.setdefault(session_id, KnownPrefix())
+        k.routed_ids, k.routed_len = ids, num_tokens - num_tokens % inst.model.block_size
+
+    def record_shadow(self, instance_id: str, session_id: str, ids: list[int], num_tokens: int) -> None:
+        inst = self.by_id[instance_id]
+        k = inst.known.setdefault(session_id, KnownPrefix())
+        k.shadow_ids, k.shadow_len = ids, num_tokens - num_tokens % inst.model.block_size
+
+    def forget_session(self, session_id: str) -> None:
+        for inst in self.by_id.values():
+            inst.known.pop(session_id, None)
+
+    def mark(self, instance_id: str, ok: bool) -> bool:
+        """Record a health observation; True when the instance changed state."""
+        inst = self.by_id[instance_id]
+        was = inst.healthy
+        if ok:
+            inst.num_failures = 0
+            inst.healthy = True
+        else:
+            inst.num_failures += 1
+            if inst.num_failures >= self.unhealthy_after:
+                inst.healthy = False
+        return was != inst.healthy

@@ -1,0 +1,456 @@
+"""The session gateway: an OpenAI-compatible front door (Chat Completions and
+Completions, streaming included) that routes agent calls per step and keeps
+the models the router did not choose warm.
+
+A call with a session id (header ``X-Session-Id`` or body field
+``session_id`` by default) is a *routed call*: the router picks the model,
+the core's :class:`~shadowcore.manager.ShadowManager` places it (sticky
+instance unless another would finish the uncached prefill sooner) and opens or
+extends shadow jobs on the other models, and the call is forwarded at once.
+The gateway asks the upstream for token ids (``return_token_ids``): the
+prompt's ids arrive with the first chunk and extend the session history (a
+prompt that does not extend the history starts a new epoch), and every output
+chunk's ids extend it further, so shadow jobs grow while the call streams.
+Calls without a session id are proxied plainly.
+
+Invariants:
+
+* Nothing on a routed call's path waits for shadow work: shadow requests run
+  in :class:`~shadow_gateway.shadow.ShadowDispatcher` lanes on their own
+  connection pool; bookkeeping errors are counted, never raised to the client.
+* A routed call is retried (at most ``upstream.retries`` times, on other
+  healthy instances of the same model) only when nothing of it reached the
+  client yet; once streaming, an upstream failure ends the stream with an
+  error event (the instance's own behaviour).
+* The client gets the upstream's response: the gateway removes only the
+  fields it added itself (token ids, the usage chunk it asked for).
+* One routed call per session at a time: a concurrent call of a busy session
+  is served plainly (counted as a fallback), never queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import attrs
+import httpx
+
+from shadow_gateway.cluster import GatewayCluster, InstanceState
+from shadow_gateway.config import GatewayConfig, SchedulerKind
+from shadow_gateway.metrics import GatewayMetrics
+from shadow_gateway.router import RouteError, Router, RouteRequest, Warmth, load_router
+from shadow_gateway.shadow import ShadowDispatcher
+from shadowcore.manager import ShadowManager
+from shadowcore.pipeline import build_runtime
+from shadowcore.types import CallArrival, JobKey
+from shadowcore.wire import ShadowTag, TagKind
+
+log = logging.getLogger("shadow_gateway")
+RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+
+
+class UpstreamFailed(Exception):
+    """Every attempt failed before a byte reached the client."""
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        super().__init__(f"upstream status {status}")
+        self.status, self.body, self.headers = status, body, headers or {}
+
+
+@attrs.define(eq=False)
+class CallContext:
+    """One routed call in flight."""
+
+    session_id: str
+    model: str
+    is_switch: bool
+    instance: InstanceState | None = None
+    client_wants_ids: bool = False
+    client_wants_usage: bool = False
+    prompt_seen: bool = False
+    started_s: float = 0.0
+
+
+@attrs.define(eq=False)
+class Gateway:
+    """State and logic of one gateway (the FastAPI app in ``app.py`` wraps it)."""
+
+    config: GatewayConfig
+    clock: Callable[[], float] = time.monotonic
+    metrics: GatewayMetrics = attrs.Factory(GatewayMetrics)
+    cluster: GatewayCluster = attrs.field(init=False)
+    manager: ShadowManager = attrs.field(init=False)
+    router: Router = attrs.field(init=False)
+    shadows: ShadowDispatcher = attrs.field(init=False)
+    client: httpx.AsyncClient = attrs.field(init=False)
+    busy: set[str] = attrs.field(init=False, factory=set)
+    last_seen_s: dict[str, float] = attrs.field(init=False, factory=dict)
+    _epoch0_s: float = attrs.field(init=False, default=0.0)
+    _tasks: list[asyncio.Task] = attrs.field(init=False, factory=list)
+
+    def __attrs_post_init__(self) -> None:
+        self.cluster = GatewayCluster(self.config)
+        runtime = build_runtime(self.config.shadow, self.cluster, self.config.model_names,
+                                self.cluster.shadow_instances())
+        self.manager = runtime.manager
+        self.router = load_router(self.config.router)
+        self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics)
+        self._epoch0_s = self.clock()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        u = self.config.upstream
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(u.read_timeout_s, connect=u.connect_timeout_s),
+            limits=httpx.Limits(max_connections=u.max_connections, max_keepalive_connections=u.max_connections),
+        )
+        self.shadows.start()
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="gateway-health"))
+        self._tasks.append(asyncio.create_task(self._expiry_loop(), name="gateway-expiry"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.shadows.close()
+        await self.client.aclose()
+
+    # -- RouterView ----------------------------------------------------------------------
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self.config.model_names
+
+    def price(self, model: str) -> tuple[float, float, float]:
+        p = self.config.model(model).price
+        return p.input_per_mtok, p.cached_input_per_mtok, p.output_per_mtok
+
+    def current_model(self, session_id: str) -> str | None:
+        s = self.manager.sessions.get(session_id)
+        return s.current_model if s else None
+
+    def warmth(self, session_id: str, model: str, prompt_ids: list[int] | None = None) -> Warmth:
+        """Tokens of the session's context (or of ``prompt_ids``, the next
+        prompt) expected cached on the instance the next call would use."""
+        s = self.manager.sessions.get(session_id)
+        if model not in self.models:
+            raise RouteError(f"model {model!r} is not served here (models: {', '.join(self.models)})")
+        if s is None:
+            return Warmth(session_id, model, None, len(prompt_ids or ()), 0)
+        candidates = [s.sticky[model]] if model in s.sticky else list(self.cluster.instances(model))
+        ids = prompt_ids if prompt_ids is not None else s.history.token_ids
+        n = len(prompt_ids) if prompt_ids is not None else s.history.num_tokens
+        best, best_n = None, 0
+        for inst_id in candidates:
+            known = self.cluster.by_id[inst_id].known.get(session_id)
+            got = max(known.matched(ids, n)) if known is not None else 0
+            if prompt_ids is not None:
+                got = min(got, max(0, n - 1))  # an engine computes at least the last prompt token
+            got -= got % self.cluster.block_size(inst_id)
+            if best is None or got > best_n:
+                best, best_n = inst_id, got
+        job = self.manager.job(JobKey(session_id, model))
+        return Warmth(session_id, model, best, n, best_n, job.num_inflight_tokens if job else 0)
+
+    # -- entry points --------------------------------------------------------------------
+    def session_of(self, headers: Any, body: dict[str, Any]) -> tuple[str | None, str]:
+        cfg = self.config.session
+        from_body = body.pop(cfg.field, None)
+        sid = headers.get(cfg.header) or from_body
+        if sid is not None and (not isinstance(sid, str) or not sid):
+            raise RouteError(f"{cfg.field} = {sid!r}: a session id must be a non-empty string")
+        return sid, headers.get(cfg.task_header, "")
+
+    def choose_model(self, endpoint: str, body: dict[str, Any], session_id: str | None) -> str:
+        s = self.manager.sessions.get(session_id) if session_id else None
+        call = RouteRequest(session_id, body.get("model"), endpoint, body, s.num_calls if s else 0)
+        model = self.router.choose(call, self)
+        if model not in self.models:
+            raise RouteError(f"router {self.config.router.name!r} chose unknown model {model!r}")
+        return model
+
+    def begin_routed(self, session_id: str, model: str, task: str, body: dict[str, Any]) -> CallContext | None:
+        """Register a routed call with the manager; None: serve it plainly."""
+        if session_id in self.busy:
+            self.metrics.fallbacks.labels("session-busy").inc()
+            return None
+        try:
+            placement = self.manager.on_call_arrival(
+                CallArrival(session_id, model, 0, max(0.0, self.clock() - self._epoch0_s), task, new_token_ids=())
+            )
+        except Exception:  # bookkeeping must never fail a call
+            log.exception("session %s: manager rejected the call; serving it plainly", session_id)
+            self.metrics.fallbacks.labels("manager-error").inc()
+            return None
+        self.busy.add(session_id)
+        self.last_seen_s[session_id] = self.clock()
+        ctx = CallContext(session_id, model, placement.is_switch, self.cluster.by_id[placement.instance_id],
+                          client_wants_ids=bool(body.get("return_token_ids")), started_s=self.clock())
+        self.shadows.on_call_arrival(session_id, placement.instance_id)
+        self.shadows.wake_all()
+        return ctx
+
+    def end_routed(self, ctx: CallContext, ok: bool) -> None:
+        self.busy.discard(ctx.session_id)
+        s = self.manager.sessions.get(ctx.session_id)
+        if ok and s is not None and ctx.instance is not None and s.history.token_ids is not None:
+            # the instance holds the prompt and all output but the last token
+            self.cluster.record_routed(ctx.instance.id, ctx.session_id, s.history.token_ids,
+                                       max(0, s.history.num_tokens - 1))
+        self.metrics.call_seconds.labels(ctx.model).observe(self.clock() - ctx.started_s)
+        self.last_seen_s[ctx.session_id] = self.clock()
+        if ok:
+            self.shadows.on_call_complete(ctx.session_id)
+        self.shadows.wake_all()
+
+    # -- token ids from the upstream's responses ------------------------------------------
+    def on_prompt_ids(self, ctx: CallContext, ids: list[int], num_cached: int | None) -> None:
+        ctx.prompt_seen = True
+        s = self.manager.sessions.get(ctx.session_id)
+        if s is None:
+            return
+        h = s.history
+        n = h.num_tokens
+        old = h.token_ids or []
+        if len(ids) >= n and old[:n] == ids[:n]:
+            self.manager.on_tool_result(ctx.session_id, len(ids) - n, ids[n:])
+        else:  # the prompt does not extend the history: a new epoch (jobs restart, caches still hit)
+            self.metrics.fallbacks.labels("history-diverged").inc()
+            h.compact(len(ids), ids)
+        if num_cached is not None and ctx.instance is not None:
+            self._count_cached(ctx, ids, num_cached)
+        self.shadows.wake_all()
+
+    def _count_cached(self, ctx: CallContext, ids: list[int], num_cached: int) -> None:
+        self.metrics.cached_tokens.labels(ctx.model).inc(num_cached)
+        if not ctx.is_switch:
+            return
+        self.metrics.switch_cached_tokens.labels(ctx.model).inc(num_cached)
+        known = ctx.instance.known.get(ctx.session_id) if ctx.instance else None
+        if known is not None:
+            via_routed, via_shadow = known.matched(ids, len(ids))
+            used = max(0, min(num_cached, via_shadow) - via_routed)
+            if used:
+                self.metrics.shadow_tokens_used.labels(ctx.model).inc(used)
+        if num_cached == 0:
+            self.metrics.fallbacks.labels("cold-switch").inc()
+
+    def on_output_ids(self, ctx: CallContext, ids: list[int]) -> None:
+        if not ctx.prompt_seen or not ids:
+            return
+        if ctx.session_id in self.manager.sessions:
+            self.manager.on_output_tokens(ctx.session_id, len(ids), ids)
+            self.shadows.wake_all()
+
+    # -- upstream calls -------------------------------------------------------------------
+    def upstream_body(self, body: dict[str, Any], model: str, inst: InstanceState,
+                      ctx: CallContext | None) -> dict[str, Any]:
+        out = dict(body)
+        out["model"] = self.config.model(model).upstream_name
+        if ctx is None:
+            return out
+        out["return_token_ids"] = True
+        if out.get("stream"):
+            opts = dict(out.get("stream_options") or {})
+            ctx.client_wants_usage = bool(opts.get("include_usage"))
+            opts["include_usage"] = True
+            out["stream_options"] = opts
+        if inst.scheduler is SchedulerKind.SHADOW:
+            xargs = dict(out.get("vllm_xargs") or {})
+            xargs.update(ShadowTag(TagKind.ROUTED, ctx.session_id).to_extra_args())
+            out["vllm_xargs"] = xargs
+        return out
+
+    def attempt_order(self, model: str, first: InstanceState | None) -> list[InstanceState]:
+        healthy = sorted(self.cluster.healthy_instances(model), key=lambda i: i.num_routed_inflight)
+        order = ([first] if first is not None else []) + [i for i in healthy if i is not first]
+        if not order:
+            order = [self.cluster.by_id[i] for i in self.cluster.instances(model)]  # all down: try anyway
+        return order[: 1 + self.config.upstream.retries]
+
+    async def open_upstream(self, path: str, body: dict[str, Any], model: str, ctx: CallContext | None,
+                            headers: dict[str, str]) -> tuple[httpx.Response, InstanceState]:
+        """The first attempt that answers with a non-retryable status; the
+        response is open (streamed) and the caller must close it."""
+        last = UpstreamFailed(503, json.dumps({"error": {"message": f"no instance of {model!r} answered",
+                                                         "type": "upstream_unavailable"}}).encode())
+        for inst in self.attempt_order(model, ctx.instance if ctx else None):
+            payload = self.upstream_body(body, model, inst, ctx)
+            inst.num_routed_inflight += 1
+            try:
+                req = self.client.build_request("POST", inst.url + path, json=payload, headers=headers)
+                resp = await self.client.send(req, stream=True)
+            except (httpx.HTTPError, OSError) as e:
+                inst.num_routed_inflight -= 1
+                self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
+                if self.cluster.mark(inst.id, False):
+                    self.shadows.wake_all()
+                last = UpstreamFailed(502, json.dumps({"error": {"message": f"instance {inst.id}: {e!r}",
+                                                                 "type": "upstream_error"}}).encode())
+                continue
+            if resp.status_code in RETRYABLE_STATUS:
+                data = await resp.aread()
+                await resp.aclose()
+                inst.num_routed_inflight -= 1
+                self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
+                last = UpstreamFailed(resp.status_code, data, {"content-type": resp.headers.get("content-type", "")})
+                continue
+            if ctx is not None and ctx.instance is not inst:
+                self.metrics.fallbacks.labels("retried-elsewhere").inc()
+                ctx.instance = inst
+            return resp, inst
+        raise last
+
+    # -- response processing ---------------------------------------------------------------
+    def process_json(self, ctx: CallContext, data: dict[str, Any]) -> dict[str, Any]:
+        """A whole (non-streamed) response: feed ids, strip what we added."""
+        try:
+            ids = _prompt_ids(data)
+            if isinstance(ids, list):
+                self.on_prompt_ids(ctx, ids, _cached(data.get("usage")))
+            else:
+                self.metrics.fallbacks.labels("no-token-ids").inc()
+            choices = data.get("choices") or []
+            if choices and isinstance(choices[0].get("token_ids"), list):
+                self.on_output_ids(ctx, choices[0]["token_ids"])
+            self._count_usage(ctx, data.get("usage"))
+        except Exception:
+            log.exception("session %s: bookkeeping failed", ctx.session_id)
+            self.metrics.errors.labels("bookkeeping", ctx.model).inc()
+        if not ctx.client_wants_ids:
+            _strip_ids(data)
+        return data
+
+    def process_chunk(self, ctx: CallContext, data: dict[str, Any]) -> dict[str, Any] | None:
+        """One SSE chunk; None drops it (the usage chunk the client did not ask for)."""
+        try:
+            ids = _prompt_ids(data)
+            if isinstance(ids, list) and not ctx.prompt_seen:
+                self.on_prompt_ids(ctx, ids, None)
+            for c in data.get("choices") or []:
+                if c.get("index", 0) == 0 and isinstance(c.get("token_ids"), list):
+                    self.on_output_ids(ctx, c["token_ids"])
+            usage = data.get("usage")
+            if usage and not data.get("choices"):
+                self._count_usage(ctx, usage)
+                cached = _cached(usage)
+                if cached is not None and ctx.prompt_seen:
+                    s = self.manager.sessions.get(ctx.session_id)
+                    if s is not None and s.history.token_ids is not None:
+                        self._count_cached(ctx, s.history.token_ids, cached)
+        except Exception:
+            log.exception("session %s: bookkeeping failed", ctx.session_id)
+            self.metrics.errors.labels("bookkeeping", ctx.model).inc()
+        if not ctx.client_wants_ids:
+            _strip_ids(data)
+        if data.get("usage") and not data.get("choices") and not ctx.client_wants_usage:
+            return None
+        if not ctx.client_wants_usage and "usage" in data and data.get("choices"):
+            data["usage"] = None
+        return data
+
+    def _count_usage(self, ctx: CallContext, usage: Any) -> None:
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            self.metrics.prompt_tokens.labels(ctx.model).inc(usage["prompt_tokens"])
+
+    async def stream_chunks(self, ctx: CallContext | None, resp: httpx.Response, inst: InstanceState,
+                            on_end: Callable[[bool], None]) -> AsyncIterator[bytes]:
+        ok = False
+        try:
+            if ctx is None:
+                async for raw in resp.aiter_raw():
+                    yield raw
+                ok = True
+                return
+            async for line in resp.aiter_lines():
+                if not line:
+                    continue
+                if not line.startswith("data:"):
+                    yield (line + "\n\n").encode()
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    yield b"data: [DONE]\n\n"
+                    continue
+                try:
+                    data = json.loads(payload)
+                except ValueError:
+                    yield (line + "\n\n").encode()
+                    continue
+                out = self.process_chunk(ctx, data) if isinstance(data, dict) else data
+                if out is not None:
+                    yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+            ok = True  # the upstream closed the stream normally
+        except (httpx.HTTPError, OSError) as e:
+            self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
+            err = {"error": {"message": f"instance {inst.id} failed mid-stream: {e!r}", "type": "upstream_error"}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        finally:
+            inst.num_routed_inflight -= 1
+            await resp.aclose()
+            on_end(ok)
+
+    # -- background loops --------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        h = self.config.health
+        while True:
+            await asyncio.gather(*(self._check(inst) for inst in self.cluster.by_id.values()))
+            await asyncio.sleep(h.interval_s)
+
+    async def _check(self, inst: InstanceState) -> None:
+        try:
+            r = await self.client.get(inst.url + "/health", timeout=self.config.health.timeout_s)
+            ok = r.status_code == 200
+        except (httpx.HTTPError, OSError):
+            ok = False
+        if not ok:
+            self.metrics.errors.labels("health", inst.id).inc()
+        if self.cluster.mark(inst.id, ok):
+            log.warning("instance %s is now %s", inst.id, "healthy" if ok else "unhealthy")
+            self.shadows.wake_all()
+
+    async def _expiry_loop(self) -> None:
+        timeout = self.config.session.idle_timeout_s
+        while True:
+            await asyncio.sleep(min(60.0, timeout / 4))
+            now = self.clock()
+            for sid, seen in list(self.last_seen_s.items()):
+                if now - seen > timeout and sid not in self.busy:
+                    self.end_session(sid)
+
+    def end_session(self, session_id: str) -> bool:
+        known = session_id in self.manager.sessions
+        self.manager.on_session_end(session_id)
+        self.cluster.forget_session(session_id)
+        self.last_seen_s.pop(session_id, None)
+        return known
+
+
+def _prompt_ids(data: dict[str, Any]) -> Any:
+    """vLLM puts the prompt's ids at the top of a chat response and in the
+    choice of a completions response."""
+    ids = data.get("prompt_token_ids")
+    if ids is None:
+        choices = data.get("choices") or []
+        ids = choices[0].get("prompt_token_ids") if choices and isinstance(choices[0], dict) else None
+    return ids
+
+
+def _strip_ids(data: dict[str, Any]) -> None:
+    data.pop("prompt_token_ids", None)
+    for c in data.get("choices") or []:
+        c.pop("token_ids", None)
+        c.pop("prompt_token_ids", None)
+
+
+def _cached(usage: Any) -> int | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    return None

@@ -1,0 +1,54 @@
+"""``shadowprefill serve --config gateway.yaml``: run the gateway with uvicorn.
+
+Registered as the ``serve`` plugin of the entry-point group
+``shadowprefill.commands``; FastAPI and uvicorn are imported only here, so
+``shadowcore`` never needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from shadowcore.errors import ConfigError, PluginError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shadowprefill serve",
+                                     description="OpenAI-compatible session gateway with shadow prefill")
+    parser.add_argument("--config", required=True, help="gateway YAML file (see docs/gateway.md)")
+    parser.add_argument("--host", help="override listen.host")
+    parser.add_argument("--port", type=int, help="override listen.port")
+    parser.add_argument("--check", action="store_true", help="validate the configuration and exit")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(list(argv or []))
+    try:
+        import uvicorn
+
+        from shadow_gateway.app import create_app
+        from shadow_gateway.config import load_config
+        from shadow_gateway.gateway import Gateway
+    except ImportError as e:
+        print(f"shadowprefill serve: error: {e}; install the gateway extra: pip install 'shadowprefill[gateway]'",
+              file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config)
+        gateway = Gateway(config)  # loads the router and the shadow policy: errors before listening
+    except (ConfigError, PluginError) as e:
+        print(f"shadowprefill serve: error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"{args.config}: ok ({len(config.models)} models, router {config.router.name}, "
+              f"policy {config.shadow.policy.name})")
+        return 0
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(config, gateway), host=args.host or config.host, port=args.port or config.port,
+                log_level=args.log_level, access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

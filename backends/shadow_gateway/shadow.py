@@ -1,0 +1,281 @@
+"""Shadow submission: turns the ShadowManager's pending jobs into requests to
+the instances of the models the router did not choose.
+
+One lane (an asyncio task) per instance wakes whenever a session's history
+grows or a submission ends, and hands out that instance's pending jobs in the
+manager's order (non-increasing switch probability). How a job reaches the
+instance depends on what the instance runs:
+
+* ``scheduler: shadow`` (the shadow scheduler of ``shadow_vllm``): a request
+  tagged with :class:`shadowcore.wire.ShadowTag` whose prompt is the session
+  context as token ids (whole blocks) with ``max_tokens`` 1; the engine runs
+  it only in slack. Up to ``max_inflight_per_instance`` jobs in flight.
+* ``scheduler: stock`` (stock vLLM): the request-level mode of Appendix D.1,
+  run by :class:`shadow_vllm.request_level.RequestLevelShadower` with this
+  module's HTTP submit: after a session's routed call completes, its context
+  goes to each stock instance that holds one of the session's jobs, at the
+  lowest priority with one output token, at most one in flight per instance,
+  only while the destination's waiting queue (its ``/metrics``) is empty;
+  a newer call supersedes a pending shadow.
+
+Invariants:
+
+* Shadow requests use their own connection pool and timeouts; a failure (dead
+  or hung instance, 5xx, timeout) commits zero tokens to the job, counts an
+  error and keeps the instance from shadow work for ``backoff_s``; it never
+  raises into a routed call, and no routed call waits on a lane.
+* At most one request per job is in flight; a job's held prefix advances only
+  when a request for it completed (then the instance is expected to hold the
+  submitted prefix).
+* Unhealthy instances get no shadow work (dropped first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import attrs
+import httpx
+
+from shadow_gateway.cluster import GatewayCluster, InstanceState
+from shadow_gateway.config import SchedulerKind, ShadowSubmitConfig
+from shadow_gateway.metrics import GatewayMetrics
+from shadowcore.job import ShadowJob
+from shadowcore.manager import ShadowManager
+from shadowcore.types import JobKey
+from shadowcore.wire import ShadowTag, TagKind
+
+log = logging.getLogger("shadow_gateway.shadow")
+
+
+@attrs.define(eq=False)
+class Lane:
+    instance: InstanceState
+    wake: asyncio.Event = attrs.Factory(asyncio.Event)
+    inflight: dict[JobKey, asyncio.Task] = attrs.Factory(dict)
+    task: asyncio.Task | None = None
+
+
+@attrs.define(eq=False)
+class ShadowDispatcher:
+    manager: ShadowManager
+    cluster: GatewayCluster
+    config: ShadowSubmitConfig
+    metrics: GatewayMetrics
+    client: httpx.AsyncClient = attrs.field(init=False)
+    lanes: dict[str, Lane] = attrs.field(init=False, factory=dict)
+    request_level: Any = attrs.field(init=False, default=None)  # RequestLevelShadower when stock instances exist
+    _num_waiting: dict[str, int] = attrs.field(init=False, factory=dict)
+    _rl_tasks: set[asyncio.Task] = attrs.field(init=False, factory=set)
+    _rl_context: dict[tuple[str, str], list[int]] = attrs.field(init=False, factory=dict)
+    _rl_pump_scheduled: bool = attrs.field(init=False, default=False)
+    _closed: bool = attrs.field(init=False, default=False)
+
+    def start(self) -> None:
+        c = self.config
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(c.timeout_s, connect=c.connect_timeout_s),
+            limits=httpx.Limits(max_connections=max(8, 2 * c.max_inflight_per_instance * len(self.cluster.by_id))),
+        )
+        stock = [i for i in self.cluster.by_id.values() if i.scheduler is SchedulerKind.STOCK]
+        if stock:
+            from shadow_vllm.request_level import RequestLevelShadower
+
+            self.request_level = RequestLevelShadower(self._rl_submit, lambda i: self._num_waiting.get(i, 1))
+        for inst in self.cluster.by_id.values():
+            if inst.scheduler is SchedulerKind.STOCK:
+                continue
+            lane = Lane(inst)
+            lane.task = asyncio.create_task(self._run(lane), name=f"shadow-lane-{inst.id}")
+            self.lanes[inst.id] = lane
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = [t for lane in self.lanes.values() for t in (lane.task, *lane.inflight.values()) if t]
+        tasks += list(self._rl_tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.client.aclose()
+
+    def wake_all(self) -> None:
+        for lane in self.lanes.values():
+            lane.wake.set()
+
+    def wake_later(self, lane: Lane, delay_s: float) -> None:
+        asyncio.get_running_loop().call_later(delay_s, lane.wake.set)
+
+    # -- the lane -------------------------------------------------------------------------
+    async def _run(self, lane: Lane) -> None:
+        while not self._closed:
+            await lane.wake.wait()
+            lane.wake.clear()
+            try:
+                await self._fill(lane)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a lane must never die: log, count, carry on
+                log.exception("shadow lane %s failed", lane.instance.id)
+                self.metrics.errors.labels("shadow", lane.instance.id).inc()
+
+    async def _fill(self, lane: Lane) -> None:
+        inst = lane.instance
+        if not inst.healthy:
+            return  # the health checker wakes every lane when it comes back
+        now = time.monotonic()
+        if now < inst.shadow_blocked_until_s:
+            self.wake_later(lane, inst.shadow_blocked_until_s - now)
+            return
+        for job in self.manager.pending_jobs(inst.id):
+            if len(lane.inflight) >= self.config.max_inflight_per_instance:
+                return
+            if job.key not in lane.inflight:
+                self._submit(lane, job)
+
+    def _submit(self, lane: Lane, job: ShadowJob) -> None:
+        inst = lane.instance
+        history = job.history
+        job.refresh(self.cluster.cached_prefix_tokens(inst.id, history), 0)
+        num_missing = job.num_missing_tokens
+        if num_missing <= 0 or history.token_ids is None:
+            return
+        ids, target, epoch = history.token_ids, job.num_target_tokens, history.epoch
+        start = job.reserve(num_missing)
+        tag = ShadowTag(TagKind.SHADOW, job.key.session_id, job.key.target_model, epoch, job.switch_probability)
+        body = {"model": inst.model.upstream_name, "prompt": ids[:target], "max_tokens": 1,
+                "vllm_xargs": tag.to_extra_args()}
+        task = asyncio.create_task(self._send(lane, job, body, ids, target, epoch, start, num_missing))
+        lane.inflight[job.key] = task
+
+    async def _send(self, lane: Lane, job: ShadowJob, body: dict, ids: list[int], target: int, epoch: int,
+                    start: int, num_missing: int) -> None:
+        inst = lane.instance
+        try:
+            ok = await self._post(inst, body)
+        except asyncio.CancelledError:
+            job.commit(epoch, start, num_missing, 0)
+            raise
+        finally:
+            lane.inflight.pop(job.key, None)
+        job.commit(epoch, start, num_missing, num_missing if ok else 0)
+        self._account(inst, "tagged", ok, job.key.session_id, ids, target, num_missing)
+        lane.wake.set()
+
+    async def _post(self, inst: InstanceState, body: dict) -> bool:
+        """POST one shadow request; True when the instance completed it."""
+        mode = "request-level" if inst.scheduler is SchedulerKind.STOCK else "tagged"
+        try:
+            r = await asyncio.wait_for(self.client.post(f"{inst.url}/v1/completions", json=body),
+                                       self.config.timeout_s)
+            if r.status_code != 200:
+                outcome = f"http-{r.status_code // 100}xx"
+            else:
+                finish = (r.json().get("choices") or [{}])[0].get("finish_reason")
+                outcome = "aborted" if finish == "abort" else "completed"
+        except (TimeoutError, httpx.HTTPError, OSError, ValueError) as e:
+            outcome = "timeout" if isinstance(e, (asyncio.TimeoutError, httpx.TimeoutException)) else "failed"
+        self.metrics.shadow_requests.labels(inst.model.name, mode, outcome).inc()
+        return outcome == "completed"
+
+    def _account(self, inst: InstanceState, mode: str, ok: bool, session_id: str, ids: list[int],
+                 num_context: int, num_tokens: int) -> None:
+        if ok:
+            self.cluster.record_shadow(inst.id, session_id, ids, num_context)
+            self.metrics.shadow_tokens_submitted.labels(inst.model.name, mode).inc(num_tokens)
+        else:
+            self.metrics.errors.labels("shadow", inst.id).inc()
+            inst.shadow_blocked_until_s = time.monotonic() + self.config.backoff_s
+
+    # -- request-level mode (stock instances) ------------------------------------------------
+    def on_call_arrival(self, session_id: str, instance_id: str) -> None:
+        if self.request_level is not None:
+            self.request_level.on_call_arrival(session_id, instance_id)
+
+    def on_call_complete(self, session_id: str) -> None:
+        """Queue the session's context for the stock instances that hold its jobs."""
+        if self.request_level is None or session_id not in self.manager.sessions:
+            return
+        from shadow_vllm.request_level import Destination
+
+        history = self.manager.sessions[session_id].history
+        if history.token_ids is None or not history.num_tokens:
+            return
+        dests = []
+        for model in self.manager.models:
+            job = self.manager.job(JobKey(session_id, model))
+            inst = self.cluster.by_id.get(job.instance_id) if job is not None else None
+            if inst is None or inst.scheduler is not SchedulerKind.STOCK or not inst.healthy:
+                continue
+            if time.monotonic() < inst.shadow_blocked_until_s:
+                self.metrics.fallbacks.labels("shadow-dropped-backoff").inc()
+                continue
+            dests.append(Destination(inst.id, model))
+            self._rl_context[(inst.id, session_id)] = history.token_ids
+        if dests:
+            self.request_level.on_call_complete(session_id, history.token_ids[: history.num_tokens], (), dests)
+            self._schedule_rl_pump()
+
+    def _schedule_rl_pump(self, delay_s: float = 0.0) -> None:
+        if self._rl_pump_scheduled or self._closed:
+            return
+        self._rl_pump_scheduled = True
+
+        async def pump() -> None:
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            self._rl_pump_scheduled = False
+            await self._rl_pump()
+
+        t = asyncio.create_task(pump())
+        self._rl_tasks.add(t)
+        t.add_done_callback(self._rl_tasks.discard)
+
+    async def _rl_pump(self) -> None:
+        """Read the waiting queue of each stock instance with a pending shadow
+        and no shadow in flight, then let the shadower admit what may go."""
+        rl = self.request_level
+        ready = [i for i, inst in self.cluster.by_id.items() if inst.scheduler is SchedulerKind.STOCK
+                 and rl.pending(i) and rl.inflight(i) is None]
+        for instance_id in ready:
+            self._num_waiting[instance_id] = await self._read_waiting(self.cluster.by_id[instance_id])
+        deferred_before = rl.stats.num_deferred
+        rl.pump()
+        if rl.stats.num_deferred > deferred_before:
+            self._schedule_rl_pump(self.config.poll_interval_s)
+
+    async def _read_waiting(self, inst: InstanceState) -> int:
+        from shadow_vllm.request_level import parse_num_waiting
+
+        if not inst.healthy:
+            return 1  # nothing goes to an unhealthy instance
+        try:
+            r = await self.client.get(f"{inst.url}/metrics", timeout=self.config.connect_timeout_s)
+            r.raise_for_status()
+            return parse_num_waiting(r.text, f"{inst.url}/metrics")
+        except (httpx.HTTPError, OSError, ValueError):
+            self.metrics.errors.labels("shadow", inst.id).inc()
+            return 1
+
+    def _rl_submit(self, shadow: Any) -> None:
+        """The shadower's submit: POST in the background, report the end."""
+        from shadow_vllm.request_level import completions_body
+
+        inst = self.cluster.by_id[shadow.destination.instance_id]
+        body = completions_body(shadow, inst.model.upstream_name)
+        body["priority"] = self.config.request_level_priority
+        ids = self._rl_context.get((inst.id, shadow.session_id))
+
+        async def send() -> None:
+            ok = await self._post(inst, body)
+            if ids is not None and ids[: len(shadow.prompt_token_ids)] == list(shadow.prompt_token_ids):
+                self._account(inst, "request-level", ok, shadow.session_id, ids, len(shadow.prompt_token_ids),
+                              len(shadow.prompt_token_ids))
+            self.request_level.on_shadow_finished(shadow.submission_id, ok)
+            self._schedule_rl_pump()
+
+        t = asyncio.create_task(send())
+        self._rl_tasks.add(t)
+        t.add_done_callback(self._rl_tasks.discard)

@@ -1,0 +1,156 @@
+"""Capacity calibration (§5.1, Appendix D.1): the highest normal-traffic rate
+per instance at which at least 90% of requests meet both SLOs
+(TTFT <= max(1 s, 5x isolated prefill), TPOT <= max(25 ms, 5x batch-1 decode)).
+
+Method: one instance of the model serves Poisson normal traffic (lengths from
+the experiment's source, a fixed probe seed) for ``warmup_s + measure_s``; the
+attainment is over requests arriving after the warm-up, and the run drains. The
+rate doubles from ``start_per_s`` until a probe misses the target, then bisects
+between the last passing and the first failing rate until they are within
+``rel_tol``. The result records both: ``capacity_per_s`` passed, and
+``fail_per_s`` (at most ``rel_tol`` above it) missed, on the same probe seed.
+
+Results are cached under ``$SHADOWPREFILL_CACHE/capacity`` (default
+``~/.cache/shadowprefill/capacity``), keyed by a sha256 of every input (model,
+device, TP, latency kind, SLOs, engine limits, length source and, for a trace
+file, its content hash, probe settings, a method version), so a repeated
+experiment does not re-probe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from shadow_sim.experiments.normal import poisson
+from shadow_sim.experiments.spec import Experiment, NormalOnlyRun
+from shadow_sim.vidur_latency import ENV_CACHE
+from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.errors import ConfigError
+
+TARGET = 0.9
+METHOD_VERSION = 1
+
+
+@attrs.frozen
+class ProbeSettings:
+    warmup_s: float = 30.0
+    measure_s: float = 120.0
+    start_per_s: float = 1.0
+    rel_tol: float = 0.04
+    max_probes: int = 24
+    seed: int = 12345
+
+
+@attrs.frozen
+class Capacity:
+    model: str
+    capacity_per_s: float
+    fail_per_s: float
+    attainment: float  # at capacity_per_s
+    fail_attainment: float  # at fail_per_s
+    probes: tuple[tuple[float, float], ...]  # (rate, attainment) in probe order
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(ENV_CACHE)
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "shadowprefill"
+    return base / "capacity"
+
+
+def _probe_scenario(ex: Experiment, model: str) -> dict:
+    other = next(m for m in ("Llama-3.1-8B", "Qwen2.5-7B") if m != model)
+    return {**ex.scenario, "models": [model, other], "device": ex.device, "latency": ex.latency,
+            "instances_per_model": 1, "normal_rate_per_s": 0.0, "seed": 0}
+
+
+def _key(ex: Experiment, model: str, settings: ProbeSettings) -> str:
+    sc = ex.sim_scenario(0)
+    lengths = ex.normal.lengths
+    source = lengths.source
+    if lengths.is_file:
+        source = hashlib.sha256(Path(lengths.source).read_bytes()).hexdigest()
+    fields = {
+        "v": METHOD_VERSION, "model": model, "device": sc.device, "tp": sc.tp_of(model), "latency": sc.latency,
+        "slo": attrs.asdict(sc.slo), "budget": sc.token_budget, "seqs": sc.max_num_seqs, "block": sc.block_size,
+        "mem": sc.memory_utilization, "input_median": sc.input_tokens_median, "lengths": source,
+        "settings": attrs.asdict(settings),
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def attainment(ex: Experiment, model: str, rate_per_s: float, settings: ProbeSettings = ProbeSettings()) -> float:
+    """Share of normal requests after the warm-up meeting both SLOs at ``rate_per_s``."""
+    from shadow_sim.simulator import SimScenario
+
+    sc = SimScenario.from_dict({**_probe_scenario(ex, model), "duration_s": settings.warmup_s + settings.measure_s,
+                                "warmup_s": settings.warmup_s})
+    rng = np.random.default_rng([settings.seed, 2, 0])
+    arrivals = poisson(rng, rate_per_s, settings.warmup_s + settings.measure_s, ex.normal.lengths)
+    run = NormalOnlyRun(sc, ShadowConfig(PluginRef("no-shadow")), arrivals=arrivals)
+    run.run()
+    met = [ok for arrival, ok in run.normal if arrival >= settings.warmup_s]
+    return float(np.mean(met)) if met else 1.0
+
+
+def calibrate(ex: Experiment, model: str, settings: ProbeSettings = ProbeSettings(), *,
+              use_cache: bool = True, on_probe: Callable[[float, float], None] | None = None) -> Capacity:
+    """The capacity of one instance of ``model`` (see the module docstring)."""
+    path = cache_dir() / f"{_key(ex, model, settings)}.json"
+    if use_cache and path.exists():
+        data = json.loads(path.read_text())
+        return Capacity(**{**data, "probes": tuple(tuple(p) for p in data["probes"])})
+    probes: list[tuple[float, float]] = []
+
+    def probe(rate: float) -> float:
+        if len(probes) >= settings.max_probes:
+            raise ConfigError("calibration", model, f"no bracket within {settings.max_probes} probes: {probes}")
+        a = attainment(ex, model, rate, settings)
+        probes.append((rate, a))
+        if on_probe is not None:
+            on_probe(rate, a)
+        return a
+
+    lo, lo_att, hi, hi_att = 0.0, 1.0, settings.start_per_s, 0.0
+    while (a := probe(hi)) >= TARGET:
+        lo, lo_att, hi = hi, a, hi * 2
+    hi_att = a
+    while lo == 0.0 or (hi - lo) > settings.rel_tol * hi:
+        mid = (lo + hi) / 2 if lo > 0 else hi / 2
+        a = probe(mid)
+        if a >= TARGET:
+            lo, lo_att = mid, a
+        else:
+            hi, hi_att = mid, a
+    result = Capacity(model, lo, hi, lo_att, hi_att, tuple(probes))
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(attrs.asdict(result)))
+    return result
+
+
+def capacities(ex: Experiment, settings: ProbeSettings = ProbeSettings(), *, use_cache: bool = True,
+               progress: bool = False) -> dict[str, Capacity]:
+    """Capacity of every model of the experiment (with a rich status line when ``progress``)."""
+    out = {}
+    for model in ex.models:
+        if progress:
+            from rich.console import Console
+
+            console = Console(stderr=True)
+            with console.status(f"calibrating {model} capacity ...") as status:
+                def show(rate: float, a: float, m: str = model) -> None:
+                    status.update(f"calibrating {m}: {rate:.2f} req/s -> {a:.1%} meet both SLOs")
+                out[model] = calibrate(ex, model, settings, use_cache=use_cache, on_probe=show)
+            c = out[model]
+            console.print(f"capacity {model}: {c.capacity_per_s:.2f} req/s per instance "
+                          f"({c.attainment:.1%} meet both SLOs; {c.fail_per_s:.2f} req/s: {c.fail_attainment:.1%})")
+        else:
+            out[model] = calibrate(ex, model, settings, use_cache=use_cache)
+    return out

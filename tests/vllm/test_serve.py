@@ -1,0 +1,91 @@
+"""``shadowprefill vllm-serve``: the command it builds, its errors, and (opt-in,
+``SHADOWPREFILL_HTTP_TESTS=1``: the server needs about a minute to become
+healthy on two cores) a real OpenAI-compatible server with the shadow
+scheduler answering a shadow and a switch call over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from shadow_vllm.serve import build_command, main
+
+from shadowcore.errors import ConfigError
+
+
+def test_command_runs_the_api_server_module_with_the_scheduler_and_policy() -> None:
+    cmd = build_command(["--policy", "harvest-slo", "--policy-args", '{"beta": 0.4}', "--model", "/m",
+                         "--block-size", "32", "--scheduler", "sync"])
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[3:7] == ["--model", "/m", "--block-size", "32"]
+    assert cmd[cmd.index("--scheduler-cls") + 1] == "shadow_vllm.scheduler.ShadowScheduler"
+    config = json.loads(cmd[cmd.index("--additional-config") + 1])["shadowprefill"]
+    assert config["shadow"]["policy"] == {"name": "harvest-slo", "args": {"beta": 0.4}}
+    async_cmd = build_command(["--model", "/m", "--scheduler", "async"])
+    assert async_cmd[async_cmd.index("--scheduler-cls") + 1] == "shadow_vllm.scheduler.AsyncShadowScheduler"
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (["--policy", "nope"], "additional_config.shadowprefill.shadow.policy.name = 'nope'"),
+    (["--policy-args", '{"beta": -1}'], "additional_config.shadowprefill.shadow.policy.args.beta = -1"),
+    (["--policy-args", '{"beta": '], "--policy-args:1:10"),
+    (["--latency", '{"name": "linear", "args": {"overhead_s": -2}}'],
+     "additional_config.shadowprefill.latency.args.overhead_s = -2"),
+    (["--scheduler-cls", "x.Y"], "--scheduler-cls"),
+])
+def test_bad_arguments_fail_before_vllm_starts_naming_the_field(argv, field, capsys) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_command([*argv, "--model", "/m"])
+    assert str(info.value).startswith(field)
+    assert main([*argv, "--model", "/m"]) == 2
+    assert field in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.environ.get("SHADOWPREFILL_HTTP_TESTS") != "1", reason="opt-in: SHADOWPREFILL_HTTP_TESTS=1")
+def test_http_server_shadow_then_switch_finds_the_context_cached(tiny_model_dir, tmp_path) -> None:
+    port = 8900 + os.getpid() % 90
+    cmd = build_command(["--policy", "harvest-slo", "--model", tiny_model_dir, "--block-size", "32",
+                         "--enforce-eager", "--dtype", "float32", "--kv-cache-memory-bytes", str(8 << 20),
+                         "--max-model-len", "4096", "--port", str(port), "--enable-prompt-tokens-details"])
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(port, server, deadline_s=240)
+        ctx = [10 + (i * 104729) % 400 for i in range(1000)]
+        tag = {"shadowprefill_kind": "shadow", "shadowprefill_session": "h1", "shadowprefill_target_model": "tiny",
+               "shadowprefill_epoch": 0, "shadowprefill_switch_probability": 0.8}
+        shadow = _post(port, {"model": tiny_model_dir, "prompt": ctx, "max_tokens": 1, "vllm_xargs": tag})
+        assert shadow["choices"][0]["stop_reason"] == "shadowprefill:prefilled"
+        switch = _post(port, {"model": tiny_model_dir, "prompt": ctx + [5, 6, 7], "max_tokens": 2,
+                              "vllm_xargs": {"shadowprefill_kind": "routed", "shadowprefill_session": "h1"}})
+        assert switch["usage"]["prompt_tokens_details"]["cached_tokens"] == 992
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def _post(port: int, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _wait_healthy(port: int, server: subprocess.Popen, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if server.poll() is not None:
+            raise AssertionError(f"server exited with {server.returncode}: {shlex.join(server.args)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except (urllib.error.URLError, OSError):
+            time.sleep(1)
+    raise AssertionError("server not healthy in time")
