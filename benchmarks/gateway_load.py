@@ -7,12 +7,26 @@ straight to the upstreams (the client picks the instance), then through the
 gateway (``shadowprefill serve`` in its own process, shadow policy on, so
 shadow submission runs during the load). The gateway's added latency is the
 difference of the two phases' percentiles, for whole calls and for time to
-first byte of streamed calls. Bounded: ``--sessions`` x ``--calls`` calls,
+first byte of streamed calls; the gateway process's CPU time per call (from
+``/proc``, Linux) is printed too, as it depends less on other load on the
+machine than the latencies do. Bounded: ``--sessions`` x ``--calls`` calls,
 at most ``--concurrency`` in flight, and every phase stops at ``--max-s``.
 
     python benchmarks/gateway_load.py --sessions 64 --calls 6 --concurrency 32
 
-Everything runs on 127.0.0.1; the upstream processes and the gateway are
+To compare gateway versions side by side in one run, pass ``--variant``
+once per gateway: ``LABEL:SRC:STACK`` where SRC is a directory holding an
+older ``backends/shadow_gateway`` (e.g. ``git archive HEAD backends/shadow_gateway
+| tar -x -C /tmp/head``; ``.`` for this checkout) and STACK is ``auto``
+(uvicorn picks uvloop and httptools when installed) or ``plain`` (pure-Python
+asyncio loop and h11 parser, as without them). Each variant is its own
+gateway process on the same upstreams, and the phases alternate in rounds
+(``--rounds``), so drifting machine load hits every phase alike.
+
+    python benchmarks/gateway_load.py --concurrency 4 --policy no-shadow \
+        --variant head:/tmp/head:plain --variant new:.:auto
+
+Everything runs on 127.0.0.1; the upstream processes and the gateways are
 stopped at the end (also on errors).
 """
 
@@ -44,6 +58,41 @@ def _stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# Launches ``shadow_gateway.serve``; ``plain`` hides uvloop and httptools from uvicorn.
+_LAUNCH = ("import sys\n"
+           "if sys.argv[1] == 'plain':\n"
+           "    sys.modules['uvloop'] = sys.modules['httptools'] = None\n"
+           "from shadow_gateway.serve import main\n"
+           "sys.exit(main(sys.argv[2:]))\n")
+
+
+def _start_gateway(src: str, stack: str, cfg: Path) -> subprocess.Popen:
+    env = dict(os.environ)
+    if src != ".":
+        backends = str(Path(src).resolve() / "backends")
+        if not (Path(backends) / "shadow_gateway" / "gateway.py").is_file():
+            raise SystemExit(f"--variant: {backends}/shadow_gateway/gateway.py does not exist")
+        env["PYTHONPATH"] = backends + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen([sys.executable, "-c", _LAUNCH, stack, "--config", str(cfg), "--log-level", "warning"],
+                            env=env, start_new_session=True)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process used so far; NaN off Linux."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _parse_variant(text: str) -> tuple[str, str, str]:
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0] or parts[2] not in ("auto", "plain"):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected LABEL:SRC:STACK with STACK auto or plain")
+    return parts[0], parts[1], parts[2]
 
 
 def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:
@@ -124,11 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-delay-s", type=float, default=0.001, help="fake decode time per token")
     p.add_argument("--max-s", type=float, default=120.0, help="time bound of each phase")
     p.add_argument("--policy", default="harvest-slo")
+    p.add_argument("--variant", action="append", type=_parse_variant, metavar="LABEL:SRC:STACK",
+                   help="a gateway to measure (repeatable); default gateway:.:auto")
+    p.add_argument("--rounds", type=int, default=1, help="alternate the phases this many times")
     args = p.parse_args(argv)
-    if min(args.sessions, args.calls, args.concurrency) < 1 or args.sessions * args.calls > 100_000:
-        p.error("sessions, calls and concurrency must be >= 1, and sessions*calls <= 100000")
+    if min(args.sessions, args.calls, args.concurrency, args.rounds) < 1 or args.sessions * args.calls > 100_000:
+        p.error("sessions, calls, concurrency and rounds must be >= 1, and sessions*calls <= 100000")
+    variants = args.variant or [("gateway", ".", "auto")]
+    if len({v[0] for v in variants}) != len(variants) or "direct" in {v[0] for v in variants}:
+        p.error("--variant labels must be distinct and not 'direct'")
 
     procs: list[subprocess.Popen] = []
+    results: dict[str, list] = {"direct": [[], [], 0, 0.0, float("nan")]}
+    metrics: dict[str, str] = {}
     try:
         fakes = _start([sys.executable, "-m", "shadow_gateway.fake_upstream", "--count", "4",
                         "--token-delay-s", str(args.token_delay_s)])
@@ -136,48 +193,57 @@ def main(argv: list[str] | None = None) -> int:
         urls = [fakes.stdout.readline().strip() for _ in range(4)]
         urls_by_model = {"small": urls[:2], "large": urls[2:]}
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = Path(tmp) / "gateway.yaml"
-            port = 18000 + os.getpid() % 1000
-            cfg.write_text(
-                "models:\n"
-                + "".join(f"  {m}:\n    block_size: 16\n    instances:\n"
-                          + "".join(f"      - {{url: {u}}}\n" for u in us) for m, us in urls_by_model.items())
-                + f"shadow: {{policy: {args.policy}}}\nlisten: {{host: 127.0.0.1, port: {port}}}\n"
-                + "upstream: {max_connections: 1024}\n"
-            )
-            gw = _start([sys.executable, "-m", "shadow_gateway.serve", "--config", str(cfg), "--log-level",
-                         "warning"])
-            procs.append(gw)
-            gw_url = f"http://127.0.0.1:{port}"
-            _wait_healthy(gw_url)
-            for u in urls:
+            gw_urls, gw_pids = {}, {}
+            for k, (label, src, stack) in enumerate(variants):
+                cfg = Path(tmp) / f"gateway-{k}.yaml"
+                port = 18000 + (os.getpid() * 7 + k) % 1000
+                cfg.write_text(
+                    "models:\n"
+                    + "".join(f"  {m}:\n    block_size: 16\n    instances:\n"
+                              + "".join(f"      - {{url: {u}}}\n" for u in us) for m, us in urls_by_model.items())
+                    + f"shadow: {{policy: {args.policy}}}\nlisten: {{host: 127.0.0.1, port: {port}}}\n"
+                    + "upstream: {max_connections: 1024}\n"
+                )
+                procs.append(_start_gateway(src, stack, cfg))
+                gw_urls[label] = f"http://127.0.0.1:{port}"
+                gw_pids[label] = procs[-1].pid
+                results[label] = [[], [], 0, 0.0, 0.0]
+            for u in [*gw_urls.values(), *urls]:
                 _wait_healthy(u)
-            results = {}
-            for name, via in (("direct", None), ("gateway", gw_url)):
-                t0 = time.monotonic()
-                lat, ttfb, failed = asyncio.run(_run_phase(urls_by_model, via, args))
-                results[name] = (lat, ttfb, failed, time.monotonic() - t0)
-            metrics = httpx.get(gw_url + "/metrics").text
+            for _ in range(args.rounds):
+                for name, via in [("direct", None), *gw_urls.items()]:
+                    t0, cpu0 = time.monotonic(), _cpu_s(gw_pids[name]) if via else 0.0
+                    lat, ttfb, failed = asyncio.run(_run_phase(urls_by_model, via, args))
+                    r = results[name]
+                    if via:
+                        r[4] += _cpu_s(gw_pids[name]) - cpu0
+                    r[0] += lat
+                    r[1] += ttfb
+                    r[2] += failed
+                    r[3] += time.monotonic() - t0
+            for label, url in gw_urls.items():
+                metrics[label] = httpx.get(url + "/metrics").text
     finally:
         for proc in reversed(procs):
             _stop(proc)
 
-    print(f"{args.sessions} sessions x {args.calls} calls, concurrency {args.concurrency}, "
+    print(f"{args.sessions} sessions x {args.calls} calls x {args.rounds} rounds, concurrency {args.concurrency}, "
           f"prompt {args.prompt_chars} tokens, {args.max_tokens} output tokens, policy {args.policy}")
-    print(f"{'phase':<8} {'calls':>6} {'failed':>6} {'wall s':>7} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'TTFB p50':>9} {'TTFB p99':>9}")
-    for name, (lat, ttfb, failed, wall) in results.items():
-        print(f"{name:<8} {len(lat):>6} {failed:>6} {wall:>7.1f} {_pct(lat, 50):>8.2f} {_pct(lat, 99):>8.2f} "
-              f"{_pct(ttfb, 50):>9.2f} {_pct(ttfb, 99):>9.2f}")
-    d, g = results["direct"], results["gateway"]
-    print(f"gateway added latency: p50 {_pct(g[0], 50) - _pct(d[0], 50):+.2f} ms, "
-          f"p99 {_pct(g[0], 99) - _pct(d[0], 99):+.2f} ms (whole call); "
-          f"TTFB p50 {_pct(g[1], 50) - _pct(d[1], 50):+.2f} ms, p99 {_pct(g[1], 99) - _pct(d[1], 99):+.2f} ms")
-    shadow = [line for line in metrics.splitlines()
-              if line.startswith("shadowprefill_gateway_shadow_tokens_submitted_total")]
-    print("shadow tokens submitted during the gateway phase: "
-          f"{sum(float(x.rsplit(' ', 1)[1]) for x in shadow):.0f}")
-    return 0 if not d[2] and not g[2] else 1
+    print(f"{'phase':<10} {'calls':>6} {'failed':>6} {'wall s':>7} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'TTFB p50':>9} {'TTFB p99':>9} {'gw CPU ms/call':>15}")
+    for name, (lat, ttfb, failed, wall, cpu) in results.items():
+        print(f"{name:<10} {len(lat):>6} {failed:>6} {wall:>7.1f} {_pct(lat, 50):>8.2f} {_pct(lat, 99):>8.2f} "
+              f"{_pct(ttfb, 50):>9.2f} {_pct(ttfb, 99):>9.2f} {cpu * 1e3 / max(1, len(lat) + failed):>15.2f}")
+    d = results["direct"]
+    for label, _src, stack in variants:
+        g = results[label]
+        shadow = [line for line in metrics[label].splitlines()
+                  if line.startswith("shadowprefill_gateway_shadow_tokens_submitted_total")]
+        print(f"{label} ({stack}) added latency: p50 {_pct(g[0], 50) - _pct(d[0], 50):+.2f} ms, "
+              f"p99 {_pct(g[0], 99) - _pct(d[0], 99):+.2f} ms (whole call); "
+              f"TTFB p50 {_pct(g[1], 50) - _pct(d[1], 50):+.2f} ms, p99 {_pct(g[1], 99) - _pct(d[1], 99):+.2f} ms; "
+              f"shadow tokens submitted {sum(float(x.rsplit(' ', 1)[1]) for x in shadow):.0f}")
+    return 0 if not any(r[2] for r in results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shadow_gateway.config import GatewayConfig
-from shadow_gateway.gateway import Gateway, UpstreamFailed
+from shadow_gateway.gateway import UPSTREAM_ERRORS, Gateway, UpstreamFailed
 from shadow_gateway.router import RouteError
 
 log = logging.getLogger("shadow_gateway.app")
@@ -84,27 +84,27 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
         on_end = (lambda ok: gw.end_routed(ctx, ok)) if ctx is not None else (lambda ok: None)
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         if is_sse:
-            return StreamingResponse(gw.stream_chunks(ctx, resp, inst, on_end), status_code=resp.status_code,
+            return StreamingResponse(gw.stream_chunks(ctx, resp, inst, on_end), status_code=resp.status,
                                      media_type="text/event-stream")
         try:
-            raw = await resp.aread()
-        except (httpx.HTTPError, OSError) as e:  # the instance died while sending the body
+            raw = await resp.read()
+        except UPSTREAM_ERRORS as e:  # the instance died while sending the body
             inst.num_routed_inflight -= 1
-            await resp.aclose()
+            resp.close()
             on_end(False)
             gw.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
             return _error(502, f"instance {inst.id} failed while answering: {e!r}", "upstream_error")
         inst.num_routed_inflight -= 1
-        await resp.aclose()
-        if ctx is None or resp.status_code != 200:
-            on_end(resp.status_code == 200)
-            return Response(raw, status_code=resp.status_code,
+        resp.release()
+        if ctx is None or resp.status != 200:
+            on_end(resp.status == 200)
+            return Response(raw, status_code=resp.status,
                             media_type=resp.headers.get("content-type", "application/json"))
         try:
             data = gw.process_json(ctx, json.loads(raw))
         except ValueError:
             on_end(False)
-            return Response(raw, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+            return Response(raw, status_code=resp.status, media_type=resp.headers.get("content-type"))
         on_end(True)
         return JSONResponse(data)
 

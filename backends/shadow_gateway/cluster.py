@@ -11,7 +11,11 @@ Invariants:
 
 * A known prefix is a reference to a session's token list and a length, never
   a copy; comparing it with a history costs nothing while the history is the
-  same list (same epoch) and a prefix comparison otherwise.
+  same list (same epoch) and a prefix comparison otherwise. Histories are
+  append-only lists (a new epoch is a new list), so once a history diverged
+  from a known prefix at position p, or matched all of it (p = its length),
+  the answer stays p however the history grows: it is remembered until the
+  known prefix is replaced.
 * Cached counts are whole blocks and never exceed the history.
 * An unhealthy instance is never placed while a healthy one serves the model
   (its estimated completion is pushed beyond any healthy one's), and gets no
@@ -55,14 +59,26 @@ class KnownPrefix:
     routed_len: int = 0
     shadow_ids: list[int] | None = None
     shadow_len: int = 0
+    #: (known list, its length, other list, final common prefix) per source.
+    _settled: dict[str, tuple[object, int, object, int]] = attrs.field(factory=dict, repr=False)
 
     def matched(self, ids: Sequence[int] | None, length: int) -> tuple[int, int]:
         """(tokens matched via routed calls, via shadows)."""
         if ids is None:
             return 0, 0
-        r = common_prefix(self.routed_ids, self.routed_len, ids, length) if self.routed_ids is not None else 0
-        s = common_prefix(self.shadow_ids, self.shadow_len, ids, length) if self.shadow_ids is not None else 0
-        return r, s
+        return (self._match("routed", self.routed_ids, self.routed_len, ids, length),
+                self._match("shadow", self.shadow_ids, self.shadow_len, ids, length))
+
+    def _match(self, source: str, known: list[int] | None, known_len: int, ids: Sequence[int], length: int) -> int:
+        if known is None:
+            return 0
+        memo = self._settled.get(source)
+        if memo is not None and memo[0] is known and memo[1] == known_len and memo[2] is ids:
+            return min(memo[3], length)
+        p = common_prefix(known, known_len, ids, length)
+        if known is not ids and (p < length or p == known_len):  # diverged, or all of the known prefix matched
+            self._settled[source] = (known, known_len, ids, p)
+        return p
 
 
 @attrs.define(eq=False)

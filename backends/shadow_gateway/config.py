@@ -9,6 +9,13 @@ Invariants: a :class:`GatewayConfig` that constructs is complete: every
 model has at least one instance, instance ids are unique across models, the
 shadow policy loads (``shadow.policy`` is checked by the core's loader), and
 no number is clamped: an out-of-range value is an error.
+
+All models of one gateway share one tokenizer: shadow work sends the token
+ids of a session (tokenized by the routed model's instance) to the other
+models' instances. Models that name a ``tokenizer`` must name the same one
+(checked here); with ``tokenizer_check`` on (the default) the gateway also
+tokenizes a probe on one instance of every model at startup and refuses to
+start when they disagree (:meth:`shadow_gateway.gateway.Gateway.check_tokenizers`).
 """
 
 from __future__ import annotations
@@ -67,6 +74,9 @@ class ModelConfig:
     prefill_tokens_per_s: float = attrs.field(default=10_000.0, validator=positive)
     #: A dedicated shadow instance (used only by policies with dedicated instances).
     shadow_instance: InstanceConfig | None = None
+    #: Name of the tokenizer (e.g. the Hugging Face repo or path the servers
+    #: load); models that name one must all name the same.
+    tokenizer: str = attrs.field(default="", validator=lambda _i, a, v: _str(a, v))
 
     @property
     def upstream_name(self) -> str:
@@ -116,6 +126,9 @@ class ShadowSubmitConfig:
     request_level_priority: int = attrs.field(default=1_000_000, validator=positive_int)
     #: How often a request-level lane re-checks a busy destination's waiting queue.
     poll_interval_s: float = attrs.field(default=0.05, validator=positive)
+    #: A lane hands out work at most this often (a streaming call grows its
+    #: jobs every token; batching the growth keeps lane CPU off the routed path).
+    fill_interval_s: float = attrs.field(default=0.005, validator=non_negative)
 
 
 @attrs.frozen
@@ -129,6 +142,9 @@ class GatewayConfig:
     shadow_submit: ShadowSubmitConfig = attrs.Factory(ShadowSubmitConfig)
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8000, validator=non_negative_int)
+    #: At startup, tokenize a probe on one instance of every model and refuse
+    #: to start when two models disagree.
+    tokenizer_check: bool = attrs.field(default=True, validator=lambda _i, a, v: _bool(a, v))
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -139,6 +155,16 @@ class GatewayConfig:
     @property
     def model_names(self) -> tuple[str, ...]:
         return tuple(m.name for m in self.models)
+
+
+def _bool(attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(attribute.name, value, "must be true or false")
+
+
+def _str(attribute: Any, value: Any) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(attribute.name, value, "must be a string")
 
 
 def _enum(cls: type[enum.Enum], value: Any) -> Any:
@@ -220,7 +246,8 @@ def from_dict(data: Any, src: _Source | None = None) -> GatewayConfig:
     src = src or _Source()
     if not isinstance(data, Mapping):
         raise src.error("", data, "the configuration must be a mapping")
-    known = {"models", "router", "shadow", "session", "health", "upstream", "shadow_submit", "listen"}
+    known = {"models", "router", "shadow", "session", "health", "upstream", "shadow_submit", "listen",
+             "tokenizer_check"}
     for k in data:
         if k not in known:
             raise src.error(str(k), data[k], f"unknown field (known: {', '.join(sorted(known))})")
@@ -242,9 +269,21 @@ def from_dict(data: Any, src: _Source | None = None) -> GatewayConfig:
         "upstream": _build(UpstreamConfig, "upstream", data.get("upstream", {}), src),
         "shadow_submit": _build(ShadowSubmitConfig, "shadow_submit", data.get("shadow_submit", {}), src),
         **{k: listen[k] for k in ("host", "port") if k in listen},
+        **({"tokenizer_check": data["tokenizer_check"]} if "tokenizer_check" in data else {}),
     }, src, prefix_of={"host": "listen.host", "port": "listen.port"})
     _check_policy(cfg, src)
+    _check_tokenizer_names(cfg, src)
     return cfg
+
+
+def _check_tokenizer_names(cfg: GatewayConfig, src: _Source) -> None:
+    named = [m for m in cfg.models if m.tokenizer]
+    for m in named[1:]:
+        if m.tokenizer != named[0].tokenizer:
+            raise src.error(f"models.{m.name}.tokenizer", m.tokenizer,
+                            f"differs from models.{named[0].name}.tokenizer = {named[0].tokenizer!r}: all models "
+                            "of one gateway must share a tokenizer (shadow work sends one model's token ids "
+                            "to the others); run one gateway per tokenizer")
 
 
 def _check_policy(cfg: GatewayConfig, src: _Source) -> None:

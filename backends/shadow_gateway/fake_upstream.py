@@ -1,7 +1,8 @@
 """A fake OpenAI-compatible upstream (the parts of vLLM's server the gateway
 uses) on a real loopback socket, with fault injection.
 
-It tokenizes bytes (token id = byte value), applies a one-line chat template,
+It tokenizes bytes (token id = byte value, plus ``vocab_offset`` to play a
+model with another tokenizer), applies a one-line chat template,
 keeps a block-level prefix cache (so ``usage.prompt_tokens_details.cached_tokens``
 is real for its own requests), streams SSE like vLLM (``return_token_ids``,
 ``stream_options.include_usage``), and serves ``/tokenize``, ``/health`` and
@@ -40,8 +41,10 @@ def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = Tr
 
 
 class FakeUpstream:
-    def __init__(self, name: str = "fake", block_size: int = 16, token_delay_s: float = 0.0) -> None:
+    def __init__(self, name: str = "fake", block_size: int = 16, token_delay_s: float = 0.0,
+                 vocab_offset: int = 0) -> None:
         self.name = name
+        self.vocab_offset = vocab_offset
         self.block_size = block_size
         self.token_delay_s = token_delay_s
         self.fail_status: int | None = None
@@ -131,6 +134,7 @@ class FakeUpstream:
             ids = encode(chat_prompt(body["messages"], body.get("add_generation_prompt", True)))
         else:
             ids = encode(body["prompt"])
+        ids = [t + self.vocab_offset for t in ids]
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": 1 << 20})
 
     async def _completions(self, request: Request) -> Response:

@@ -26,6 +26,12 @@ Invariants:
   fields it added itself (token ids, the usage chunk it asked for).
 * One routed call per session at a time: a concurrent call of a busy session
   is served plainly (counted as a fallback), never queued.
+
+Speed: routed and plain calls go through an aiohttp session (C-accelerated
+HTTP parsing; httpx's pure-Python stack cost several milliseconds of CPU per
+streamed call); health checks and ``/tokenize`` use an httpx client. SSE
+chunks are parsed from whatever the upstream's read returned and the
+rewritten chunks of one read go out in one write.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import attrs
 import httpx
 
@@ -45,6 +52,7 @@ from shadow_gateway.config import GatewayConfig, SchedulerKind
 from shadow_gateway.metrics import GatewayMetrics
 from shadow_gateway.router import RouteError, Router, RouteRequest, Warmth, load_router
 from shadow_gateway.shadow import ShadowDispatcher
+from shadowcore.errors import ConfigError
 from shadowcore.manager import ShadowManager
 from shadowcore.pipeline import build_runtime
 from shadowcore.types import CallArrival, JobKey
@@ -52,6 +60,15 @@ from shadowcore.wire import ShadowTag, TagKind
 
 log = logging.getLogger("shadow_gateway")
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+#: What a failed, dropped or timed-out upstream connection raises.
+UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+JSON_HEADERS = {"content-type": "application/json"}
+#: Text every model's ``/tokenize`` must turn into the same ids (see ``tokenizer_check``).
+TOKENIZER_PROBE = "ShadowPrefill tokenizer probe: Grüße, 東京! def f(x):\n    return x ** 2  # 12345 <|tool|>"
+
+
+class TokenizerMismatch(ConfigError):
+    """Two models of one gateway tokenize the same text differently."""
 
 
 class UpstreamFailed(Exception):
@@ -87,7 +104,8 @@ class Gateway:
     manager: ShadowManager = attrs.field(init=False)
     router: Router = attrs.field(init=False)
     shadows: ShadowDispatcher = attrs.field(init=False)
-    client: httpx.AsyncClient = attrs.field(init=False)
+    client: httpx.AsyncClient = attrs.field(init=False)  # health checks, /tokenize
+    upstream: aiohttp.ClientSession = attrs.field(init=False)  # routed and plain calls
     busy: set[str] = attrs.field(init=False, factory=set)
     last_seen_s: dict[str, float] = attrs.field(init=False, factory=dict)
     _epoch0_s: float = attrs.field(init=False, default=0.0)
@@ -104,14 +122,57 @@ class Gateway:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
+        if self.config.tokenizer_check:
+            await self.check_tokenizers()
         u = self.config.upstream
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(u.read_timeout_s, connect=u.connect_timeout_s),
             limits=httpx.Limits(max_connections=u.max_connections, max_keepalive_connections=u.max_connections),
         )
+        self.upstream = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=u.connect_timeout_s, sock_read=u.read_timeout_s),
+            connector=aiohttp.TCPConnector(limit=u.max_connections, force_close=False),
+            skip_auto_headers=("User-Agent",),
+        )
         self.shadows.start()
         self._tasks.append(asyncio.create_task(self._health_loop(), name="gateway-health"))
         self._tasks.append(asyncio.create_task(self._expiry_loop(), name="gateway-expiry"))
+
+    async def check_tokenizers(self) -> dict[str, list[int]]:
+        """Tokenize :data:`TOKENIZER_PROBE` on the first answering instance of
+        every model; raise :class:`TokenizerMismatch` when two models disagree.
+        A model none of whose instances answers is skipped (logged): a dead
+        instance must not keep the gateway from starting."""
+        async with httpx.AsyncClient(timeout=self.config.health.timeout_s) as client:
+            async def probe(model: str) -> list[int] | None:
+                for inst_id in self.cluster.instances(model):
+                    url = self.cluster.by_id[inst_id].url + "/tokenize"
+                    try:
+                        r = await client.post(url, json={"model": self.config.model(model).upstream_name,
+                                                         "prompt": TOKENIZER_PROBE})
+                        tokens = r.json().get("tokens") if r.status_code == 200 else None
+                    except (httpx.HTTPError, OSError, ValueError, AttributeError):
+                        tokens = None
+                    if isinstance(tokens, list):
+                        return tokens
+                log.warning("tokenizer check: no instance of %r answered /tokenize; not checked", model)
+                return None
+
+            found = dict(zip(self.models, await asyncio.gather(*(probe(m) for m in self.models)), strict=True))
+        checked = {m: ids for m, ids in found.items() if ids is not None}
+        if checked:
+            first, ref = next(iter(checked.items()))
+            for model, ids in checked.items():
+                if ids != ref:
+                    at = next((i for i, (a, b) in enumerate(zip(ids, ref, strict=False)) if a != b),
+                              min(len(ids), len(ref)))
+                    raise TokenizerMismatch(
+                        f"models.{model}", self.config.model(model).upstream_name,
+                        f"tokenizes a probe text differently from models.{first} ({len(ids)} vs {len(ref)} ids, "
+                        f"first difference at id {at}): all models of one gateway must share a tokenizer "
+                        "(shadow work sends one model's token ids to the others); run one gateway per "
+                        "tokenizer, or set tokenizer_check: false to skip this check")
+        return checked
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -119,6 +180,7 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.shadows.close()
         await self.client.aclose()
+        await self.upstream.close()
 
     # -- RouterView ----------------------------------------------------------------------
     @property
@@ -273,7 +335,7 @@ class Gateway:
         return order[: 1 + self.config.upstream.retries]
 
     async def open_upstream(self, path: str, body: dict[str, Any], model: str, ctx: CallContext | None,
-                            headers: dict[str, str]) -> tuple[httpx.Response, InstanceState]:
+                            headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, InstanceState]:
         """The first attempt that answers with a non-retryable status; the
         response is open (streamed) and the caller must close it."""
         last = UpstreamFailed(503, json.dumps({"error": {"message": f"no instance of {model!r} answered",
@@ -282,9 +344,9 @@ class Gateway:
             payload = self.upstream_body(body, model, inst, ctx)
             inst.num_routed_inflight += 1
             try:
-                req = self.client.build_request("POST", inst.url + path, json=payload, headers=headers)
-                resp = await self.client.send(req, stream=True)
-            except (httpx.HTTPError, OSError) as e:
+                resp = await self.upstream.post(inst.url + path, data=json.dumps(payload).encode(),
+                                                headers={**headers, **JSON_HEADERS})
+            except UPSTREAM_ERRORS as e:
                 inst.num_routed_inflight -= 1
                 self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
                 if self.cluster.mark(inst.id, False):
@@ -292,12 +354,15 @@ class Gateway:
                 last = UpstreamFailed(502, json.dumps({"error": {"message": f"instance {inst.id}: {e!r}",
                                                                  "type": "upstream_error"}}).encode())
                 continue
-            if resp.status_code in RETRYABLE_STATUS:
-                data = await resp.aread()
-                await resp.aclose()
+            if resp.status in RETRYABLE_STATUS:
+                try:
+                    data = await resp.read()
+                except UPSTREAM_ERRORS:
+                    data = b""
+                resp.release()
                 inst.num_routed_inflight -= 1
                 self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
-                last = UpstreamFailed(resp.status_code, data, {"content-type": resp.headers.get("content-type", "")})
+                last = UpstreamFailed(resp.status, data, {"content-type": resp.headers.get("content-type", "")})
                 continue
             if ctx is not None and ctx.instance is not inst:
                 self.metrics.fallbacks.labels("retried-elsewhere").inc()
@@ -357,41 +422,54 @@ class Gateway:
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             self.metrics.prompt_tokens.labels(ctx.model).inc(usage["prompt_tokens"])
 
-    async def stream_chunks(self, ctx: CallContext | None, resp: httpx.Response, inst: InstanceState,
+    def rewrite_event_line(self, ctx: CallContext, line: bytes) -> bytes | None:
+        """One SSE line of a routed call's stream, rewritten for the client
+        (with its blank-line terminator); None drops it."""
+        if not line.startswith(b"data:"):
+            return line + b"\n\n"
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return b"data: [DONE]\n\n"
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return line + b"\n\n"
+        out = self.process_chunk(ctx, data) if isinstance(data, dict) else data
+        if out is None:
+            return None
+        return b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+
+    async def stream_chunks(self, ctx: CallContext | None, resp: aiohttp.ClientResponse, inst: InstanceState,
                             on_end: Callable[[bool], None]) -> AsyncIterator[bytes]:
         ok = False
         try:
             if ctx is None:
-                async for raw in resp.aiter_raw():
+                async for raw in resp.content.iter_any():
                     yield raw
                 ok = True
                 return
-            async for line in resp.aiter_lines():
-                if not line:
-                    continue
-                if not line.startswith("data:"):
-                    yield (line + "\n\n").encode()
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    yield b"data: [DONE]\n\n"
-                    continue
-                try:
-                    data = json.loads(payload)
-                except ValueError:
-                    yield (line + "\n\n").encode()
-                    continue
-                out = self.process_chunk(ctx, data) if isinstance(data, dict) else data
-                if out is not None:
-                    yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+            pending = b""
+            async for raw in resp.content.iter_any():
+                *lines, pending = (pending + raw).split(b"\n")
+                out = [self.rewrite_event_line(ctx, line.rstrip(b"\r")) for line in lines if line.strip()]
+                batch = b"".join(x for x in out if x)
+                if batch:
+                    yield batch
+            if pending.strip():
+                last = self.rewrite_event_line(ctx, pending.rstrip(b"\r"))
+                if last:
+                    yield last
             ok = True  # the upstream closed the stream normally
-        except (httpx.HTTPError, OSError) as e:
+        except UPSTREAM_ERRORS as e:
             self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
             err = {"error": {"message": f"instance {inst.id} failed mid-stream: {e!r}", "type": "upstream_error"}}
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
             inst.num_routed_inflight -= 1
-            await resp.aclose()
+            if ok:
+                resp.release()
+            else:  # unfinished (failed, or the client went away): the connection is not reusable
+                resp.close()
             on_end(ok)
 
     # -- background loops --------------------------------------------------------------------

@@ -40,6 +40,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill serve: error: {e}", file=sys.stderr)
         return 2
+    if config.tokenizer_check:  # also run at startup; here it fails with one clear line
+        import asyncio
+
+        try:
+            asyncio.run(gateway.check_tokenizers())
+        except ConfigError as e:
+            print(f"shadowprefill serve: error: {e}", file=sys.stderr)
+            return 2
     if args.check:
         print(f"{args.config}: ok ({len(config.models)} models, router {config.router.name}, "
               f"policy {config.shadow.policy.name})")

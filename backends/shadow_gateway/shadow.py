@@ -28,17 +28,23 @@ Invariants:
   when a request for it completed (then the instance is expected to hold the
   submitted prefix).
 * Unhealthy instances get no shadow work (dropped first).
+* A lane fills at most once per ``fill_interval_s``, and wakes are coalesced
+  per event-loop turn: per-token growth of a streaming call costs the routed
+  path one scheduled callback, not a pass over every lane's jobs.
+* Requests go through an aiohttp session (C-accelerated parsing); the
+  routed path's session is a different one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
 
+import aiohttp
 import attrs
-import httpx
 
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import SchedulerKind, ShadowSubmitConfig
@@ -49,6 +55,7 @@ from shadowcore.types import JobKey
 from shadowcore.wire import ShadowTag, TagKind
 
 log = logging.getLogger("shadow_gateway.shadow")
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 @attrs.define(eq=False)
@@ -57,6 +64,7 @@ class Lane:
     wake: asyncio.Event = attrs.Factory(asyncio.Event)
     inflight: dict[JobKey, asyncio.Task] = attrs.Factory(dict)
     task: asyncio.Task | None = None
+    last_fill_s: float = float("-inf")
 
 
 @attrs.define(eq=False)
@@ -65,7 +73,7 @@ class ShadowDispatcher:
     cluster: GatewayCluster
     config: ShadowSubmitConfig
     metrics: GatewayMetrics
-    client: httpx.AsyncClient = attrs.field(init=False)
+    client: aiohttp.ClientSession = attrs.field(init=False)
     lanes: dict[str, Lane] = attrs.field(init=False, factory=dict)
     request_level: Any = attrs.field(init=False, default=None)  # RequestLevelShadower when stock instances exist
     _num_waiting: dict[str, int] = attrs.field(init=False, factory=dict)
@@ -73,12 +81,14 @@ class ShadowDispatcher:
     _rl_context: dict[tuple[str, str], list[int]] = attrs.field(init=False, factory=dict)
     _rl_pump_scheduled: bool = attrs.field(init=False, default=False)
     _closed: bool = attrs.field(init=False, default=False)
+    _wake_scheduled: bool = attrs.field(init=False, default=False)
 
     def start(self) -> None:
         c = self.config
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(c.timeout_s, connect=c.connect_timeout_s),
-            limits=httpx.Limits(max_connections=max(8, 2 * c.max_inflight_per_instance * len(self.cluster.by_id))),
+        self.client = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=c.timeout_s, sock_connect=c.connect_timeout_s),
+            connector=aiohttp.TCPConnector(limit=max(8, 2 * c.max_inflight_per_instance * len(self.cluster.by_id))),
+            skip_auto_headers=("User-Agent",),
         )
         stock = [i for i in self.cluster.by_id.values() if i.scheduler is SchedulerKind.STOCK]
         if stock:
@@ -99,9 +109,19 @@ class ShadowDispatcher:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.client.aclose()
+        await self.client.close()
 
     def wake_all(self) -> None:
+        """Wake every lane once, after the caller's callback returns: many
+        wakes within one event-loop turn (every chunk of every stream) cost
+        one pass over the lanes, and the routed call never runs a lane's code."""
+        if self._wake_scheduled or not self.lanes:
+            return
+        self._wake_scheduled = True
+        asyncio.get_running_loop().call_soon(self._wake_lanes)
+
+    def _wake_lanes(self) -> None:
+        self._wake_scheduled = False
         for lane in self.lanes.values():
             lane.wake.set()
 
@@ -112,7 +132,11 @@ class ShadowDispatcher:
     async def _run(self, lane: Lane) -> None:
         while not self._closed:
             await lane.wake.wait()
+            wait_s = lane.last_fill_s + self.config.fill_interval_s - time.monotonic()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)  # wakes meanwhile are served by this fill
             lane.wake.clear()
+            lane.last_fill_s = time.monotonic()
             try:
                 await self._fill(lane)
             except asyncio.CancelledError:
@@ -168,15 +192,15 @@ class ShadowDispatcher:
         """POST one shadow request; True when the instance completed it."""
         mode = "request-level" if inst.scheduler is SchedulerKind.STOCK else "tagged"
         try:
-            r = await asyncio.wait_for(self.client.post(f"{inst.url}/v1/completions", json=body),
-                                       self.config.timeout_s)
-            if r.status_code != 200:
-                outcome = f"http-{r.status_code // 100}xx"
-            else:
-                finish = (r.json().get("choices") or [{}])[0].get("finish_reason")
-                outcome = "aborted" if finish == "abort" else "completed"
-        except (TimeoutError, httpx.HTTPError, OSError, ValueError) as e:
-            outcome = "timeout" if isinstance(e, (asyncio.TimeoutError, httpx.TimeoutException)) else "failed"
+            async with self.client.post(f"{inst.url}/v1/completions", data=json.dumps(body).encode(),
+                                        headers=JSON_HEADERS) as r:
+                if r.status != 200:
+                    outcome = f"http-{r.status // 100}xx"
+                else:
+                    finish = (json.loads(await r.read()).get("choices") or [{}])[0].get("finish_reason")
+                    outcome = "aborted" if finish == "abort" else "completed"
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, AttributeError) as e:
+            outcome = "timeout" if isinstance(e, TimeoutError) else "failed"
         self.metrics.shadow_requests.labels(inst.model.name, mode, outcome).inc()
         return outcome == "completed"
 
@@ -252,10 +276,11 @@ class ShadowDispatcher:
         if not inst.healthy:
             return 1  # nothing goes to an unhealthy instance
         try:
-            r = await self.client.get(f"{inst.url}/metrics", timeout=self.config.connect_timeout_s)
-            r.raise_for_status()
-            return parse_num_waiting(r.text, f"{inst.url}/metrics")
-        except (httpx.HTTPError, OSError, ValueError):
+            async with self.client.get(f"{inst.url}/metrics",
+                                       timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s)) as r:
+                r.raise_for_status()
+                return parse_num_waiting(await r.text(), f"{inst.url}/metrics")
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             self.metrics.errors.labels("shadow", inst.id).inc()
             return 1
 

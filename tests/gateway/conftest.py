@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-try:  # the gateway extra (fastapi, uvicorn, httpx, prometheus-client, pyyaml)
+try:  # the gateway extra (fastapi, uvicorn, httpx, aiohttp, prometheus-client, pyyaml)
     import httpx
     import uvicorn
     from shadow_gateway.app import create_app

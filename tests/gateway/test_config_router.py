@@ -112,3 +112,32 @@ def test_router_plugins_load_by_name_and_errors_name_the_field():
     with pytest.raises(ConfigError) as info:
         load_router(PluginRef("markov", {"colour": 1}))
     assert info.value.field == "router.args"
+
+
+def test_known_prefix_matches_append_only_histories_exactly():
+    from shadow_gateway.cluster import KnownPrefix
+
+    def brute(a, a_len, b, b_len):
+        n = 0
+        while n < min(a_len, b_len) and a[n] == b[n]:
+            n += 1
+        return n
+
+    known_list = list(range(100))
+    k = KnownPrefix(routed_ids=known_list, routed_len=96, shadow_ids=known_list, shadow_len=64)
+    history = list(range(40)) + [999] + list(range(41, 50))  # diverges at 40
+    for step in range(5):  # the history grows in place; the memo must stay exact
+        assert k.matched(history, len(history)) == (brute(known_list, 96, history, len(history)),
+                                                      brute(known_list, 64, history, len(history)))
+        assert k.matched(history, 30) == (30, 30)
+        history.extend(range(50 + 10 * step, 60 + 10 * step))
+    history = list(range(90))  # a new epoch: a new list
+    assert k.matched(history, 90) == (90, 64)
+    assert k.matched(history, 50) == (50, 50)
+    history.extend([7, 7, 7])  # grows past 96 after matching all of the shadow prefix and some of the routed one
+    assert k.matched(history, 93) == (90, 64)
+    history.extend(range(93, 100))
+    assert k.matched(history, 100) == (90, 64)  # 90..92 hold 7s: the routed prefix diverged at 90
+    k.routed_ids, k.routed_len = [5] * 10, 10  # the known prefix replaced
+    assert k.matched(history, 90) == (0, 64)
+    assert k.matched(known_list, 100) == (0, 64)

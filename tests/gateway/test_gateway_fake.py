@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from shadow_gateway.config import from_dict
 from shadow_gateway.fake_upstream import encode
 
 from shadowcore.wire import parse_tag
@@ -153,3 +155,24 @@ def test_metrics_endpoint_exposes_the_counters(upstreams, gateway, client):
     for name in ("calls_total", "switch_calls", "cached_tokens", "shadow_tokens_submitted", "shadow_tokens_used",
                  "fallbacks", "errors"):
         assert f"shadowprefill_gateway_{name}" in text, name
+
+
+def test_startup_refuses_models_that_tokenize_differently(upstreams, tmp_path, capsys):
+    import asyncio
+
+    from shadow_gateway.gateway import Gateway, TokenizerMismatch
+
+    from shadowcore.cli import main as cli_main
+
+    (a,), (b,), (c,) = upstreams(1), upstreams(1, vocab_offset=1), upstreams(1)
+    assert asyncio.run(Gateway(from_dict(two_model_config([a], [c]))).check_tokenizers()).keys() == {"a", "b"}
+    with pytest.raises(TokenizerMismatch, match=r"models\.b = 'b': tokenizes a probe text differently from models\.a"):
+        asyncio.run(Gateway(from_dict(two_model_config([a], [b]))).check_tokenizers())
+    a.kill()  # a model none of whose instances answers is skipped, never blocks startup
+    assert asyncio.run(Gateway(from_dict(two_model_config([a], [b]))).check_tokenizers()).keys() == {"b"}
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(f"models:\n  a: {{instances: [{c.url}]}}\n  b: {{instances: [{b.url}]}}\n")
+    assert cli_main(["serve", "--config", str(cfg), "--check"]) == 2
+    assert "models.b = 'b': tokenizes a probe text differently" in capsys.readouterr().err
+    cfg.write_text(cfg.read_text() + "tokenizer_check: false\n")
+    assert cli_main(["serve", "--config", str(cfg), "--check"]) == 0
