@@ -55,6 +55,11 @@ class EngineShadowConfig:
     instance_id: str = attrs.field(default="vllm", validator=non_empty_str)
     slo: SloConfig = attrs.Factory(SloConfig)
     latency: PluginRef = attrs.field(factory=lambda: PluginRef("linear"))
+    #: Keep shadows whose missing tokens (all idle shadows together) are below the
+    #: policy's ``n_min`` open, as the simulator keeps such jobs pending, instead of
+    #: finishing them (``shadowprefill:tail-below-n-min``). Only for clients that end
+    #: them themselves (abort, or a superseding shadow): docs/vllm.md, "Tails below n_min".
+    keep_tails_below_n_min: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +67,7 @@ class EngineShadowConfig:
             "instance_id": self.instance_id,
             "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s},
             "latency": self.latency.to_dict(),
+            "keep_tails_below_n_min": self.keep_tails_below_n_min,
         }
 
     @classmethod
@@ -73,7 +79,7 @@ class EngineShadowConfig:
                 raise ConfigError(f"{field}:{e.lineno}:{e.colno}", data, e.msg) from None
         if not isinstance(data, Mapping):
             raise ConfigError(field, data, "must be a JSON object")
-        known = {"shadow", "instance_id", "slo", "latency"}
+        known = {"shadow", "instance_id", "slo", "latency", "keep_tails_below_n_min"}
         for k in data:
             if k not in known:
                 raise ConfigError(f"{field}.{k}", data[k], f"unknown field (known: {', '.join(sorted(known))})")
@@ -87,7 +93,10 @@ class EngineShadowConfig:
         instance_id = data.get("instance_id", "vllm")
         if not isinstance(instance_id, str) or not instance_id:
             raise ConfigError(f"{field}.instance_id", instance_id, "must be a non-empty string")
-        return cls(shadow, instance_id, slo, latency)
+        keep_tails = data.get("keep_tails_below_n_min", False)
+        if not isinstance(keep_tails, bool):
+            raise ConfigError(f"{field}.keep_tails_below_n_min", keep_tails, "must be true or false")
+        return cls(shadow, instance_id, slo, latency, keep_tails)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> EngineShadowConfig:
@@ -121,7 +130,7 @@ def engine_args(policy: str | Mapping[str, Any] = "harvest-slo", *, asynchronous
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that load the shadow
     scheduler with ``policy`` (a name or ``{"name": ..., "args": {...}}``);
     ``config`` holds the other :class:`EngineShadowConfig` fields
-    (``instance_id``, ``slo``, ``latency``, ``seed``)."""
+    (``instance_id``, ``slo``, ``latency``, ``keep_tails_below_n_min``, ``seed``)."""
     seed = config.pop("seed", 0)
     data = {"shadow": {"policy": policy, "seed": seed}, **config}
     EngineShadowConfig.from_dict(data)  # fail here, not in the engine process

@@ -13,7 +13,8 @@ through the pool itself):
 
 * Shadow blocks (held by shadow requests or cached idle) never exceed
   ``policy.cap_blocks(num usable blocks)``: a shadow allocation sees
-  ``get_num_free_blocks()`` as what the cap and the cold-age rule let it take,
+  ``get_num_free_blocks()`` as what the cap and the cold-age rule let it take
+  (an instance attribute of the pool for the allocation's duration only),
   so vLLM's own ``allocate_slots`` refuses one that would break them.
 * Eviction order for every allocation: never-used (hash-less) free blocks
   first, then idle shadow blocks (least recently freed first), then idle
@@ -109,11 +110,19 @@ class ShadowKVBridge:
         """Allocations inside this block are a shadow request's."""
         self._shadow_now_s = now_s
         self._shadow_hit_ids = frozenset(b.block_id for b in hit_blocks if b.ref_cnt == 0)
+        # Only a shadow allocation sees the limited count: an instance attribute
+        # for its duration, so every other allocation calls vLLM's own method.
+        self.pool.get_num_free_blocks = self._num_free_blocks_for_shadow
         try:
             yield
         finally:
+            del self.pool.get_num_free_blocks
             self._shadow_now_s = None
             self._shadow_hit_ids = frozenset()
+
+    def _num_free_blocks_for_shadow(self) -> int:
+        """``BlockPool.get_num_free_blocks`` as a shadow allocation sees it."""
+        return min(type(self.pool).get_num_free_blocks(self.pool), self._free_for_shadow())
 
     def _free_for_shadow(self) -> int:
         assert self._shadow_now_s is not None
@@ -197,12 +206,6 @@ class _PoolHooks:
     """Mixed into vLLM's ``BlockPool``."""
 
     _shadow_bridge: ShadowKVBridge
-
-    def get_num_free_blocks(self) -> int:
-        bridge = self._shadow_bridge
-        if bridge.is_shadow_allocating:
-            return min(super().get_num_free_blocks(), bridge._free_for_shadow())
-        return super().get_num_free_blocks()
 
     def get_new_blocks(self, num_blocks: int) -> list:
         blocks = super().get_new_blocks(num_blocks)

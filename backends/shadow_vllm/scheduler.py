@@ -34,7 +34,11 @@ Invariants (``tests/vllm/``):
   the policy's ``n_min`` (:data:`STOP_BELOW_N_MIN`: the core never plans such
   a tail); it never decodes. A newer shadow of the same
   (session, target) finishes the older one (:data:`STOP_SUPERSEDED`).
-* With no shadow request the subclass schedules exactly as stock vLLM.
+* With no shadow request the subclass schedules exactly as stock vLLM, and
+  nearly as cheaply: when the hook can skip (``EngineHook.can_skip``) no
+  snapshot or plan is built, the step goes to ``EngineHook.skip_step``
+  (same controller state as planning it), and vLLM's per-request
+  ``_update_request_with_output`` runs unwrapped.
 
 Public attributes other modules use: ``shadow_clock`` (seconds; monotonic by
 default; the virtual-time mode sets its virtual clock), ``shadow_hook``,
@@ -45,9 +49,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
@@ -63,6 +68,7 @@ from shadow_vllm.kvpool import ShadowKVBridge
 from shadowcore.errors import ConfigError
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
+from shadowcore.latency import BatchShape, PrefillChunk
 from shadowcore.pipeline import build_runtime
 from shadowcore.slack import NoShadowController
 from shadowcore.types import ChunkResult, Phase, RequestKind, RequestView, StepOutcome, StepPlan, StepSnapshot
@@ -82,6 +88,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_IS_PREFILL_CHUNK = operator.attrgetter("is_prefill_chunk")
 
 STOP_PREFILLED = "shadowprefill:prefilled"
 STOP_SUPERSEDED = "shadowprefill:superseded"
@@ -103,13 +110,15 @@ class ShadowStats:
     max_shadow_blocks: int = 0  # most shadow-class blocks seen after a step was planned
 
 
-@attrs.frozen
-class _OpenStep:
+class _OpenStep(NamedTuple):
+    """A step between ``schedule()`` and ``update_from_output()`` (a tuple: built every step)."""
+
     output: Any  # the SchedulerOutput of the step
     iteration: int
     end_of_schedule_s: float
-    predicted_s: float
+    predicted_s: float  # a skipped step's only under async scheduling (else measured)
     results: tuple[ChunkResult, ...]
+    decode_only: bool | None  # None: planned by the hook; else skipped (EngineHook.can_skip)
 
 
 class _Port:
@@ -148,6 +157,7 @@ class ShadowSchedulerMixin:
         self.shadow_bridge = ShadowKVBridge(self.kv_cache_manager.block_pool, runtime.policy.kv,
                                             lambda: self.shadow_clock())
         self.shadow_jobs = EngineJobs(config.instance_id, self.block_size)
+        self._shadow_by_request = self.shadow_jobs.by_request  # truthy while a shadow request exists
         slack = runtime.policy.slack.build(np.random.default_rng(runtime.rng.integers(2**63)))
         self.shadow_hook = EngineHook(config.instance_id, self.shadow_jobs, slack, config.build_latency(),
                                       _Port(self), runtime.observers)
@@ -158,9 +168,12 @@ class ShadowSchedulerMixin:
         self.shadow_running: set[str] = set()  # shadow requests admitted in the current step
         self.shadow_arrival_s: dict[str, float] = {}
         self.shadow_first_token_s: dict[str, float] = {}
+        self._shadow_awaiting_first: set[str] = set()  # normal and routed requests without a token yet
         self._shadow_iteration = 0
         self._shadow_step: _OpenStep | None = None
         self._shadow_never_runs = isinstance(slack, NoShadowController)
+        self._shadow_async = isinstance(self, AsyncScheduler)
+        self._shadow_prefill_flag = True  # vLLM's Request.is_prefill_chunk exists (checked on first use)
         if runtime.policy.kv.host is not None:
             logger.warning("policy %r has a host tier; this scheduler keeps device classes only "
                            "(see docs/vllm.md: host tier)", runtime.policy.name)
@@ -181,10 +194,11 @@ class ShadowSchedulerMixin:
             self.shadow_to_finish[rid] = (RequestStatus.FINISHED_ERROR, f"shadowprefill: {e}")
             self.shadow_stats.num_rejected += 1
             return
-        if tag is None:
-            return
-        if tag.kind is TagKind.ROUTED:
-            self.shadow_routed.add(rid)
+        if tag is None or tag.kind is TagKind.ROUTED:
+            if tag is not None:
+                self.shadow_routed.add(rid)
+                self.shadow_jobs.forget_session(tag.session_id)
+            self._shadow_awaiting_first.add(rid)
             return
         self._shadow_open(request, tag)
 
@@ -231,53 +245,134 @@ class ShadowSchedulerMixin:
         self.shadow_running.discard(rid)
         self.shadow_arrival_s.pop(rid, None)
         self.shadow_first_token_s.pop(rid, None)
+        self._shadow_awaiting_first.discard(rid)
         return super()._free_request(request, *args, **kwargs)
 
     # -- one step ----------------------------------------------------------------------
+    # Fast path: with no shadow request in the engine and a hook that can skip
+    # (EngineHook.can_skip: no observer, a skippable controller, no pending
+    # job), begin_step would plan nothing and change nothing but what
+    # skip_step does; the step builds no snapshot and only tells the hook its
+    # duration and whether it was decode-only (the controller's credit).
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         if self._shadow_step is not None:  # async scheduling: the previous step is still running
             self._shadow_close_step(measured=False)
         now_s = self.shadow_clock()
-        self._shadow_release_running()
+        if self.shadow_running:
+            self._shadow_release_running()
         out = super().schedule(*args, **kwargs)
-        snapshot = self._shadow_snapshot(out, now_s)
+        iteration = self._shadow_iteration
+        self._shadow_iteration = iteration + 1
+        if not self._shadow_by_request and self.shadow_hook.can_skip():
+            if self._shadow_async:  # reported at the next schedule(), when the requests have moved on
+                shape = self._shadow_batch_shape(out)
+                predicted_s, decode_only = self.shadow_hook.latency.predict_s(shape), shape.is_decode_only
+            else:
+                predicted_s, decode_only = 0.0, self._shadow_decode_only(out)
+            self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), predicted_s, (), decode_only)
+            return out
+        snapshot = self._shadow_snapshot(out, now_s, iteration)
         plan = self.shadow_hook.begin_step(snapshot)
         results = self._shadow_admit(out, plan, now_s) if plan.grants else ()
         stats = self.shadow_stats
         stats.max_shadow_blocks = max(stats.max_shadow_blocks, self.shadow_bridge.num_shadow_blocks)
-        self._shadow_step = _OpenStep(out, snapshot.iteration, self.shadow_clock(), plan.predicted_s, results)
-        self._shadow_iteration += 1
+        self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), plan.predicted_s, results, None)
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
         step = self._shadow_step
         if step is not None and step.output is scheduler_output:
             self._shadow_close_step(measured=True)
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self._shadow_finish(outputs)
+        if self._shadow_by_request:  # a shadow's prefill may end in this step: it must not decode
+            self._update_request_with_output = self._shadow_update_request_with_output
+            try:
+                outputs = super().update_from_output(scheduler_output, model_runner_output)
+            finally:
+                del self._update_request_with_output  # back to vLLM's method (no per-request cost)
+        else:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._shadow_awaiting_first:
+            self._shadow_record_first_tokens(scheduler_output.num_scheduled_tokens)
+        if self._shadow_by_request or self.shadow_to_finish:
+            self._shadow_finish(outputs)
         return outputs
 
-    def _update_request_with_output(self, request: Request, new_token_ids: list[int], *args: Any,
-                                    **kwargs: Any) -> tuple[list[int], bool]:
+    def _shadow_update_request_with_output(self, request: Request, new_token_ids: list[int], *args: Any,
+                                           **kwargs: Any) -> tuple[list[int], bool]:
+        """vLLM's ``_update_request_with_output`` while shadow requests exist
+        (an instance attribute during ``update_from_output``): a shadow whose
+        prefill is done stops (:data:`STOP_PREFILLED`); it never decodes."""
         new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
-        rid = request.request_id
-        if rid in self.shadow_jobs:  # a shadow's prefill is done: it never decodes
+        if request.request_id in self.shadow_jobs:
             if not stopped:
                 request.status = RequestStatus.FINISHED_STOPPED
                 stopped = True
             if request.stop_reason is None:
                 request.stop_reason = STOP_PREFILLED
-        elif new_token_ids and rid not in self.shadow_first_token_s:
-            self.shadow_first_token_s[rid] = self.shadow_clock()  # f_r of Eq. 1
         return new_token_ids, stopped
+
+    def _shadow_record_first_tokens(self, scheduled: dict[str, int]) -> None:
+        """f_r of Eq. 1: the clock after the update that gave a request (one
+        scheduled in the step) its first token."""
+        awaiting, requests = self._shadow_awaiting_first, self.requests
+        candidates = [rid for rid in awaiting if rid in scheduled] if len(awaiting) < len(scheduled) else \
+            [rid for rid in scheduled if rid in awaiting]
+        now_s = None
+        for rid in candidates:
+            request = requests.get(rid)
+            if request is not None and request.num_output_tokens > 0:
+                if now_s is None:
+                    now_s = self.shadow_clock()
+                self.shadow_first_token_s[rid] = now_s
+                awaiting.discard(rid)
 
     def _shadow_close_step(self, measured: bool) -> None:
         step = self._shadow_step
         assert step is not None
         self._shadow_step = None
         duration_s = self.shadow_clock() - step.end_of_schedule_s if measured else step.predicted_s
+        if step.decode_only is not None:
+            self.shadow_hook.skip_step(max(0.0, duration_s), step.decode_only)
+            return
         self.shadow_hook.end_step(StepOutcome(self.shadow_config.instance_id, step.iteration,
                                               max(0.0, duration_s), step.results))
+
+    def _shadow_decode_only(self, out: SchedulerOutput) -> bool:
+        """Whether the snapshot of ``out`` would be decode-only (its batch
+        shape's ``is_decode_only``: every request has its first token and
+        ``before >= num_tokens - 1``), without building it (synchronous
+        scheduling: ``num_computed_tokens`` already counts this step's)."""
+        scheduled, requests = out.num_scheduled_tokens, self.requests
+        if not scheduled or not self.shadow_first_token_s.keys() >= scheduled.keys():
+            return False
+        if not out.scheduled_spec_decode_tokens and self._shadow_prefill_flag:
+            # Without draft tokens a request with n > 1 is a prefill (num_computed <= num_tokens), and
+            # for n == 1 "before >= num_tokens - 1" is "num_computed >= num_tokens", the negation of
+            # vLLM's own is_prefill_chunk (set for every scheduled request in _update_after_schedule).
+            if out.total_num_scheduled_tokens != len(scheduled):
+                return False
+            try:
+                return not any(map(_IS_PREFILL_CHUNK, map(requests.__getitem__, scheduled)))
+            except AttributeError:  # a vLLM without the flag: the loop below from now on
+                self._shadow_prefill_flag = False
+        for rid, n in scheduled.items():
+            request = requests[rid]
+            if request.num_computed_tokens - n < request.num_tokens - 1:
+                return False
+        return True
+
+    def _shadow_batch_shape(self, out: SchedulerOutput) -> BatchShape:
+        """The snapshot's ``batch_shape`` of ``out``, without building the snapshot."""
+        requests, first = self.requests, self.shadow_first_token_s
+        prefills, decodes = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            request = requests[rid]
+            before = request.num_computed_tokens - n
+            if rid in first and before >= request.num_tokens - 1:
+                decodes.append(before)
+            else:
+                prefills.append(PrefillChunk(n, before))
+        return BatchShape(tuple(prefills), tuple(decodes))
 
     def _shadow_release_running(self) -> None:
         """Every shadow in ``running`` goes back to the parking (blocks freed, cached)."""
@@ -295,7 +390,7 @@ class ShadowSchedulerMixin:
             self._shadow_park(request)
 
     # -- the snapshot ------------------------------------------------------------------
-    def _shadow_snapshot(self, out: SchedulerOutput, now_s: float) -> StepSnapshot:
+    def _shadow_snapshot(self, out: SchedulerOutput, now_s: float, iteration: int) -> StepSnapshot:
         slo = self.shadow_config.slo
         views = []
         for rid, n in out.num_scheduled_tokens.items():
@@ -317,7 +412,7 @@ class ShadowSchedulerMixin:
         seats = len(self.running) < self.max_num_running_reqs
         blocked = num_waiting > 0 and free_tokens > 0 and seats  # it waits though budget and seats were left
         room = self.shadow_bridge.shadow_room_blocks(now_s) * self.block_size
-        return StepSnapshot(self.shadow_config.instance_id, self._shadow_iteration, now_s, views, num_waiting,
+        return StepSnapshot(self.shadow_config.instance_id, iteration, now_s, views, num_waiting,
                             blocked, slo.tpot_s, free_tokens if seats else 0, room)
 
     # -- admitting the plan ------------------------------------------------------------
@@ -385,8 +480,10 @@ class ShadowSchedulerMixin:
         """Finish shadows whose prefill is done, superseded ones and rejected ones."""
         idle = [e for e in self.shadow_jobs.entries() if e.job.num_inflight_tokens == 0]
         # Tails below n_min are never planned (the core defers them); with nothing
-        # else pending no plan can ever take them, so such shadows are done too.
-        stuck = sum(e.job.num_missing_tokens for e in idle) < self.shadow_hook.slack.n_min
+        # else pending no plan can ever take them, so such shadows are done too
+        # (unless configured to keep them pending, as the simulator does).
+        stuck = not self.shadow_config.keep_tails_below_n_min and \
+            sum(e.job.num_missing_tokens for e in idle) < self.shadow_hook.slack.n_min
         for entry in idle:
             missing = entry.job.num_missing_tokens
             if missing == 0 or stuck or self._shadow_never_runs:

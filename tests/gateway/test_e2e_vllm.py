@@ -1,11 +1,22 @@
 """End to end: the gateway in front of two real vLLM CPU servers (two tiny
 random-weight models built offline, sharing one tokenizer, as two "models").
 
-The servers run stock vLLM with priority scheduling, so shadows take the
-request-level path (Appendix D.1). A session that switches models finds its
-context cached on the new model (vLLM's own
-``usage.prompt_tokens_details.cached_tokens``); the same switch without the
-gateway's session (plain calls) finds nothing cached.
+Both servers start through ``shadow_vllm.serve`` (``vllm-serve``) with the
+shadow scheduler (``--scheduler-cls shadow_vllm.scheduler.ShadowScheduler``,
+policy ``harvest-slo``) and priority scheduling; they are shared by two
+gateways (one server pair: starting vLLM on 2 cores takes most of a minute):
+
+* ``gw`` marks both instances ``scheduler: stock``: shadows take the
+  request-level path (Appendix D.1: untagged lowest-priority requests, which
+  the shadow scheduler, with no tagged shadow, schedules exactly as stock
+  vLLM; ``tests/vllm/test_scheduler.py`` checks that step by step);
+* ``gw_tagged`` marks them ``scheduler: shadow``: shadows are requests tagged
+  ``shadowprefill_kind=shadow`` that the engine runs only in slack.
+
+In both, a session that switches models finds its context cached on the new
+model (vLLM's own ``usage.prompt_tokens_details.cached_tokens``); the same
+switch without the gateway's session (plain calls) finds nothing cached.
+Each test uses its own token sequences, so the shared prefix caches do not mix.
 
 vLLM runs in its own interpreter: this one when it imports vllm, else
 ``$SHADOWPREFILL_VLLM_PYTHON``; otherwise the module is skipped (except under
@@ -68,7 +79,8 @@ def vllm_servers(tmp_path_factory) -> Iterator[dict[str, str]]:
         for name in ("tiny-a", "tiny-b"):
             port = _free_port()
             log = open(root / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-            cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / name),
+            cmd = [VLLM_PYTHON, "-m", "shadow_vllm.serve", "--policy", "harvest-slo", "--instance-id", name,
+                   "--scheduler", "sync", "--model", str(root / name),
                    "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
                    "--block-size", str(BLOCK), "--max-model-len", "2048", "--dtype", "float32",
                    "--enable-prompt-tokens-details", "--scheduling-policy", "priority"]
@@ -112,6 +124,23 @@ def gw(vllm_servers) -> Iterator[GatewayServer]:
         "shadow": {"policy": "harvest-slo"},
         "health": {"interval_s": 1.0},
         "shadow_submit": {"timeout_s": 60.0, "poll_interval_s": 0.02},
+    }
+    g = GatewayServer(config).start()
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def gw_tagged(vllm_servers) -> Iterator[GatewayServer]:
+    """A second gateway on the same servers, in tagged mode (``scheduler: shadow``)."""
+    config = {
+        "models": {
+            "tiny-a": {"block_size": BLOCK, "instances": [{"url": vllm_servers["tiny-a"], "scheduler": "shadow"}]},
+            "tiny-b": {"block_size": BLOCK, "instances": [{"url": vllm_servers["tiny-b"], "scheduler": "shadow"}]},
+        },
+        "shadow": {"policy": "harvest-slo"},
+        "health": {"interval_s": 1.0},
+        "shadow_submit": {"timeout_s": 60.0},
     }
     g = GatewayServer(config).start()
     yield g
@@ -169,3 +198,42 @@ def test_streaming_chat_session_through_real_vllm(gw, vllm_servers):
     tokenized = httpx.post(vllm_servers["tiny-a"] + "/tokenize", json={"model": "tiny-a", "messages": messages}).json()
     assert history.token_ids[: tokenized["count"]] == tokenized["tokens"]
     assert history.num_tokens == tokenized["count"] + 8  # prompt + streamed output ids
+
+
+def test_tagged_mode_switch_finds_the_context_the_shadow_scheduler_prefilled(gw_tagged, vllm_servers):
+    """Tagged mode end to end: the gateway sends the session's context to tiny-b
+    as a tagged shadow; tiny-b's shadow scheduler prefills it in slack and
+    finishes it (``shadowprefill:prefilled``); the switch call's cached tokens
+    are exactly the shadow's whole blocks. Control: the same two calls without
+    a session (no shadow) find nothing cached."""
+    c = httpx.Client(timeout=120)
+
+    def first_call(seed: int, headers: dict) -> list[int]:
+        prompt = _context(seed)
+        r = c.post(gw_tagged.url + "/v1/completions", headers=headers,
+                   json={"model": "tiny-a", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                         "return_token_ids": True}).json()
+        return prompt + r["choices"][0]["token_ids"]
+
+    def switch_cached(context: list[int], seed: int, headers: dict) -> int:
+        r = c.post(gw_tagged.url + "/v1/completions", headers=headers,
+                   json={"model": "tiny-b", "prompt": context + _context(seed, 40), "max_tokens": 4}).json()
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    control = first_call(5, {})
+    time.sleep(0.5)  # give a (wrong) shadow every chance to appear
+    assert switch_cached(control, 6, {}) == 0
+
+    context = first_call(7, {"X-Session-Id": "tagged"})
+    expected = len(context) // BLOCK * BLOCK
+    wait_for(lambda: gw_tagged.metric("shadowprefill_gateway_shadow_tokens_submitted_total", model="tiny-b",
+                                      mode="tagged") >= expected, timeout_s=60, what="tagged shadow")
+    assert gw_tagged.metric("shadowprefill_gateway_shadow_tokens_submitted_total", model="tiny-b",
+                            mode="request-level") == 0
+    assert gw_tagged.metric("shadowprefill_gateway_shadow_requests_total", model="tiny-b", mode="tagged",
+                            outcome="completed") >= 1
+    warm = c.get(gw_tagged.url + "/v1/shadowprefill/warmth", params={"session_id": "tagged", "model": "tiny-b"})
+    assert warm.json()["num_expected_cached_tokens"] == expected
+    cached = switch_cached(context, 8, {"X-Session-Id": "tagged"})
+    assert cached == expected > 0
+    assert gw_tagged.metric("shadowprefill_gateway_shadow_tokens_used_total", model="tiny-b") == cached

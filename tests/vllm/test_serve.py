@@ -89,3 +89,16 @@ def _wait_healthy(port: int, server: subprocess.Popen, deadline_s: float) -> Non
         except (urllib.error.URLError, OSError):
             time.sleep(1)
     raise AssertionError("server not healthy in time")
+
+
+def test_keep_tails_below_n_min_is_a_checked_bool_that_round_trips() -> None:
+    from shadow_vllm.engine_config import EngineShadowConfig, engine_args
+
+    with pytest.raises(ConfigError) as info:
+        EngineShadowConfig.from_dict({"keep_tails_below_n_min": "yes"})
+    assert str(info.value).startswith("additional_config.shadowprefill.keep_tails_below_n_min = 'yes'")
+    assert not EngineShadowConfig.from_dict({}).keep_tails_below_n_min  # finishing tails is the default
+    data = engine_args("harvest-slo", keep_tails_below_n_min=True)["additional_config"]["shadowprefill"]
+    config = EngineShadowConfig.from_dict(data)
+    assert config.keep_tails_below_n_min is True
+    assert EngineShadowConfig.from_dict(config.to_dict()) == config

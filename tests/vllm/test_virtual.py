@@ -105,3 +105,87 @@ def test_bad_inputs_fail_with_the_field_named() -> None:
     eng.add_request("x", [1, 2, 3], 1)
     with pytest.raises(ValueError, match="request_id = 'x'"):
         eng.add_request("x", [1, 2, 3], 1)
+
+
+class _CountPlans:
+    """An observer: makes the hook plan every step (EngineHook.can_skip is False with one)."""
+
+    def __init__(self) -> None:
+        self.num_plans = 0
+
+    def on_plan(self, snapshot, plan) -> None:
+        self.num_plans += 1
+
+
+@pytest.mark.parametrize("policy", ["harvest-slo", "harvest"])
+def test_no_shadow_fast_path_decides_as_the_planned_path(policy: str) -> None:
+    """With no shadow request the scheduler skips the snapshot and plan
+    (``EngineHook.skip_step``); the controller's credit, and so every later
+    decision, is what planning every step gives: a decode-heavy phase, then a
+    shadow and a routed call, on two engines that differ only in an observer."""
+    from shadow_vllm.engine_config import engine_args
+    from shadow_vllm.scheduler import ShadowScheduler
+
+    from shadowcore.wire import ShadowTag, TagKind
+
+    def run(observed: bool):
+        extra = engine_args(policy, slo={"ttft_s": 1.0, "tpot_s": 0.05})["additional_config"]
+        config = virtual.VirtualEngineConfig(num_blocks=256, max_num_batched_tokens=256, additional_config=extra)
+        eng = virtual.VirtualEngine(virtual.build_scheduler(ShadowScheduler, config), LinearLatencyModel())
+        scheduler = eng.scheduler
+        counter = _CountPlans()
+        if observed:
+            scheduler.shadow_hook.observers.add(counter)
+        snapshots = []
+        build = scheduler._shadow_snapshot
+        scheduler._shadow_snapshot = lambda *a: snapshots.append(a) or build(*a)
+        for k in range(6):
+            eng.add_request_at(0.002 * k, f"n{k}", [10 + k] * (40 + 30 * k), 24)
+        eng.loop.run()
+        phase1 = (len(eng.steps), len(snapshots), counter.num_plans, scheduler.shadow_hook.slack.credit.balance_s)
+        eng.add_request("shadow", [7 + i % 300 for i in range(900)], 1,
+                        extra_args=ShadowTag(TagKind.SHADOW, "s", "m", 0, 0.9).to_extra_args())
+        eng.add_request("n-late", [500 + i % 50 for i in range(70)], 30)
+        eng.add_request_at(eng.loop.now_s + 0.02, "routed", [300 + i % 90 for i in range(120)], 8,
+                           extra_args=ShadowTag(TagKind.ROUTED, "s").to_extra_args())
+        eng.loop.run()
+        steps = [(s.start_s, s.duration_s, tuple((r.request_id, r.num_scheduled_tokens) for r in s.batch))
+                 for s in eng.steps]
+        return phase1, steps, scheduler.shadow_stats, scheduler.shadow_hook.slack.credit
+
+    (fast_steps, fast_snaps, _, fast_credit), fast_all, fast_stats, fast_end = run(observed=False)
+    (slow_steps, slow_snaps, slow_plans, slow_credit), slow_all, slow_stats, slow_end = run(observed=True)
+    assert fast_steps == slow_steps > 20
+    assert fast_snaps == 0 and slow_snaps == slow_plans >= slow_steps  # the fast path built nothing (the slow
+    # one plans empty iterations too)
+    assert fast_credit == slow_credit > 0  # decode-only steps earned the same credit, bit for bit
+    assert fast_all == slow_all  # every later step: same time, batch and shadow chunks
+    assert fast_stats == slow_stats and fast_stats.num_shadow_tokens > 0
+    assert (fast_end.balance_s, fast_end.earned_s, fast_end.spent_s) == (slow_end.balance_s, slow_end.earned_s,
+                                                                         slow_end.spent_s)
+
+
+def test_no_shadow_fast_path_under_preemption() -> None:
+    """Preempted requests are recomputed in prefill chunks after their first
+    token; the fast path's decode-only test must see those steps as prefills
+    (no credit), exactly as the planned path does."""
+    from shadow_vllm.engine_config import engine_args
+    from shadow_vllm.scheduler import ShadowScheduler
+
+    def run(observed: bool):
+        extra = engine_args("harvest-slo", slo={"ttft_s": 1.0, "tpot_s": 0.05})["additional_config"]
+        config = virtual.VirtualEngineConfig(num_blocks=16, max_num_batched_tokens=512, additional_config=extra)
+        eng = virtual.VirtualEngine(virtual.build_scheduler(ShadowScheduler, config), LinearLatencyModel())
+        if observed:
+            eng.scheduler.shadow_hook.observers.add(_CountPlans())
+        for k in range(3):  # distinct prompts: a preempted request's blocks get evicted, so it recomputes
+            eng.add_request(f"r{k}", [(k * 131 + i * 17) % 400 + 5 for i in range(90)], 60)
+        eng.loop.run()
+        credit = eng.scheduler.shadow_hook.slack.credit
+        return [(s.start_s, s.num_tokens, s.preempted) for s in eng.steps], (credit.balance_s, credit.earned_s)
+
+    fast_steps, fast_credit = run(observed=False)
+    slow_steps, slow_credit = run(observed=True)
+    assert any(preempted for *_, preempted in fast_steps)
+    assert fast_steps == slow_steps
+    assert fast_credit == slow_credit and fast_credit[1] > 0

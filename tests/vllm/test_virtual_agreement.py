@@ -52,7 +52,7 @@ class RooflineRun(FakeRun):
         return EngineInstance(instance_id, model, kv, latency, tpot, EngineLimits(sc.token_budget))
 
 
-def _run_both(policy: str, scheduler_cls, **policy_args):
+def _run_both(policy: str, scheduler_cls, keep_tails: bool = False, **policy_args):
     """The simulator's run (done) and the virtual vLLM run (built, not run)."""
     shadow = ShadowConfig(PluginRef(policy, policy_args))
     sim_rec = virtual.PlanRecorder(lambda i: [j for j in sim.runtime.manager.jobs() if j.instance_id == i])
@@ -67,6 +67,7 @@ def _run_both(policy: str, scheduler_cls, **policy_args):
                 "shadow": json.loads(shadow.to_json()),
                 "slo": {"ttft_s": SCENARIO.slo.ttft_s, "tpot_s": inst.tpot_slo_s},
                 "latency": {"name": "shadow_sim.latency:latency_model", "args": {"name": m, "kind": "roofline"}},
+                "keep_tails_below_n_min": keep_tails,
             }}
         configs[m] = virtual.VirtualEngineConfig(
             block_size=SCENARIO.block_size, num_blocks=SCENARIO.num_blocks + 1,  # + vLLM's null block
@@ -111,15 +112,16 @@ def test_no_shadow_traffic_is_scheduled_identically_by_vllm_and_the_simulator() 
     assert v_calls == sim_calls and len(v_calls) >= 20
 
 
-@pytest.mark.parametrize(("policy_args", "min_compared", "min_with_grants"), [
-    ({"n_min": 0}, 0.6, 30),  # every tail plannable: both engines keep the same jobs
-    ({}, 0.15, 4),  # the paper's n_min=256: the engine drops tails the simulator keeps pending
+@pytest.mark.parametrize(("policy_args", "keep_tails", "min_compared", "min_with_grants"), [
+    ({"n_min": 0}, False, 0.9, 30),  # every tail plannable: both engines keep the same jobs
+    ({}, False, 0.15, 4),  # the paper's n_min=256: the engine finishes tails the simulator keeps pending
+    ({}, True, 0.9, 20),  # ... unless it keeps them too (keep_tails_below_n_min)
 ])
-def test_shadow_decisions_agree_where_the_engines_see_the_same_batch(policy_args, min_compared,
+def test_shadow_decisions_agree_where_the_engines_see_the_same_batch(policy_args, keep_tails, min_compared,
                                                                      min_with_grants) -> None:
     from shadow_vllm.scheduler import ShadowScheduler
 
-    sim, vrun = _run_both("harvest-slo", ShadowScheduler, **policy_args)
+    sim, vrun = _run_both("harvest-slo", ShadowScheduler, keep_tails, **policy_args)
     vllm_rec = virtual.PlanRecorder(
         lambda i: [e.job for e in vrun.cluster.by_id[i].scheduler.shadow_jobs.entries()])
     for engine in vrun.cluster.by_id.values():
@@ -128,12 +130,13 @@ def test_shadow_decisions_agree_where_the_engines_see_the_same_batch(policy_args
     n_min = sim.runtime.hooks[f"{MODELS[0]}/0"].slack.n_min
     agreements = [virtual.compare_steps(f"{m}/0", sim.observers[0].steps[f"{m}/0"], vllm_rec.steps[f"{m}/0"], n_min)
                   for m in MODELS]
-    print(f"\nharvest-slo {policy_args}:\n" + "\n".join(_report(a) for a in agreements))
+    print(f"\nharvest-slo {policy_args}, keep_tails_below_n_min={keep_tails}:\n"
+          + "\n".join(_report(a) for a in agreements))
     for a in agreements:
         assert a.mismatches == (), _report(a)
         assert a.num_compared >= min_compared * a.num_steps[0], _report(a)
     assert sum(a.num_compared_with_grants for a in agreements) >= min_with_grants
-    if policy_args:
+    if policy_args or keep_tails:
         assert sum(a.num_compared_multi_job for a in agreements) >= 1  # the order of jobs was checked
     shadow_tokens = sum(e.scheduler.shadow_stats.num_shadow_tokens for e in vrun.cluster.by_id.values())
     assert shadow_tokens > 5000
