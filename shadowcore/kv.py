@@ -25,6 +25,7 @@ Invariants (each has a property test):
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -203,14 +204,21 @@ class KVClassManager:
         return min(room, self.num_free_blocks + self._num_cold_idle)
 
     def _refresh_cold(self, now_s: float) -> None:
-        """Count idle blocks that became cold since the last call (amortised O(1))."""
+        """Count idle blocks that became cold since the last call (amortised
+        O(1) per released block). A queue entry is one release: its time, the
+        blocks it made idle in order, and the token before the first of them
+        (the i-th got token + 1 + i); a block idle again since, or in use, no
+        longer carries that token."""
         q = self._cold_queue
+        blocks = self._blocks
         while q and self.policy.shadow_may_displace(q[0][0], now_s):
-            _, h, token = q.popleft()
-            block = self._blocks.get(h)
-            if block is not None and block.ref_count == 0 and block.idle_token == token and not block.cold:
-                block.cold = True
-                self._num_cold_idle += 1
+            _, hashes, token = q.popleft()
+            for h in hashes:
+                token += 1
+                block = blocks.get(h)
+                if block is not None and block.ref_count == 0 and block.idle_token == token and not block.cold:
+                    block.cold = True
+                    self._num_cold_idle += 1
 
     def _leave_idle(self, block: _Block) -> None:
         if block.cold:
@@ -260,6 +268,10 @@ class KVClassManager:
     def extend(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, now_s: float) -> bool:
         """Grow an owner (decode): new hashed and private blocks; all or nothing."""
         owner = self._owners[owner_id]
+        if not hashes and num_private_blocks <= self.num_free_blocks and owner.kv_class is KVClass.NORMAL:
+            self.num_free_blocks -= num_private_blocks  # the general path below, when only free blocks are taken
+            owner.num_private_blocks += num_private_blocks
+            return True
         fresh = [h for h in hashes if h not in self._blocks]
         shared = [h for h in hashes if h in self._blocks]
         num_new = len(fresh) + num_private_blocks
@@ -274,22 +286,92 @@ class KVClassManager:
         owner.num_private_blocks += num_private_blocks
         return True
 
+    def extend_private(self, needs: Sequence[tuple[str, int]], now_s: float) -> bool:
+        """``extend(owner, (), n)`` for each (owner, n) in order, when together
+        they fit in free and idle blocks (then each of them would succeed: a
+        normal owner may take any idle block); False, with nothing changed,
+        otherwise. Taken in one go: free blocks first,
+        then LRU evictions, as the calls one by one would. A shadow owner is an
+        error (its cap rules differ)."""
+        owners = self._owners
+        if any(owners[o].kv_class is not KVClass.NORMAL for o, _ in needs):
+            raise ValueError("extend_private grows normal owners only")
+        total = sum(n for _, n in needs)
+        if total > self.num_free_blocks + self.num_idle_blocks:
+            return False
+        for o, n in needs:
+            owners[o].num_private_blocks += n
+        self._take(total, KVClass.NORMAL, now_s, protect=set())
+        return True
+
     def release(self, owner_id: str, now_s: float) -> None:
         """Drop an owner's references; its hashed blocks stay cached (idle)."""
         owner = self._owners.pop(owner_id)
-        blocks, idle, cold_queue = self._blocks, self._idle, self._cold_queue
-        token = self._num_releases
-        for h in reversed(owner.hashes):  # tail first, so LRU evicts a context's tail before its head (as vLLM)
+        self._unref(reversed(owner.hashes), (), now_s)  # tail first, so LRU evicts a context's tail first (as vLLM)
+        self._free(owner.num_private_blocks, owner.kv_class)
+
+    def _unref(self, hashes, keep: set[int] | tuple, now_s: float) -> None:
+        """One reference less on each block of ``hashes`` (those in ``keep``
+        excepted); a block left unreferenced goes idle now, appended to its
+        class's LRU order, with the next release token."""
+        blocks, idle = self._blocks, self._idle
+        token = first = self._num_releases
+        newly_idle = []
+        for h in hashes:
             block = blocks[h]
-            block.ref_count -= 1
+            if not keep or h not in keep:
+                block.ref_count -= 1
             if block.ref_count == 0:
                 block.idle_since_s = now_s
                 token += 1
                 block.idle_token = token
-                cold_queue.append((now_s, h, token))
+                newly_idle.append(h)
                 idle[block.kv_class][h] = None
         self._num_releases = token
-        self._free(owner.num_private_blocks, owner.kv_class)
+        if newly_idle:
+            self._cold_queue.append((now_s, newly_idle, first))
+
+    def release_and_cache(self, owner_id: str, hashes: Sequence[int], cache_owner_id: str, now_s: float) -> None:
+        """A finished request: exactly ``release(owner_id)``, then, if it fits,
+        ``allocate(cache_owner_id, hashes, 0, NORMAL)`` and
+        ``release(cache_owner_id)`` (its computed full blocks stay cached),
+        without the owner's blocks going idle and back in between. The short
+        way runs when the owner is normal, holds only blocks of ``hashes`` and
+        the new ones fit in free blocks (no eviction); otherwise the three
+        calls run."""
+        owner = self._owners[owner_id]
+        blocks = self._blocks
+        held = set(owner.hashes)
+        match = self.match_prefix(hashes)
+        fresh = [h for h in hashes[match.num_device_blocks :] if h not in blocks]
+        if (owner.kv_class is not KVClass.NORMAL or len(held) != len(owner.hashes) or not held.issubset(hashes)
+                or len(fresh) > self.num_free_blocks + owner.num_private_blocks):
+            self.release(owner_id, now_s)
+            if self.allocate(cache_owner_id, hashes, 0, KVClass.NORMAL, now_s) is not None:
+                self.release(cache_owner_id, now_s)
+            return
+        del self._owners[owner_id]
+        self.num_free_blocks += owner.num_private_blocks - len(fresh)
+        used = 0
+        hits = set()  # allocate's hits besides the owner's own blocks: +1 there, -1 in the last release
+        for h in hashes:
+            block = blocks.get(h)
+            if block is None or h in held:
+                continue
+            hits.add(h)
+            if block.ref_count == 0:
+                del self._idle[block.kv_class][h]
+                self._leave_idle(block)
+            if block.kv_class is KVClass.SHADOW:
+                block.kv_class = KVClass.NORMAL
+                self.num_shadow_blocks -= 1
+                used += 1
+        self.num_shadow_blocks_used += used
+        self.num_reloaded_blocks += match.num_host_blocks
+        for h in fresh:
+            self._host.pop(h, None)
+            blocks[h] = _Block(KVClass.NORMAL, ref_count=1)
+        self._unref(reversed(hashes), hits, now_s)  # the cache owner's release
 
     def reload_seconds(self, num_blocks: int) -> float:
         host = self.policy.host
@@ -336,31 +418,57 @@ class KVClassManager:
     def _take(self, num: int, kv_class: KVClass, now_s: float, protect: set[int]) -> None:
         from_free = min(num, self.num_free_blocks)
         self.num_free_blocks -= from_free
-        for _ in range(num - from_free):
-            self._evict_one(kv_class, now_s, protect)
+        if num > from_free:
+            self._evict(num - from_free, kv_class, now_s, protect)
         if kv_class is KVClass.SHADOW:
             self.num_shadow_blocks += num
 
-    def _evict_one(self, requester: KVClass, now_s: float, protect: set[int]) -> None:
+    def _evict(self, num: int, requester: KVClass, now_s: float, protect: set[int]) -> None:
+        """Evict ``num`` idle blocks: the shadow class first, LRU within a
+        class, never a block of ``protect``; a shadow requester takes cold
+        blocks only. One pass per class evicts exactly what ``num`` single
+        evictions in a row would (each restarts at the head and skips the same
+        protected and young blocks), in the same order."""
         for cls in (KVClass.SHADOW, KVClass.NORMAL):
-            for h in self._idle[cls]:
+            idle = self._idle[cls]
+            if not protect and requester is KVClass.NORMAL:  # nothing skipped: the LRU head
+                victims = list(itertools.islice(idle, num))
+                self._evict_blocks(victims, cls)
+                num -= len(victims)
+                if num == 0:
+                    return
+                continue
+            victims = []
+            for h in idle:
+                if len(victims) == num:
+                    break
                 if h in protect:
                     continue
-                block = self._blocks[h]
                 if requester is KVClass.SHADOW and not self.policy.shadow_may_displace(
-                    block.idle_since_s, now_s
+                    self._blocks[h].idle_since_s, now_s
                 ):
                     break
-                del self._idle[cls][h]
-                self._leave_idle(block)
-                del self._blocks[h]
-                if cls is KVClass.SHADOW:
-                    self.num_shadow_blocks -= 1
-                self.num_evicted_blocks[cls] += 1
-                self.eviction_count += 1
-                self._spill(h, cls)
+                victims.append(h)
+            self._evict_blocks(victims, cls)
+            num -= len(victims)
+            if num == 0:
                 return
-        raise AssertionError("_evict_one called without an evictable block")  # _can_take checked
+        raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
+
+    def _evict_blocks(self, victims: list[int], cls: KVClass) -> None:
+        """Drop idle blocks of one class from the device, in order (to the host tier if any)."""
+        idle, blocks = self._idle[cls], self._blocks
+        spill = self.policy.host is not None
+        for h in victims:
+            del idle[h]
+            block = blocks.pop(h)
+            self._leave_idle(block)
+            if spill:
+                self._spill(h, cls)
+        if cls is KVClass.SHADOW:
+            self.num_shadow_blocks -= len(victims)
+        self.num_evicted_blocks[cls] += len(victims)
+        self.eviction_count += len(victims)
 
     def _spill(self, block_hash: int, kv_class: KVClass) -> None:
         capacity = self.host_capacity_blocks

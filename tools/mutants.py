@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = "tests/test_invariants_unit.py"
 E2E = "tests/test_invariants_e2e.py"
-EVICT_ONE = "    def _evict_one(self, requester: KVClass, now_s: float, protect: set[int]) -> None:\n"
+EVICT_CLASSES = "        for cls in (KVClass.SHADOW, KVClass.NORMAL):\n            idle = self._idle[cls]\n"
 
 MUTATIONS: dict[str, tuple] = {
     "gate": (UNIT, "test_no_shadow_while_waiting_or_blocked", "shadowcore/slack.py",
@@ -47,12 +47,11 @@ MUTATIONS: dict[str, tuple] = {
             "        if kv_class is KVClass.SHADOW and self.num_shadow_blocks + num > self.cap_blocks:\n"
             "            return False\n", ""),
     "class-order": (UNIT, "test_evict_shadow_before_normal_and_lru_within_class", "shadowcore/kv.py",
-                    EVICT_ONE + "        for cls in (KVClass.SHADOW, KVClass.NORMAL):\n",
-                    EVICT_ONE + "        for cls in (KVClass.NORMAL, KVClass.SHADOW):\n"),
+                    EVICT_CLASSES, EVICT_CLASSES.replace("SHADOW, KVClass.NORMAL", "NORMAL, KVClass.SHADOW")),
     "lru-mru": (UNIT, "test_evict_shadow_before_normal_and_lru_within_class", "shadowcore/kv.py",
-                EVICT_ONE + "        for cls in (KVClass.SHADOW, KVClass.NORMAL):\n            for h in self._idle[cls]:\n",
-                EVICT_ONE + "        for cls in (KVClass.SHADOW, KVClass.NORMAL):\n"
-                "            for h in reversed(self._idle[cls]):\n"),
+                "            for h in idle:\n                if len(victims) == num:\n",
+                "            for h in reversed(idle):\n                if len(victims) == num:\n",
+                "victims = list(itertools.islice(idle, num))", "victims = list(itertools.islice(reversed(idle), num))"),
     "young": (UNIT, "test_shadow_never_displaces_young_entry", "shadowcore/kv.py",
               "return now_s - idle_since_s > self.cold_age_s", "return now_s - idle_since_s >= self.cold_age_s"),
     "order-hook": (UNIT, "test_jobs_served_in_nonincreasing_switch_probability", "shadowcore/hook.py",
@@ -88,10 +87,10 @@ MUTATIONS: dict[str, tuple] = {
                         "            job.switch_probability = chosen[model].switch_probability",
                         "            job.switch_probability = chosen[model].switch_probability if model in chosen else 1.0"),
     "head-first": ("tests/test_kv_room.py", "test_eviction_takes_a_released_chain_tail_first", "shadowcore/kv.py",
-                   "        for h in reversed(owner.hashes):", "        for h in owner.hashes:"),
+                   "        self._unref(reversed(owner.hashes), (), now_s)", "        self._unref(owner.hashes, (), now_s)"),
     "cold-count": ("tests/test_kv_room.py", "test_shadow_room_matches_definition", "shadowcore/kv.py",
-                   "                self._leave_idle(block)\n                del self._blocks[h]",
-                   "                del self._blocks[h]"),
+                   "            block = blocks.pop(h)\n            self._leave_idle(block)\n",
+                   "            block = blocks.pop(h)\n"),
 }
 
 

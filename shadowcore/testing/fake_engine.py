@@ -13,7 +13,10 @@ whenever a decode fills its last; when a block cannot be found, the most
 recently admitted running request is preempted by recompute (its blocks freed,
 its cached prefix kept) and re-queued at the front. A failed admission blocks
 admission for the iteration and is reported to the hook. A finished request's
-full blocks (prompt and output) stay cached, as in vLLM.
+full blocks (prompt and output) whose KV was computed stay cached, as in vLLM:
+``(num_tokens - 1) // block_size`` of them (the last sampled token's KV never
+is), and a prefix hit covers at most ``num_tokens - 1`` tokens in whole blocks
+(vLLM's ``get_computed_blocks``).
 
 Invariants (tested in ``tests/test_engine.py``):
 
@@ -26,6 +29,12 @@ Invariants (tested in ``tests/test_engine.py``):
 * a shadow chunk runs only when the hook's plan granted it, and never more
   tokens than granted.
 
+Between two steady decode iterations, a running normal request's
+``num_computed_tokens``, ``num_generated`` and history count may lag (the lazy
+decode cohort, ``EngineInstance.lazy_decodes``); they are exact whenever the
+request finishes, whenever the instance runs a slow iteration, and after
+``EngineInstance.sync_requests()``.
+
 Determinism: callers drive instances from one
 :class:`shadowcore.events.EventLoop`; nothing here reads a clock or an RNG.
 """
@@ -33,6 +42,7 @@ Determinism: callers drive instances from one
 from __future__ import annotations
 
 import contextlib
+import heapq
 import math
 from collections import deque
 from collections.abc import Callable
@@ -71,6 +81,10 @@ class EngineRequest:
     on_token: Callable[[EngineRequest, float], None] | None = None
     on_finish: Callable[[EngineRequest, float], None] | None = None
     rejected: bool = False  # could never fit in the KV pool (vLLM rejects such prompts)
+    run_seq: int = 0  # admission order on its instance (running order), set at each admission
+    # >= 0: in the instance's lazy decode cohort; num_computed_tokens, num_generated and the history lag
+    # by (instance's steady iteration count - lazy_base) tokens until the instance materialises them.
+    lazy_base: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -142,8 +156,17 @@ class EngineInstance:
     _ctx_total: int = 0
     _ctx_max: int = 0
     _due: list = attrs.Factory(list)
-    num_fast_iterations: int = 0  # iterations run by the fast path (a diagnostic)
+    num_fast_iterations: int = 0  # iterations run by the fast path; the lazy cohort's clock
     _steady_s: float = 0.0
+    # Lazy decode cohort (see _start_cohort): normal requests advance as offsets from the clock above.
+    lazy_decodes: bool = True
+    _cohort: bool = False
+    _eager: list = attrs.Factory(list)  # running requests outside the cohort, in running order
+    _lazy_finish: list = attrs.Factory(list)  # heap (clock at finish, run_seq, request)
+    _lazy_due: list = attrs.Factory(list)  # heap (clock when it needs a block, run_seq, request)
+    _longest: list = attrs.Factory(list)  # heap (-(context - clock), run_seq, request)
+    _num_admitted: int = 0
+    num_lazy_finishes: int = 0  # requests that finished as cohort members (a diagnostic)
 
     def energy_j(self, wall_s: float) -> float:
         """GPU energy over ``wall_s``: idle power throughout, busy power while iterating."""
@@ -173,6 +196,8 @@ class EngineInstance:
             if end is not None:
                 return end
         self._steady = False
+        if self._cohort:
+            self._drop_cohort()
         batch, blocked = self._schedule(now_s)
         used = sum(n for _, n in batch)
         with _validation(self.validate_values):
@@ -228,6 +253,17 @@ class EngineInstance:
     # same per-request updates and callbacks in batch order, and the hook's
     # accounting through skip_step. No snapshot, view, plan or outcome is built.
     # tests/sim/test_speed_equivalence.py pins that the results are identical.
+    #
+    # Lazy decode cohort (``lazy_decodes``): in a run of steady iterations, a
+    # normal request whose only per-token work is its own history's count
+    # (append_output_to_history, no token ids) is not touched per iteration:
+    # its counters lag by (num_fast_iterations - lazy_base) tokens, its finish
+    # and its next block boundary wait in heaps keyed by that clock, and the
+    # longest context comes from a heap keyed by context - clock (every
+    # context grows by one per iteration, so that order never changes). It is
+    # brought up to date when it finishes (in running order among the others)
+    # and before any slow iteration (_drop_cohort); sync_requests() does it on
+    # demand. Other requests (routed calls with callbacks) advance one by one.
 
     def _check_steady(self) -> None:
         """After a slow iteration: is every running request decoding (with no
@@ -246,6 +282,51 @@ class EngineInstance:
                 due.append(req)
         self._steady = bool(self.running)
         self._ctx_total, self._ctx_max, self._due = total, longest, due
+        if self._steady and self.lazy_decodes:
+            self._start_cohort()
+
+    def _start_cohort(self) -> None:
+        """Split the steady running set into the lazy cohort and the eager rest."""
+        clock, bs = self.num_fast_iterations, self.kv.block_size
+        due = set(self._due)
+        eager, finish, due_heap, longest = [], [], [], []
+        for req in self.running:
+            c, seq = req.num_computed_tokens, req.run_seq
+            longest.append((clock - c, seq, req))
+            if req.on_token is not append_output_to_history or req.history.token_ids is not None:
+                eager.append(req)
+                continue
+            req.lazy_base = clock
+            finish.append((clock + req.num_output_tokens - req.num_generated, seq, req))
+            if req not in due:
+                due_heap.append((clock + req.num_blocks * bs - 1 - c, seq, req))
+        for heap in (finish, due_heap, longest):
+            heapq.heapify(heap)
+        self._eager, self._lazy_finish, self._lazy_due, self._longest = eager, finish, due_heap, longest
+        self._cohort = True
+
+    def sync_requests(self) -> None:
+        """Bring the lazy cohort's counters and histories up to date (they are
+        otherwise only while the instance runs a slow iteration)."""
+        clock = self.num_fast_iterations
+        for req in self.running:
+            if req.lazy_base >= 0:
+                _materialise(req, clock)
+
+    def _drop_cohort(self) -> None:
+        clock = self.num_fast_iterations
+        for req in self.running:
+            if req.lazy_base >= 0:
+                _materialise(req, clock)
+                req.lazy_base = -1
+        self._eager, self._lazy_finish, self._lazy_due, self._longest = [], [], [], []
+        self._cohort = False
+
+    def _context(self, req: EngineRequest) -> int:
+        """A running request's computed tokens now (lazy ones: stored + lag)."""
+        if req.lazy_base < 0:
+            return req.num_computed_tokens
+        return req.num_computed_tokens + self.num_fast_iterations - req.lazy_base
 
     def _start_steady(self, now_s: float) -> float | None:
         """Start a steady decode iteration, or return None for the slow path:
@@ -258,16 +339,18 @@ class EngineInstance:
         if due:
             kv = self.kv
             bs = kv.block_size
-            needs = [-(-(req.num_computed_tokens + 2) // bs) - req.num_blocks for req in due]
-            # Every extend below succeeds (free or idle blocks; a normal owner may
-            # evict any idle block), so the slow path would preempt nobody either.
-            if sum(needs) > kv.num_free_blocks + kv.num_idle_blocks:
+            needs = [-(-(self._context(req) + 2) // bs) - req.num_blocks for req in due]
+            # Every extend succeeds (free or idle blocks; a normal owner may evict
+            # any idle block), so the slow path would preempt nobody either; in
+            # running order, as _schedule reserves (one go: extend_private).
+            if not kv.extend_private([(req.owner_id, need) for req, need in zip(due, needs, strict=True)
+                                      if need > 0], now_s):
                 return None
-            for req, need in zip(due, needs, strict=True):  # in running order, as _schedule reserves
-                if need > 0:
-                    if not kv.extend(req.owner_id, (), need, now_s):
-                        raise AssertionError(f"{self.instance_id}: extend failed after the room check")
-                    req.num_blocks += need
+            for req, need in zip(due, needs, strict=True):
+                req.num_blocks += max(0, need)
+                if req.lazy_base >= 0:  # its next block boundary
+                    heapq.heappush(self._lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens,
+                                                    req.run_seq, req))
             due.clear()
         if self.hook is not None and not self.hook.can_skip():  # after the reservations, as begin_step is
             return None  # the slow path finds the blocks reserved and does the rest
@@ -275,7 +358,7 @@ class EngineInstance:
         fast = getattr(self.latency, "predict_decodes_s", None)
         duration = fast(nd, self._ctx_total, self._ctx_max) if fast is not None else None
         if duration is None:
-            ctx = tuple(r.num_computed_tokens for r in self.running)
+            ctx = tuple(self._context(r) for r in self.running)
             duration = self.latency.predict_s(BatchShape((), ctx))
         self.last_batch_tokens = nd
         self._step = None
@@ -294,19 +377,19 @@ class EngineInstance:
         if self.hook is not None:
             self.hook.skip_step(duration, True)
         self.iteration += 1
+        if self._cohort:
+            self._advance_cohort(now_s)
+        else:
+            self._advance_all(now_s)
+        self._steady = bool(self.running)
+
+    def _advance_all(self, now_s: float) -> None:
+        """Every running request, one by one: one token, finish or block check."""
         bs = self.kv.block_size
         total = longest = 0
         due = self._due
         for req in list(self.running):
-            req.num_computed_tokens += 1
-            req.num_generated += 1
-            on_token = req.on_token
-            if on_token is append_output_to_history and req.history.token_ids is None:
-                req.history.num_tokens += 1  # what SessionHistory.append(1) does without token ids
-            elif on_token is not None:
-                on_token(req, now_s)
-            if req.num_generated >= req.num_output_tokens:
-                self._finish(req, now_s)
+            if self._advance_one(req, now_s):
                 continue
             c = req.num_computed_tokens
             total += c
@@ -314,7 +397,63 @@ class EngineInstance:
             if c + 2 > req.num_blocks * bs:
                 due.append(req)
         self._ctx_total, self._ctx_max = total, longest
-        self._steady = bool(self.running)
+
+    def _advance_one(self, req: EngineRequest, now_s: float) -> bool:
+        """One decode token for an eager request; True when it finished."""
+        req.num_computed_tokens += 1
+        req.num_generated += 1
+        on_token = req.on_token
+        if on_token is append_output_to_history and req.history.token_ids is None:
+            req.history.num_tokens += 1  # what SessionHistory.append(1) does without token ids
+        elif on_token is not None:
+            on_token(req, now_s)
+        if req.num_generated >= req.num_output_tokens:
+            self._finish(req, now_s)
+            return True
+        return False
+
+    def _advance_cohort(self, now_s: float) -> None:
+        """The eager requests one by one and the cohort's finishes, merged in
+        running order; then the aggregates from the heaps."""
+        clock, bs = self.num_fast_iterations, self.kv.block_size
+        total = self._ctx_total + len(self.running)
+        finish = self._lazy_finish
+        done = []
+        while finish and finish[0][0] == clock:
+            done.append(heapq.heappop(finish)[2])
+        i, eager, due = 0, [], self._due
+        for req in self._eager:
+            while i < len(done) and done[i].run_seq < req.run_seq:
+                total -= self._finish_lazy(done[i], clock, now_s)
+                i += 1
+            if self._advance_one(req, now_s):
+                total -= req.num_computed_tokens
+                continue
+            eager.append(req)
+            if req.num_computed_tokens + 2 > req.num_blocks * bs:
+                due.append(req)
+        for req in done[i:]:
+            total -= self._finish_lazy(req, clock, now_s)
+        self._eager = eager
+        lazy_due = self._lazy_due
+        while lazy_due and lazy_due[0][0] <= clock:
+            req = heapq.heappop(lazy_due)[2]
+            if req.finish_s is None:
+                due.append(req)
+        if len(due) > 1:
+            due.sort(key=_run_seq)
+        top = self._longest
+        while top and top[0][2].finish_s is not None:
+            heapq.heappop(top)
+        self._ctx_total, self._ctx_max = total, (clock - top[0][0] if top else 0)
+
+    def _finish_lazy(self, req: EngineRequest, clock: int, now_s: float) -> int:
+        """Bring a finishing cohort member up to date and finish it; its context."""
+        _materialise(req, clock)
+        req.lazy_base = -1
+        self.num_lazy_finishes += 1
+        self._finish(req, now_s)
+        return req.num_computed_tokens
 
     # -- scheduling -----------------------------------------------------------------
     def _schedule(self, now_s: float) -> tuple[list[tuple[EngineRequest, int]], bool]:
@@ -340,6 +479,8 @@ class EngineInstance:
                 break
             self.waiting.popleft()
             self.running.append(req)
+            req.run_seq = self._num_admitted
+            self._num_admitted += 1
             n = min(budget, req.num_tokens - req.num_computed_tokens)
             batch.append((req, n))
             budget -= n
@@ -381,7 +522,9 @@ class EngineInstance:
         alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s)
         if alloc is None:
             return False
-        hit = min((alloc.num_device_hit_blocks + alloc.num_host_hit_blocks) * bs, req.num_tokens - 1)
+        # vLLM's get_computed_blocks: a hit covers at most num_tokens - 1 tokens in whole blocks (the last
+        # token is always computed), so a fully cached prompt still recomputes its last block.
+        hit = min(alloc.num_device_hit_blocks + alloc.num_host_hit_blocks, (req.num_tokens - 1) // bs) * bs
         if req.num_cached_tokens is None:
             req.num_cached_tokens = hit
         req.num_computed_tokens = hit
@@ -414,11 +557,11 @@ class EngineInstance:
     def _finish(self, req: EngineRequest, now_s: float) -> None:
         req.finish_s = now_s
         self.running.remove(req)
-        self.kv.release(req.owner_id, now_s)
-        owner = f"commit:{req.request_id}"  # cache the full blocks of prompt and output, as vLLM does
-        if self.kv.allocate(owner, req.history.block_hashes(self.kv.block_size, req.num_tokens // self.kv.block_size),
-                            0, KVClass.NORMAL, now_s) is not None:
-            self.kv.release(owner, now_s)
+        # Cache the full blocks whose KV was computed, as vLLM does: the last sampled token's KV never is,
+        # so (num_tokens - 1) // block_size blocks.
+        num_full = (req.num_tokens - 1) // self.kv.block_size
+        self.kv.release_and_cache(req.owner_id, req.history.block_hashes(self.kv.block_size, num_full),
+                                  f"commit:{req.request_id}", now_s)
         if req.on_finish is not None:
             req.on_finish(req, now_s)
 
@@ -443,6 +586,20 @@ class EngineInstance:
                         chunks.append(PrefillChunk(g.num_tokens, g.start_token))
             results.append(ChunkResult(g, computed))
         return results, tuple(chunks), reload_s
+
+
+def _materialise(req: EngineRequest, clock: int) -> None:
+    """A cohort member's counters and history, caught up to ``clock``."""
+    lag = clock - req.lazy_base
+    if lag:
+        req.num_computed_tokens += lag
+        req.num_generated += lag
+        req.history.num_tokens += lag
+        req.lazy_base = clock
+
+
+def _run_seq(req: EngineRequest) -> int:
+    return req.run_seq
 
 
 @contextlib.contextmanager

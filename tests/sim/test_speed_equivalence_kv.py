@@ -1,0 +1,108 @@
+"""The KV manager's composite operations equal the calls they stand for.
+
+``KVClassManager.release_and_cache`` (a finished request: release, then cache
+its computed full blocks) and ``extend_private`` (the steady decode path's
+block reservations in one go) must leave exactly the state the original call
+sequences leave: per block its class, references and idle time, the LRU
+order of each class, the host tier's order, every counter, and the cold
+counts that ``shadow_room_blocks`` reports later. Hypothesis drives two
+managers with the same random operations (shared prefixes, shadow owners, a
+tight pool, a host tier) and compares them after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shadowcore.kv import HostTierParams, KVClass, KVClassManager, KVClassPolicy
+
+
+def _chain(c: int, n: int) -> list[int]:
+    """Block hashes of chain ``c``: chains 0-2 share their first 3 blocks."""
+    return [i if (i < 3 and c < 3) else c * 1000 + i for i in range(n)]
+
+
+def _state(kv: KVClassManager) -> tuple:
+    blocks = {h: (b.kv_class, b.ref_count, b.idle_since_s if b.ref_count == 0 else None, b.cold)
+              for h, b in kv._blocks.items()}
+    owners = {o: (w.kv_class, list(w.hashes), w.num_private_blocks) for o, w in kv._owners.items()}
+    return (kv.num_free_blocks, kv.eviction_count, kv.num_shadow_blocks, dict(kv.num_evicted_blocks),
+            kv.num_shadow_blocks_used, kv.num_reloaded_blocks, list(kv._host.items()),
+            kv.idle_order(KVClass.SHADOW), kv.idle_order(KVClass.NORMAL), blocks, owners, kv._num_cold_idle)
+
+
+_OP = st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 5), st.integers(0, 8), st.integers(0, 2), st.booleans()),
+    st.tuples(st.just("release"), st.integers(0, 40)),
+    st.tuples(st.just("finish"), st.integers(0, 40), st.integers(0, 6)),
+    st.tuples(st.just("finish"), st.integers(0, 40), st.integers(0, 6)),
+    st.tuples(st.just("grow"), st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), min_size=1, max_size=3)),
+    st.tuples(st.just("grow"), st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), min_size=2, max_size=3)),
+    st.tuples(st.just("room"),),
+)
+
+
+@pytest.mark.parametrize("host", [False, True])
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(_OP, st.sampled_from([0.0, 0.5, 3.0])), max_size=60))
+def test_composites_equal_the_calls_they_replace(host: bool, ops: list) -> None:
+    policy = KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=2.0,
+                           host=HostTierParams(capacity_bytes=6 * 16 * 131072.0) if host else None)
+    fast, slow = (KVClassManager(16, 16, policy) for _ in range(2))
+    owners: list[tuple[str, int, KVClass]] = []  # (owner id, chain, class) of live owners
+    now = 0.0
+    for n, (op, dt) in enumerate(ops):
+        now += dt
+        if op[0] == "alloc":
+            _, chain, length, private, shadow = op
+            cls = KVClass.SHADOW if shadow else KVClass.NORMAL
+            a = fast.allocate(f"o{n}", _chain(chain, length), private, cls, now)
+            b = slow.allocate(f"o{n}", _chain(chain, length), private, cls, now)
+            assert a == b
+            if a is not None:
+                owners.append((f"o{n}", chain, cls))
+        elif op[0] == "release" and owners:
+            owner, _, _ = owners.pop(op[1] % len(owners))
+            fast.release(owner, now)
+            slow.release(owner, now)
+        elif op[0] == "finish" and owners:
+            owner, chain, _ = owners.pop(op[1] % len(owners))
+            hashes = _chain(chain, len(fast._owners[owner].hashes) + op[2])
+            fast.release_and_cache(owner, hashes, f"commit{n}", now)
+            slow.release(owner, now)
+            if slow.allocate(f"commit{n}", hashes, 0, KVClass.NORMAL, now) is not None:
+                slow.release(f"commit{n}", now)
+        elif op[0] == "grow":
+            normal = [o for o, _, cls in owners if cls is KVClass.NORMAL]
+            needs = list({normal[i % len(normal)]: k for i, k in op[1]}.items()) if normal else []
+            ok = fast.extend_private(needs, now)
+            if ok:
+                for o, k in needs:
+                    assert slow.extend(o, (), k, now)
+            else:  # the room check refused: the calls one by one would not all have fitted
+                assert sum(k for _, k in needs) > slow.num_free_blocks + slow.num_idle_blocks
+        elif op[0] == "room":
+            assert fast.shadow_room_blocks(now) == slow.shadow_room_blocks(now)
+        assert _state(fast) == _state(slow), (n, op)
+
+
+def test_release_and_cache_counts_host_hits_like_allocate() -> None:
+    """Caching blocks that sit in the host tier (the short way: they fit in
+    the owner's freed private blocks) reloads them, as allocate does."""
+    policy = KVClassPolicy(host=HostTierParams(capacity_bytes=8 * 16 * 131072.0))
+    fast, slow = (KVClassManager(8, 16, policy) for _ in range(2))
+    for kv in (fast, slow):
+        kv.allocate("a", _chain(9, 4), 0, KVClass.NORMAL, 0.0)
+        kv.release("a", 0.0)
+        kv.allocate("b", _chain(8, 8), 0, KVClass.NORMAL, 1.0)  # a's blocks go to the host tier
+        kv.release("b", 1.0)
+        assert kv.allocate("r", _chain(9, 2), 2, KVClass.NORMAL, 2.0).num_host_hit_blocks == 2
+    before = fast.num_reloaded_blocks
+    fast.release_and_cache("r", _chain(9, 4), "commit", 3.0)
+    slow.release("r", 3.0)
+    assert slow.allocate("commit", _chain(9, 4), 0, KVClass.NORMAL, 3.0).num_host_hit_blocks == 2
+    slow.release("commit", 3.0)
+    assert fast.num_reloaded_blocks == before + 2
+    assert _state(fast) == _state(slow)
