@@ -7,13 +7,15 @@ simulator's roofline of each model).
 Where the two engines see the same batch, queue, token budget, shadow KV room
 and pending jobs, the shadow decisions (budget reason, tokens per grant, order
 of jobs) must be identical. ``pytest -s`` prints how many steps that covered
-and where the engines first differ. Known causes (``benchmarks/README.md``,
-vLLM section): the fake engine caches the block completed by a finished
-request's last sampled token, whose KV vLLM never computes (a job's held
-prefix then differs by one block); the shadow scheduler finishes shadows whose
-missing tokens together are below ``n_min`` where the simulator keeps them
-pending; a superseding shadow request gets a new sequence number (tie-break
-among equal switch probabilities).
+and where the engines first differ. With ``n_min=0``, and with
+``keep_tails_below_n_min`` at the paper's ``n_min``, the two run in lockstep on
+every planned step; with the engine's default the shadow scheduler finishes
+shadows whose missing tokens together are below ``n_min`` where the simulator
+keeps them pending (``docs/vllm.md``, "Tails below n_min";
+``benchmarks/README.md``, vLLM section). Earlier causes, now fixed: the fake
+engine cached the block completed by a request's last sampled token, whose KV
+vLLM never computes; a superseding shadow request took a new place among equal
+switch probabilities.
 """
 
 from __future__ import annotations
