@@ -17,6 +17,11 @@ class ConfigError(ShadowError, ValueError):
         self.problem = problem
         super().__init__(f"{field} = {value!r}: {problem}")
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its three parts when it crosses a process boundary (worker
+        # processes of a sweep), not from the formatted message.
+        return (type(self), (self.field, self.value, self.problem))
+
 
 class PluginError(ShadowError, LookupError):
     """A plugin could not be found, was registered twice, or failed to load."""

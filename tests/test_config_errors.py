@@ -230,3 +230,14 @@ def test_round_trip_args_tuple_becomes_list_and_stays_stable():
 
 def test_from_json_validates():
     raises_one(lambda: ShadowConfig.from_json('{"seed": -4}'), "shadow.seed", "-4")
+
+
+def test_config_error_survives_pickling() -> None:
+    """Worker processes (sweep, simulate) send errors back pickled: the field survives."""
+    import pickle
+
+    from shadowcore.errors import ConfigError
+
+    err = pickle.loads(pickle.dumps(ConfigError("scenario.models[0]", "GPT-9", "unknown model")))
+    assert (err.field, err.value, err.problem) == ("scenario.models[0]", "GPT-9", "unknown model")
+    assert str(err) == "scenario.models[0] = 'GPT-9': unknown model"

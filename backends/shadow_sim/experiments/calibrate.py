@@ -12,9 +12,22 @@ between the last passing and the first failing rate until they are within
 
 Results are cached under ``$SHADOWPREFILL_CACHE/capacity`` (default
 ``~/.cache/shadowprefill/capacity``), keyed by a sha256 of every input (model,
-device, TP, latency kind, SLOs, engine limits, length source and, for a trace
-file, its content hash, probe settings, a method version), so a repeated
-experiment does not re-probe.
+device, TP, latency kind and the latency tables' input key -- for Vidur the
+sha256 of the profiles and training settings that names its table cache, for the
+roofline the model and device specs --, SLOs, engine limits, length source and,
+for a trace file, its content hash, probe settings, a method version), so a
+repeated experiment does not re-probe.
+
+Shipped capacities: :data:`SHIPPED` (``capacity_shipped.json`` next to this
+module) holds results of this very calibration for the models of the embedded
+``simulate`` default and of ``reproduce --quick``, under the same keys, so a
+first run from cold caches skips probing. They were written by
+``python -m shadow_sim.experiments.calibrate --ship MODEL ...`` (:func:`ship`),
+and a test recomputes the two bracketing probes of one entry. A key changes with
+any input above, so a changed profile, SLO or engine setting falls back to
+probing. (Vidur's table training is not bit-reproducible across builds -- about
+0.5% mean difference between two builds of the same key --, so a recomputed
+capacity can differ from a shipped one by about one bisection step.)
 """
 
 from __future__ import annotations
@@ -35,7 +48,8 @@ from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
 
 TARGET = 0.9
-METHOD_VERSION = 1
+METHOD_VERSION = 2  # 2: the key includes the latency tables' input key
+SHIPPED = Path(__file__).with_name("capacity_shipped.json")
 
 
 @attrs.frozen
@@ -70,6 +84,24 @@ def _probe_scenario(ex: Experiment, model: str) -> dict:
             "instances_per_model": 1, "normal_rate_per_s": 0.0, "seed": 0}
 
 
+def latency_key(kind: str, model: str, device: str, tp: int) -> str:
+    """The identity of the latency model a run builds for ``model``: for Vidur the
+    input key of its table cache (profiles, grid, training, versions), for the
+    roofline a hash of the model and device specs."""
+    from shadow_sim.hardware import get_device
+    from shadow_sim.latency import vidur_available
+    from shadow_sim.models import get_model
+
+    if kind == "auto":
+        kind = "vidur" if vidur_available() else "roofline"
+    if kind == "vidur":
+        from shadow_sim.vidur_latency import TrainingConfig, build_profiles, cache_key
+
+        return "vidur:" + cache_key(build_profiles(model, device, tp), TrainingConfig())
+    specs = {"model": attrs.asdict(get_model(model)), "device": attrs.asdict(get_device(device))}
+    return f"{kind}:" + hashlib.sha256(json.dumps(specs, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _key(ex: Experiment, model: str, settings: ProbeSettings) -> str:
     sc = ex.sim_scenario(0)
     lengths = ex.normal.lengths
@@ -81,6 +113,7 @@ def _key(ex: Experiment, model: str, settings: ProbeSettings) -> str:
         "slo": attrs.asdict(sc.slo), "budget": sc.token_budget, "seqs": sc.max_num_seqs, "block": sc.block_size,
         "mem": sc.memory_utilization, "input_median": sc.input_tokens_median, "lengths": source,
         "settings": attrs.asdict(settings),
+        "latency_key": latency_key(sc.latency, model, sc.device, sc.tp_of(model)),
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -99,13 +132,26 @@ def attainment(ex: Experiment, model: str, rate_per_s: float, settings: ProbeSet
     return float(np.mean(met)) if met else 1.0
 
 
+def _capacity(data: dict) -> Capacity:
+    return Capacity(**{k: data[k] for k in ("model", "capacity_per_s", "fail_per_s", "attainment",
+                                            "fail_attainment")}, probes=tuple(tuple(p) for p in data["probes"]))
+
+
+def shipped() -> dict[str, dict]:
+    """The shipped capacities by key (empty when the file is absent)."""
+    return json.loads(SHIPPED.read_text()) if SHIPPED.exists() else {}
+
+
 def calibrate(ex: Experiment, model: str, settings: ProbeSettings = ProbeSettings(), *,
               use_cache: bool = True, on_probe: Callable[[float, float], None] | None = None) -> Capacity:
-    """The capacity of one instance of ``model`` (see the module docstring)."""
-    path = cache_dir() / f"{_key(ex, model, settings)}.json"
+    """The capacity of one instance of ``model`` (see the module docstring); with
+    ``use_cache``, from the user cache or the shipped capacities when they hold its key."""
+    key = _key(ex, model, settings)
+    path = cache_dir() / f"{key}.json"
     if use_cache and path.exists():
-        data = json.loads(path.read_text())
-        return Capacity(**{**data, "probes": tuple(tuple(p) for p in data["probes"])})
+        return _capacity(json.loads(path.read_text()))
+    if use_cache and key in (ship_data := shipped()):
+        return _capacity(ship_data[key])
     probes: list[tuple[float, float]] = []
 
     def probe(rate: float) -> float:
@@ -137,7 +183,15 @@ def calibrate(ex: Experiment, model: str, settings: ProbeSettings = ProbeSetting
 
 def capacities(ex: Experiment, settings: ProbeSettings = ProbeSettings(), *, use_cache: bool = True,
                progress: bool = False) -> dict[str, Capacity]:
-    """Capacity of every model of the experiment (with a rich status line when ``progress``)."""
+    """Capacity of every model of the experiment (with a rich status line when
+    ``progress``). Also builds (or loads) every model's latency tables here first,
+    so that worker processes started afterwards only load them instead of each
+    training the same Vidur tables (shipped capacities need no probe run to build them)."""
+    from shadow_sim.latency import latency_model
+
+    sc = ex.sim_scenario(0)
+    for model in ex.models:
+        latency_model(model, sc.device, sc.tp_of(model), kind=sc.latency)
     out = {}
     for model in ex.models:
         if progress:
@@ -154,3 +208,37 @@ def capacities(ex: Experiment, settings: ProbeSettings = ProbeSettings(), *, use
         else:
             out[model] = calibrate(ex, model, settings, use_cache=use_cache)
     return out
+
+
+def ship(models: list[str], experiment: Experiment | None = None, settings: ProbeSettings = ProbeSettings(),
+         *, use_cache: bool = False) -> dict[str, dict]:
+    """Calibrate ``models`` on ``experiment`` (default: the embedded ``simulate``
+    default) and add them to :data:`SHIPPED`, writing the file after each model.
+    ``use_cache`` takes a result this calibration already cached (same key)."""
+    if experiment is None:
+        from shadow_sim.experiments.sweep import SIMULATE_DEFAULT
+
+        experiment = Experiment.from_dict(SIMULATE_DEFAULT)
+    data = shipped()
+    for model in models:
+        key = _key(experiment, model, settings)
+        path = cache_dir() / f"{key}.json"
+        c = (_capacity(json.loads(path.read_text())) if use_cache and path.exists()
+             else calibrate(experiment, model, settings, use_cache=False))
+        sc = experiment.sim_scenario(0)
+        data[key] = {**attrs.asdict(c), "device": sc.device, "tp": sc.tp_of(model), "latency": sc.latency,
+                     "lengths": experiment.normal.lengths.source}
+        print(f"{model}: {c.capacity_per_s:.3f} req/s ({c.attainment:.1%}); {c.fail_per_s:.3f}: "
+              f"{c.fail_attainment:.1%}", flush=True)
+        SHIPPED.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
+    return data
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="calibrate and ship capacities for the embedded default")
+    parser.add_argument("--ship", nargs="+", required=True, metavar="MODEL")
+    parser.add_argument("--from-cache", action="store_true", help="take results this calibration already cached")
+    args = parser.parse_args()
+    ship(args.ship, use_cache=args.from_cache)
