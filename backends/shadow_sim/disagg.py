@@ -444,7 +444,7 @@ class PDRun(SimRun):
         decode = {m: [self.build_instance(f"{m}/d{k}", m, kv, DecodeInstance) for k in range(pd.num_decode)]
                   for m in sc.models}
         by_id = {i.instance_id: i for insts in (*prefill.values(), *decode.values()) for i in insts}
-        return PDCluster(self.loop, prefill, by_id, decode)
+        return PDCluster(self.loop, prefill, by_id, window_tokens=self.placement_window_tokens(), decode=decode)
 
     def attach_hook(self, inst: EngineInstance) -> EngineHook | None:
         """P instances: the policy's hook, with §3.5's prefill-instance

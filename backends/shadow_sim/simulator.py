@@ -32,7 +32,7 @@ from shadowcore.errors import ConfigError
 from shadowcore.kv import KVClassManager, KVClassPolicy
 from shadowcore.latency import BatchShape
 from shadowcore.testing.fake_engine import EngineInstance, EngineLimits, pool_blocks
-from shadowcore.testing.scenario import ScenarioResult, ScenarioRun, SessionPlan
+from shadowcore.testing.scenario import EngineCluster, ScenarioResult, ScenarioRun, SessionPlan
 from shadowcore.workloads.sessions import SessionPreset, generate, get_preset
 
 
@@ -172,6 +172,14 @@ class SimRun(ScenarioRun):
             num_gpus=tp, idle_power_w=device.idle_power_w, busy_power_w=device.busy_power_w,
             validate_values=False,  # speed: the engine tests run the same code with validation on
         )
+
+    def build_cluster(self, extra: int) -> EngineCluster:
+        """The base cluster, with placement estimates windowed at the smallest
+        context window of the scenario's models."""
+        return attrs.evolve(super().build_cluster(extra), window_tokens=self.placement_window_tokens())
+
+    def placement_window_tokens(self) -> int:
+        return min(get_model(m).max_context_tokens for m in self.scenario.models)
 
     def session_plans(self) -> list[SessionPlan]:
         sc: SimScenario = self.scenario

@@ -97,11 +97,19 @@ class ScenarioResult:
 
 @attrs.define(eq=False)
 class EngineCluster:
-    """The instances of a run; the ``ClusterPort`` the router side reads."""
+    """The instances of a run; the ``ClusterPort`` the router side reads.
+
+    The placement estimate treats an instance's queued prefill work as requests
+    of at most ``window_tokens`` each (0: no window), every one from an empty
+    context; while the queued work fits one window this is the plain estimate,
+    beyond it the plain estimate would price one impossible prompt longer than
+    the model's window (which a table-based latency model refuses).
+    """
 
     loop: EventLoop
     by_model: dict[str, list[EngineInstance]]
     by_id: dict[str, EngineInstance]
+    window_tokens: int = 0
 
     def instances(self, model: str) -> list[str]:
         return [i.instance_id for i in self.by_model[model]]
@@ -115,7 +123,13 @@ class EngineCluster:
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
         inst = self.by_id[instance_id]
         work = inst.queued_prefill_tokens + num_uncached_tokens
-        t = chunked_prefill_s(inst.latency, work, inst.limits.token_budget)  # context ignored: an estimate
+        budget = inst.limits.token_budget
+        if self.window_tokens <= 0 or work <= self.window_tokens:
+            return self.loop.now_s + chunked_prefill_s(inst.latency, work, budget)  # context ignored: an estimate
+        full, rest = divmod(work, self.window_tokens)
+        t = full * chunked_prefill_s(inst.latency, self.window_tokens, budget)
+        if rest:
+            t += chunked_prefill_s(inst.latency, rest, budget)
         return self.loop.now_s + t
 
     def kick(self, inst: EngineInstance) -> None:

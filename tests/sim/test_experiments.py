@@ -146,8 +146,6 @@ def test_placement_estimate_splits_queued_work_at_the_window() -> None:
     longer than the model's window); at or under the window it is the base estimate."""
     from types import SimpleNamespace
 
-    from shadow_sim.experiments.spec import WindowedCluster
-
     from shadowcore.events import EventLoop
     from shadowcore.latency import LinearLatencyModel, chunked_prefill_s
     from shadowcore.testing.fake_engine import EngineLimits
@@ -156,7 +154,7 @@ def test_placement_estimate_splits_queued_work_at_the_window() -> None:
     lat = LinearLatencyModel(attention_s_per_token_pair=1e-9)  # context makes chunks dearer
     inst = SimpleNamespace(latency=lat, limits=EngineLimits(token_budget=1000), queued_prefill_tokens=2500)
     loop = EventLoop()
-    cluster = WindowedCluster(loop, {"m": [inst]}, {"i": inst}, window_tokens=4000)
+    cluster = EngineCluster(loop, {"m": [inst]}, {"i": inst}, window_tokens=4000)
     base = EngineCluster(loop, {"m": [inst]}, {"i": inst})
     assert cluster.estimated_prefill_completion_s("i", 1500) == base.estimated_prefill_completion_s("i", 1500)
     split = cluster.estimated_prefill_completion_s("i", 7000)  # 9500 = 4000 + 4000 + 1500

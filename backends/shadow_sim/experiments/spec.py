@@ -34,7 +34,6 @@ from shadow_sim.simulator import SimRun, SimScenario
 from shadowcore._validators import non_negative, positive, positive_int
 from shadowcore.config import build_attrs
 from shadowcore.errors import ConfigError
-from shadowcore.latency import chunked_prefill_s
 from shadowcore.testing.fake_engine import EngineInstance
 from shadowcore.testing.scenario import EngineCluster, SessionPlan
 from shadowcore.workloads.sessions import PRESETS, SessionPreset, SyntheticScores, generate, get_preset
@@ -183,28 +182,6 @@ def plans_from_preset(preset: SessionPreset, duration_s: float, seed: int) -> li
     ]
 
 
-@attrs.define(eq=False)
-class WindowedCluster(EngineCluster):
-    """:class:`EngineCluster` whose placement estimate treats an instance's queued
-    prefill work as requests of at most ``window_tokens`` each, every one from an
-    empty context. Identical to the base estimate while the queued work fits one
-    window; beyond it the base estimate would price one impossible prompt longer
-    than the model's window (and a Vidur latency model refuses it)."""
-
-    window_tokens: int = 0
-
-    def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
-        inst = self.by_id[instance_id]
-        work = inst.queued_prefill_tokens + num_uncached_tokens
-        if self.window_tokens <= 0 or work <= self.window_tokens:
-            return super().estimated_prefill_completion_s(instance_id, num_uncached_tokens)
-        full, rest = divmod(work, self.window_tokens)
-        budget = inst.limits.token_budget
-        t = full * chunked_prefill_s(inst.latency, self.window_tokens, budget)
-        if rest:
-            t += chunked_prefill_s(inst.latency, rest, budget)
-        return self.loop.now_s + t
-
 
 @attrs.define(eq=False)
 class ExperimentRun(SimRun):
@@ -219,7 +196,7 @@ class ExperimentRun(SimRun):
     def build_cluster(self, extra: int) -> EngineCluster:
         base = super().build_cluster(extra)
         assert self.experiment is not None
-        return WindowedCluster(base.loop, base.by_model, base.by_id, window_tokens=self.experiment.window_tokens)
+        return attrs.evolve(base, window_tokens=self.experiment.window_tokens)
 
     def session_plans(self) -> list[SessionPlan]:
         ex = self.experiment
