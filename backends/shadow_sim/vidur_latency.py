@@ -638,15 +638,7 @@ class VidurLatencyModel:
             return 0.0
         if tokens > rt["limit"]:
             raise ProfileCoverageError("batch tokens", tokens, f"beyond the tables' max_batch_tokens {rt['limit']}")
-        head = seqs * rt["head_row_s"]
-        return (
-            t
-            + rt["tokens"][tokens]
-            + rt["fixed_s"]
-            + (head if head > rt["head_read_s"] else rt["head_read_s"])  # noqa: FURB136 (faster than max)
-            + seqs * rt["seq_s"]
-            + nd * self.decode_seq_overhead_s
-        )
+        return self._total_s(t, tokens, seqs, nd)
 
     def predict_decodes_s(self, num_decodes: int, total_context: int, max_context: int) -> float | None:
         """:meth:`predict_s` of a decode-only batch of ``num_decodes`` sequences
@@ -667,14 +659,21 @@ class VidurLatencyModel:
         t = rt["decode"][(nd - 1) * rt["decode_cols"] + j]
         if nd > rt["limit"]:
             raise ProfileCoverageError("batch tokens", nd, f"beyond the tables' max_batch_tokens {rt['limit']}")
-        head = nd * rt["head_row_s"]
+        return self._total_s(t, nd, nd, nd)
+
+    def _total_s(self, attention_s: float, tokens: int, seqs: int, num_decodes: int) -> float:
+        """An iteration's time from its attention time: the per-token ops, the
+        fixed cost, the LM head, the per-sequence costs (one order of float
+        operations for :meth:`predict_s` and :meth:`predict_decodes_s`)."""
+        rt = self._rt
+        head = seqs * rt["head_row_s"]
         return (
-            t
-            + rt["tokens"][nd]
+            attention_s
+            + rt["tokens"][tokens]
             + rt["fixed_s"]
             + (head if head > rt["head_read_s"] else rt["head_read_s"])  # noqa: FURB136 (faster than max)
-            + nd * rt["seq_s"]
-            + nd * self.decode_seq_overhead_s
+            + seqs * rt["seq_s"]
+            + num_decodes * self.decode_seq_overhead_s
         )
 
     def extra_costs_s(self, batch: BatchShape) -> float:
