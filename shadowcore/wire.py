@@ -16,8 +16,16 @@ and float values there, so a tag is a few flat keys, all prefixed
   (one output token at most) and the engine runs it only in slack. A newer
   shadow request of the same (session, target) supersedes an older one.
 
+The engine answers a shadow request with how it ended, in the request's
+``stop_reason`` (a string, returned as is by vLLM's OpenAI-compatible API):
+:class:`ShadowStop`, ``shadowprefill:<end>`` optionally followed by
+``held=<n>`` (the prompt tokens whose KV the engine holds for the request when
+it ended, for ends that leave part of the prompt uncomputed) and a free-text
+detail in parentheses.
+
 Invariants: :meth:`ShadowTag.to_extra_args` and :func:`parse_tag` are
-inverse; malformed tags raise one ``ValueError`` naming the key and value.
+inverse, as are :meth:`ShadowStop.to_stop_reason` and :func:`parse_stop`;
+malformed tags raise one ``ValueError`` naming the key and value.
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ SESSION_KEY = PREFIX + "session"
 TARGET_KEY = PREFIX + "target_model"
 EPOCH_KEY = PREFIX + "epoch"
 PROBABILITY_KEY = PREFIX + "switch_probability"
+
+
+STOP_PREFIX = "shadowprefill:"
+HELD_KEY = "held="
 
 
 class TagKind(enum.Enum):
@@ -108,3 +120,54 @@ def _number(extra_args: Mapping[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{key} = {value!r}: not a finite number")
     return float(value)
+
+
+class ShadowEnd(enum.Enum):
+    """Why an engine ended a shadow request."""
+
+    PREFILLED = "prefilled"  # every prompt token's KV is computed (or was cached)
+    SUPERSEDED = "superseded"  # a newer shadow of the same (session, target) replaced it
+    OVER_CAP = "exceeds-shadow-cap"  # the prompt needs more blocks than the shadow class may hold
+    BELOW_N_MIN = "tail-below-n-min"  # the rest is smaller than the policy's n_min: never planned
+    NO_SHADOW = "policy-runs-no-shadows"  # the engine's policy runs no shadow work
+    REJECTED = "rejected"  # the request cannot be a shadow (the detail says why)
+
+
+@attrs.frozen
+class ShadowStop:
+    """How a shadow request ended; ``num_held_tokens`` (when known) is the
+    prompt prefix whose KV the engine held for it at the end."""
+
+    end: ShadowEnd
+    num_held_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative_int))
+    detail: str = ""
+
+    def to_stop_reason(self) -> str:
+        out = STOP_PREFIX + self.end.value
+        if self.num_held_tokens is not None:
+            out += f" {HELD_KEY}{self.num_held_tokens}"
+        if self.detail:
+            out += f" ({self.detail})"
+        return out
+
+
+def parse_stop(stop_reason: object) -> ShadowStop | None:
+    """The :class:`ShadowStop` in a ``stop_reason``, or ``None`` when it is not
+    one (a token id, ``None``, another string)."""
+    if not isinstance(stop_reason, str) or not stop_reason.startswith(STOP_PREFIX):
+        return None
+    head, _, detail = stop_reason[len(STOP_PREFIX):].partition(" (")
+    if detail and not detail.endswith(")"):
+        raise ValueError(f"stop_reason = {stop_reason!r}: unterminated detail")
+    name, _, held = head.partition(" ")
+    try:
+        end = ShadowEnd(name)
+    except ValueError:
+        known = ", ".join(e.value for e in ShadowEnd)
+        raise ValueError(f"stop_reason = {stop_reason!r}: unknown end {name!r} (one of {known})") from None
+    num_held = None
+    if held:
+        if not held.startswith(HELD_KEY) or not held[len(HELD_KEY):].isdigit():
+            raise ValueError(f"stop_reason = {stop_reason!r}: expected {HELD_KEY}<non-negative integer>")
+        num_held = int(held[len(HELD_KEY):])
+    return ShadowStop(end, num_held, detail[:-1])

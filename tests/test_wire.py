@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shadowcore.wire import ShadowTag, TagKind, parse_tag
+from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_stop, parse_tag
 
 names = st.text(st.characters(categories=("L", "N")), min_size=1, max_size=12)
 
@@ -47,3 +47,30 @@ def test_numbers_sent_as_strings_over_http_are_read() -> None:
 def test_malformed_tags_name_the_key(args: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         parse_tag(args)
+
+
+@given(st.sampled_from(list(ShadowEnd)), st.none() | st.integers(0, 10**7), st.text(max_size=30))
+def test_shadow_stop_round_trips(end: ShadowEnd, held: int | None, detail: str) -> None:
+    stop = ShadowStop(end, held, detail)
+    assert parse_stop(stop.to_stop_reason()) == stop
+
+
+def test_stop_reasons_that_are_not_shadow_ends() -> None:
+    assert parse_stop(None) is None
+    assert parse_stop(7) is None  # a stop token id
+    assert parse_stop("</s>") is None
+    assert parse_stop("shadowprefill:tail-below-n-min held=992") == ShadowStop(ShadowEnd.BELOW_N_MIN, 992)
+
+
+@pytest.mark.parametrize(
+    ("reason", "named"),
+    [
+        ("shadowprefill:bogus", "unknown end 'bogus'"),
+        ("shadowprefill:prefilled held=x", "held=<non-negative integer>"),
+        ("shadowprefill:prefilled held=-1", "held=<non-negative integer>"),
+        ("shadowprefill:prefilled (no end", "unterminated detail"),
+    ],
+)
+def test_malformed_stop_reasons_are_named(reason: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        parse_stop(reason)

@@ -12,6 +12,11 @@ Faults, switchable while it runs: ``fail_status`` (answer every completion
 with that status), ``fail_shadows_only``, ``hang`` (never answer), ``delay_s``
 before answering, ``die_after_tokens`` (drop the connection mid-stream),
 :meth:`FakeUpstream.kill` (stop listening and drop connections).
+
+``shadow_short_tokens`` plays the shadow scheduler ending a tagged shadow
+early (a tail below its ``n_min``): it caches the prompt's whole blocks but
+the last ``shadow_short_tokens`` tokens, and says so in ``stop_reason``
+(``shadowprefill:tail-below-n-min held=N``, :class:`shadowcore.wire.ShadowStop`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from shadowcore.wire import ShadowEnd, ShadowStop
 
 
 def encode(text: str) -> list[int]:
@@ -53,6 +60,7 @@ class FakeUpstream:
         self.delay_s = 0.0
         self.die_after_tokens: int | None = None
         self.num_waiting = 0
+        self.shadow_short_tokens = 0
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self._cache: set[bytes] = set()
         self._lock = threading.Lock()
@@ -160,6 +168,15 @@ class FakeUpstream:
         cached = self.cached_tokens(ids)
         n_out = int(body.get("max_tokens") or 8)
         out = [ord("a") + (sum(ids) + i) % 26 for i in range(n_out)]
+        tagged = (body.get("vllm_xargs") or {}).get("shadowprefill_kind") == "shadow"
+        if tagged and self.shadow_short_tokens:
+            held = max(0, len(ids) - self.shadow_short_tokens) // self.block_size * self.block_size
+            self._insert(ids[:held])
+            stop = ShadowStop(ShadowEnd.BELOW_N_MIN, held).to_stop_reason()
+            return JSONResponse({"id": "cmpl-1", "object": "text_completion", "model": body.get("model"),
+                                 "choices": [{"index": 0, "text": "", "finish_reason": "stop", "stop_reason": stop}],
+                                 "usage": {"prompt_tokens": len(ids), "completion_tokens": 0,
+                                           "total_tokens": len(ids)}})
         self._insert(ids + out[:-1])
         usage = {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out,
                  "prompt_tokens_details": {"cached_tokens": cached}}

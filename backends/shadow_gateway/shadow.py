@@ -25,8 +25,12 @@ Invariants:
   error and keeps the instance from shadow work for ``backoff_s``; it never
   raises into a routed call, and no routed call waits on a lane.
 * At most one request per job is in flight; a job's held prefix advances only
-  when a request for it completed (then the instance is expected to hold the
-  submitted prefix).
+  by what the instance says it holds when the request ended: the whole
+  submitted prefix for a completed request, the ``held=`` count of its
+  :class:`shadowcore.wire.ShadowStop` when the shadow scheduler ended it
+  early (a tail below its ``n_min``, a policy that runs no shadows).
+* A job the instance ended early is not sent again until its context grows
+  (or a new epoch starts): resending the same prefix would end the same way.
 * Unhealthy instances get no shadow work (dropped first).
 * A lane fills at most once per ``fill_interval_s``, and wakes are coalesced
   per event-loop turn: per-token growth of a streaming call costs the routed
@@ -52,7 +56,7 @@ from shadow_gateway.metrics import GatewayMetrics
 from shadowcore.job import ShadowJob
 from shadowcore.manager import ShadowManager
 from shadowcore.types import JobKey
-from shadowcore.wire import ShadowTag, TagKind
+from shadowcore.wire import ShadowEnd, ShadowTag, TagKind, parse_stop
 
 log = logging.getLogger("shadow_gateway.shadow")
 JSON_HEADERS = {"content-type": "application/json"}
@@ -65,6 +69,7 @@ class Lane:
     inflight: dict[JobKey, asyncio.Task] = attrs.Factory(dict)
     task: asyncio.Task | None = None
     last_fill_s: float = float("-inf")
+    declined: dict[JobKey, tuple[int, int]] = attrs.Factory(dict)  # (epoch, target tokens) the instance ended early
 
 
 @attrs.define(eq=False)
@@ -156,7 +161,8 @@ class ShadowDispatcher:
         for job in self.manager.pending_jobs(inst.id):
             if len(lane.inflight) >= self.config.max_inflight_per_instance:
                 return
-            if job.key not in lane.inflight:
+            if job.key not in lane.inflight and \
+                    lane.declined.get(job.key) != (job.history.epoch, job.num_target_tokens):
                 self._submit(lane, job)
 
     def _submit(self, lane: Lane, job: ShadowJob) -> None:
@@ -178,35 +184,43 @@ class ShadowDispatcher:
                     start: int, num_missing: int) -> None:
         inst = lane.instance
         try:
-            ok = await self._post(inst, body)
+            outcome, num_held = await self._post(inst, body, target)
         except asyncio.CancelledError:
             job.commit(epoch, start, num_missing, 0)
             raise
         finally:
             lane.inflight.pop(job.key, None)
-        job.commit(epoch, start, num_missing, num_missing if ok else 0)
-        self._account(inst, "tagged", ok, job.key.session_id, ids, target, num_missing)
+        num_computed = max(0, min(num_held, target) - start)
+        job.commit(epoch, start, num_missing, num_computed)
+        if outcome == "partial":
+            lane.declined[job.key] = (epoch, target)
+        self._account(inst, "tagged", outcome, job.key.session_id, ids, num_held, num_computed)
         lane.wake.set()
 
-    async def _post(self, inst: InstanceState, body: dict) -> bool:
-        """POST one shadow request; True when the instance completed it."""
+    async def _post(self, inst: InstanceState, body: dict, num_prompt_tokens: int) -> tuple[str, int]:
+        """POST one shadow request of ``num_prompt_tokens``; returns the outcome
+        (``completed``, ``partial``: ended early by the shadow scheduler,
+        ``aborted``, or a failure) and the prompt tokens the instance holds for it."""
         mode = "request-level" if inst.scheduler is SchedulerKind.STOCK else "tagged"
+        num_held = 0
         try:
             async with self.client.post(f"{inst.url}/v1/completions", data=json.dumps(body).encode(),
                                         headers=JSON_HEADERS) as r:
                 if r.status != 200:
                     outcome = f"http-{r.status // 100}xx"
                 else:
-                    finish = (json.loads(await r.read()).get("choices") or [{}])[0].get("finish_reason")
-                    outcome = "aborted" if finish == "abort" else "completed"
+                    choice = (json.loads(await r.read()).get("choices") or [{}])[0]
+                    outcome, num_held = _shadow_outcome(choice, num_prompt_tokens)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, AttributeError) as e:
             outcome = "timeout" if isinstance(e, TimeoutError) else "failed"
+            if isinstance(e, ValueError):
+                log.warning("shadow request to %s: %s", inst.id, e)
         self.metrics.shadow_requests.labels(inst.model.name, mode, outcome).inc()
-        return outcome == "completed"
+        return outcome, num_held
 
-    def _account(self, inst: InstanceState, mode: str, ok: bool, session_id: str, ids: list[int],
+    def _account(self, inst: InstanceState, mode: str, outcome: str, session_id: str, ids: list[int],
                  num_context: int, num_tokens: int) -> None:
-        if ok:
+        if outcome in ("completed", "partial"):
             self.cluster.record_shadow(inst.id, session_id, ids, num_context)
             self.metrics.shadow_tokens_submitted.labels(inst.model.name, mode).inc(num_tokens)
         else:
@@ -294,13 +308,27 @@ class ShadowDispatcher:
         ids = self._rl_context.get((inst.id, shadow.session_id))
 
         async def send() -> None:
-            ok = await self._post(inst, body)
-            if ids is not None and ids[: len(shadow.prompt_token_ids)] == list(shadow.prompt_token_ids):
-                self._account(inst, "request-level", ok, shadow.session_id, ids, len(shadow.prompt_token_ids),
-                              len(shadow.prompt_token_ids))
-            self.request_level.on_shadow_finished(shadow.submission_id, ok)
+            num_prompt = len(shadow.prompt_token_ids)
+            outcome, num_held = await self._post(inst, body, num_prompt)
+            if ids is not None and ids[:num_prompt] == list(shadow.prompt_token_ids):
+                self._account(inst, "request-level", outcome, shadow.session_id, ids, num_held, num_held)
+            self.request_level.on_shadow_finished(shadow.submission_id, outcome == "completed")
             self._schedule_rl_pump()
 
         t = asyncio.create_task(send())
         self._rl_tasks.add(t)
         t.add_done_callback(self._rl_tasks.discard)
+
+
+def _shadow_outcome(choice: dict, num_prompt_tokens: int) -> tuple[str, int]:
+    """Outcome and prompt tokens held, from one completion choice of a shadow
+    request. A stock instance ends it after one token (``completed``, the
+    whole prompt held); the shadow scheduler says how it ended in
+    ``stop_reason`` (:func:`shadowcore.wire.parse_stop`; a malformed one
+    raises ``ValueError``, counted as a failure)."""
+    if choice.get("finish_reason") == "abort":
+        return "aborted", 0
+    stop = parse_stop(choice.get("stop_reason"))
+    if stop is None or stop.end is ShadowEnd.PREFILLED:
+        return "completed", num_prompt_tokens
+    return "partial", min(stop.num_held_tokens or 0, num_prompt_tokens)

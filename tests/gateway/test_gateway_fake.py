@@ -4,6 +4,7 @@ token-id histories, shadow submission, warmth, streaming and metrics."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from shadow_gateway.config import from_dict
@@ -58,6 +59,34 @@ def test_routed_call_feeds_a_shadow_and_the_switch_finds_it_cached(upstreams, ga
     assert gw.metric("shadowprefill_gateway_switch_calls_total", model="b") == 1
     assert gw.metric("shadowprefill_gateway_shadow_tokens_used_total", model="b") == aligned
     assert gw.metric("shadowprefill_gateway_calls_total", model="a", kind="routed") == 1
+
+
+def test_a_shadow_the_engine_ends_early_counts_only_what_it_holds(upstreams, gateway, client):
+    """The shadow scheduler ends a shadow whose tail is below its n_min and says
+    how much it holds (``stop_reason`` ``held=N``): the gateway's warmth and
+    counters take N, not the whole prompt, and it does not resend the same
+    prefix until the context grows."""
+    (a,), (b,) = upstreams(1), upstreams(1)
+    b.shadow_short_tokens = 20  # the last 20 tokens stay uncomputed: one block less (and the tail) is held
+    gw = gateway(two_model_config([a], [b]))
+    prompt = "You are an agent. " * 6
+    out_text = _complete(client, gw, "a", prompt)["choices"][0]["text"]
+    context = encode(prompt) + encode(out_text)
+    aligned = len(context) // 16 * 16
+    held = (aligned - 20) // 16 * 16
+    assert held < aligned
+    wait_for(lambda: gw.metric("shadowprefill_gateway_shadow_requests_total", model="b", mode="tagged",
+                               outcome="partial") == 1, what="the early end")
+    assert gw.metric("shadowprefill_gateway_shadow_tokens_submitted_total", model="b", mode="tagged") == held
+    w = client.get(gw.url + "/v1/shadowprefill/warmth", params={"session_id": "s1", "model": "b"}).json()
+    assert w["num_expected_cached_tokens"] == held
+    time.sleep(0.3)  # the lane refilled when the request ended: the declined job stays unsent
+    assert len(b.shadow_requests()) == 1
+    second = _complete(client, gw, "b", prompt + out_text + " Tool result: ok.")
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+    assert gw.metric("shadowprefill_gateway_shadow_tokens_used_total", model="b") == held
+    errors = [m for m in gw.gateway.metrics.registry.collect() if m.name == "shadowprefill_gateway_errors"]
+    assert not [s for m in errors for s in m.samples if s.name.endswith("_total") and s.value]
 
 
 def test_without_shadow_policy_the_switch_is_cold(upstreams, gateway, client):
