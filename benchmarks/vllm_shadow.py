@@ -20,7 +20,15 @@ side in one run (all engines live in this process, trials interleaved):
      (:func:`calibrate`; ``--no-calibrate`` keeps its default coefficients).
 
    A trial counts as under load only if the shadow computed tokens before the
-   call (the table says ``NO LOAD`` otherwise).
+   call (the table says ``NO LOAD`` otherwise). Trials are interleaved (modes
+   alternate; within a trial the idle and the loaded call alternate which goes
+   first); the table gives the ratio of medians, its 95% bootstrap interval
+   (trials resampled in pairs) and the median of per-trial ratios. ``MET``
+   needs the ratio and the interval's upper end within the target, ``NOT
+   MET`` a ratio above it; ``UNDECIDED`` is in between (the machine's noise
+   is larger than the distance to the target). ``--breakdown`` also times
+   ``schedule()``, the model executor and ``update_from_output()`` of the
+   first-token step (no shadow vs shadow load).
 
    TTFT is wall time from ``add_request`` to the engine step that returns the
    first token, with ``engine.step()`` driven in a loop here (no gaps).
@@ -31,7 +39,8 @@ side in one run (all engines live in this process, trials interleaved):
    wrapping the two bound methods of each engine's scheduler (the model's
    forward pass is excluded, it is identical), plus the whole ``step()``; and
    once more in virtual time (``shadow_vllm.virtual``: the same schedulers,
-   no model), which is far less sensitive to a loaded machine.
+   no model), which is far less sensitive to a loaded machine. The verdict is
+   as for TTFT, with a bootstrap interval over the repetitions.
 
 The exit status is 0 when the engine-level targets are met. The in-process
 driver adds the routed call between two steps, so its TTFT does not include
@@ -146,6 +155,7 @@ class RequestLevelMode:
         from shadow_vllm.request_level import Destination, RequestLevelShadower
 
         self.engine = build_engine(model_dir, args, policy="priority")
+        self.parts = StepParts(self.engine) if args.breakdown else None
         self.dest = Destination("B", "tiny")
         self.shadower = RequestLevelShadower(self._submit, lambda i: len(scheduler_of(self.engine).waiting))
 
@@ -173,7 +183,10 @@ class RequestLevelMode:
 
     def routed(self, rid: str, ids: Sequence[int]) -> float:
         add(self.engine, rid, ids, 2)
-        return time_to_first_token(self.engine, rid, self._on_output)
+        return _timed_routed(self.engine, self.parts, rid, self._on_output)
+
+    def last_parts(self) -> dict[str, float] | None:
+        return _last_parts(self.parts)
 
     def step(self) -> None:
         step(self.engine, self._on_output)
@@ -193,6 +206,7 @@ class EngineLevelMode:
         kwargs = engine_args(policy=args.policy, **config)
         self.engine = build_engine(model_dir, args, scheduler_cls=kwargs["scheduler_cls"],
                                    additional_config=kwargs["additional_config"])
+        self.parts = StepParts(self.engine) if args.breakdown else None
         self.shadows: list[str] = []
         self._started_at = 0
 
@@ -212,7 +226,10 @@ class EngineLevelMode:
         from shadowcore.wire import ShadowTag, TagKind
 
         add(self.engine, rid, ids, 2, extra_args=ShadowTag(TagKind.ROUTED, f"session-{rid}").to_extra_args())
-        return time_to_first_token(self.engine, rid)
+        return _timed_routed(self.engine, self.parts, rid, None)
+
+    def last_parts(self) -> dict[str, float] | None:
+        return _last_parts(self.parts)
 
     def step(self) -> None:
         step(self.engine)
@@ -267,25 +284,83 @@ def calibrate(engine: Any, tokens: Tokens, reps: int = 5) -> dict[str, float]:
 
 def ttft_trials(modes: Sequence[Any], args: argparse.Namespace, tokens: Tokens) -> dict[str, dict[str, list[float]]]:
     """Per mode: TTFTs with no shadow and with a running shadow, trials
-    interleaved; also the duration of the shadow-only steps before the routed
+    interleaved (modes alternate, and within a trial the idle and the loaded
+    call alternate which goes first, so slow drifts of the machine's load hit
+    both alike); also the duration of the shadow-only steps before the routed
     call (what a call arriving mid-step would wait for at most, on top)."""
-    out = {m.name: {"idle": [], "shadow": [], "shadow_step": [], "shadow_tokens": []} for m in modes}
+    keys = ("idle", "shadow", "shadow_step", "shadow_tokens", "idle_parts", "shadow_parts")
+    out = {m.name: {k: [] for k in keys} for m in modes}
     for m in modes:  # warm-up: first calls compile/allocate
         m.routed(f"warm-{m.name}", tokens(args.routed_tokens))
         m.drain()
     for k in range(args.trials):
         for m in modes:
-            out[m.name]["idle"].append(m.routed(f"idle-{k}", tokens(args.routed_tokens)))
-            m.drain()
-            m.start_shadow(f"s{k}", tokens(args.shadow_tokens))
-            for _ in range(args.warm_steps):
-                t = time.perf_counter()
-                m.step()
-                out[m.name]["shadow_step"].append(time.perf_counter() - t)
-            out[m.name]["shadow_tokens"].append(m.shadow_tokens())
-            out[m.name]["shadow"].append(m.routed(f"loaded-{k}", tokens(args.routed_tokens)))
-            m.drain()
+            r = out[m.name]
+            for kind in (("idle", "shadow") if k % 2 == 0 else ("shadow", "idle")):
+                if kind == "idle":
+                    r["idle"].append(m.routed(f"idle-{k}", tokens(args.routed_tokens)))
+                    r["idle_parts"].append(m.last_parts())
+                    m.drain()
+                    continue
+                m.start_shadow(f"s{k}", tokens(args.shadow_tokens))
+                for _ in range(args.warm_steps):
+                    t = time.perf_counter()
+                    m.step()
+                    r["shadow_step"].append(time.perf_counter() - t)
+                r["shadow_tokens"].append(m.shadow_tokens())
+                r["shadow"].append(m.routed(f"loaded-{k}", tokens(args.routed_tokens)))
+                r["shadow_parts"].append(m.last_parts())
+                m.drain()
     return out
+
+
+class StepParts:
+    """Opt-in (``--breakdown``): wall time of one engine's ``schedule()``, the
+    model executor (``execute_model`` + ``sample_tokens``) and
+    ``update_from_output()`` in the step that gives a routed call its first
+    token (wrapped bound methods; the rest of ``engine.step()`` is "other")."""
+
+    PARTS = ("schedule", "execute", "update")
+
+    def __init__(self, engine: Any) -> None:
+        core = engine.engine_core.engine_core
+        self.current: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        self._wrap(core.scheduler, "schedule", "schedule", new_step=True)
+        self._wrap(core.scheduler, "update_from_output", "update")
+        self._wrap(core.model_executor, "execute_model", "execute")
+        if hasattr(core.model_executor, "sample_tokens"):
+            self._wrap(core.model_executor, "sample_tokens", "execute")
+
+    def _wrap(self, owner: Any, attr: str, part: str, new_step: bool = False) -> None:
+        inner = getattr(owner, attr)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            if new_step:
+                self.current = {}
+                self.steps.append(self.current)
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.current[part] = self.current.get(part, 0.0) + time.perf_counter() - t
+
+        setattr(owner, attr, timed)
+
+
+def _timed_routed(engine: Any, parts: StepParts | None, rid: str, on_output: Callable[[Any], None] | None) -> float:
+    if parts is not None:
+        parts.steps.clear()
+    return time_to_first_token(engine, rid, on_output)
+
+
+def _last_parts(parts: StepParts | None) -> dict[str, float] | None:
+    """The breakdown of the routed call's first-token step (the last one), if recorded."""
+    if parts is None or not parts.steps:
+        return None
+    step = dict(parts.steps[-1])
+    step["steps"] = float(len(parts.steps))
+    return step
 
 
 # -- per-step overhead ----------------------------------------------------------------------
@@ -357,25 +432,63 @@ def _p90(values: Sequence[float]) -> float:
     return statistics.quantiles(values, n=10)[-1] if len(values) >= 2 else values[0]
 
 
+def bootstrap_ratio_ci(loaded: Sequence[float], idle: Sequence[float], reps: int = 2000,
+                       seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of median(loaded) / median(idle), trials resampled in pairs
+    (a trial's idle and loaded call ran back to back)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(loaded), np.asarray(idle)
+    idx = rng.integers(0, len(a), size=(reps, len(a)))
+    ratios = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    lo, hi = np.quantile(ratios, [0.025, 0.975])
+    return float(lo), float(hi)
+
+
 def report_ttft(results: dict[str, dict[str, list[float]]]) -> dict[str, bool]:
+    """The target counts as met when the ratio of medians is within it and so is
+    the upper end of its bootstrap interval (not met when the ratio is above it;
+    UNDECIDED when the interval straddles it)."""
     print("\nRouted-call TTFT (ms, median over trials [min, p90]); the call arrives between two steps")
-    print(f"{'mode':38s} {'no shadow':>21s} {'shadow load':>22s} {'ratio':>7s}  target <= {TTFT_TARGET}x"
-          f"   shadow-only step, shadow tokens before the call")
+    print(f"{'mode':38s} {'no shadow':>21s} {'shadow load':>22s} {'ratio':>7s} {'95% CI':>14s} "
+          f"{'paired':>7s}  target <= {TTFT_TARGET}x   shadow-only step, shadow tokens before the call")
     met = {}
     for name, r in results.items():
         idle, loaded = statistics.median(r["idle"]), statistics.median(r["shadow"])
         ratio = loaded / idle
+        lo, hi = bootstrap_ratio_ci(r["shadow"], r["idle"])
+        paired = statistics.median(a / b for a, b in zip(r["shadow"], r["idle"], strict=True))
         loaded_trials = sum(1 for n in r["shadow_tokens"] if n > 0)
-        met[name] = ratio <= TTFT_TARGET and loaded_trials == len(r["shadow_tokens"])
-        verdict = "MET" if met[name] else "NOT MET" if loaded_trials else "NO LOAD"
+        under_load = loaded_trials == len(r["shadow_tokens"])
+        met[name] = under_load and ratio <= TTFT_TARGET and hi <= TTFT_TARGET
+        verdict = ("NO LOAD" if not loaded_trials else "MET" if met[name]
+                   else "NOT MET" if ratio > TTFT_TARGET or not under_load else "UNDECIDED")
         print(f"{name:38s} {_ms(r['idle'])} [{min(r['idle']) * 1e3:5.2f}, {_p90(r['idle']) * 1e3:5.1f}] "
               f"{_ms(r['shadow'])} [{min(r['shadow']) * 1e3:5.2f}, {_p90(r['shadow']) * 1e3:5.1f}] "
-              f"{ratio:6.2f}x  {verdict:7s}"
+              f"{ratio:6.2f}x [{lo:5.2f}, {hi:5.2f}] {paired:6.2f}x  {verdict:9s}"
               f"   {_ms(r['shadow_step'])} ms, {statistics.median(r['shadow_tokens']):.0f} tokens")
         if loaded_trials < len(r["shadow_tokens"]):
             print(f"  {len(r['shadow_tokens']) - loaded_trials} trial(s) had no shadow work running before the "
                   "call: not a measurement under load")
+    _report_parts(results)
     return met
+
+
+def _report_parts(results: dict[str, dict[str, list[float]]]) -> None:
+    """The ``--breakdown`` table: medians of the first-token step's parts, no shadow vs shadow load."""
+    rows = [(name, r) for name, r in results.items() if r["idle_parts"] and r["idle_parts"][0] is not None]
+    if not rows:
+        return
+    print("\nThe routed call's first-token step, median ms (no shadow -> shadow load, difference)")
+    for name, r in rows:
+        cells = []
+        for part in (*StepParts.PARTS, "steps"):
+            idle = statistics.median(p.get(part, 0.0) for p in r["idle_parts"])
+            loaded = statistics.median(p.get(part, 0.0) for p in r["shadow_parts"])
+            scale = 1.0 if part == "steps" else 1e3
+            cells.append(f"{part} {idle * scale:.3f} -> {loaded * scale:.3f} ({(loaded - idle) * scale:+.3f})")
+        print(f"  {name:36s} " + "; ".join(cells))
 
 
 def report_overhead(results: dict[str, list[tuple[float, float]]], virtual: dict[str, list[float]]) -> bool:
@@ -390,9 +503,14 @@ def report_overhead(results: dict[str, list[tuple[float, float]]], virtual: dict
     ratio = sched["ShadowScheduler"] / sched["stock Scheduler"]
     whole_ratio = whole["ShadowScheduler"] / whole["stock Scheduler"]
     virt_ratio = virt["ShadowScheduler"] / virt["stock Scheduler"]
-    ok = ratio <= OVERHEAD_TARGET
+    lo, hi = bootstrap_ratio_ci([s for s, _ in results["ShadowScheduler"]], [s for s, _ in results["stock Scheduler"]])
+    vlo, vhi = bootstrap_ratio_ci(virtual["ShadowScheduler"], virtual["stock Scheduler"])
+    ok = ratio <= OVERHEAD_TARGET and hi <= OVERHEAD_TARGET
+    verdict = "MET" if ok else "NOT MET" if ratio > OVERHEAD_TARGET else "UNDECIDED"
     print(f"{'ratio':20s} {ratio:13.3f}x {whole_ratio:11.3f}x {virt_ratio:13.3f}x   "
-          f"target (scheduler time, real engine) <= {OVERHEAD_TARGET}x: {'MET' if ok else 'NOT MET'}")
+          f"target (scheduler time, real engine) <= {OVERHEAD_TARGET}x: {verdict}")
+    print(f"{'  95% CI':20s} {lo:6.3f}-{hi:.3f}x {'':11s} {vlo:6.3f}-{vhi:.3f}x   (bootstrap over repetitions; "
+          "MET needs its upper end within the target)")
     pairs = [(s[0] / t[0]) for s, t in zip(results["ShadowScheduler"], results["stock Scheduler"], strict=True)]
     vpairs = [s / t for s, t in zip(virtual["ShadowScheduler"], virtual["stock Scheduler"], strict=True)]
     print(f"{'per-repetition ratio':20s} {min(pairs):6.3f}-{max(pairs):.3f}x {'':11s} {min(vpairs):6.3f}-"
@@ -443,6 +561,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overhead-tokens", type=int, default=64)
     p.add_argument("--overhead-reps", type=int, default=10)
     p.add_argument("--skip", choices=("ttft", "overhead"), action="append", default=[])
+    p.add_argument("--breakdown", action="store_true",
+                   help="time schedule(), the model executor and update_from_output() of the routed call's "
+                        "first-token step (wrapped methods: adds a little to every TTFT)")
     p.add_argument("--model-dir", default=None, help="reuse a tiny model folder (default: a temporary one)")
     return p.parse_args(argv)
 

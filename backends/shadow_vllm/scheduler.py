@@ -31,14 +31,26 @@ Invariants (``tests/vllm/``):
   promotion on a normal hit.
 * A shadow request finishes (``stop_reason`` :data:`STOP_PREFILLED`) once its
   full blocks are computed, or once what is missing of all shadows is below
-  the policy's ``n_min`` (:data:`STOP_BELOW_N_MIN`: the core never plans such
-  a tail); it never decodes. A newer shadow of the same
+  the policy's ``n_min`` (:data:`STOP_BELOW_N_MIN` with ``held=<tokens>``,
+  the prefix the engine holds for it: the core never plans such a tail); it
+  never decodes. A newer shadow of the same
   (session, target) finishes the older one (:data:`STOP_SUPERSEDED`).
 * With no shadow request the subclass schedules exactly as stock vLLM, and
-  nearly as cheaply: when the hook can skip (``EngineHook.can_skip``) no
-  snapshot or plan is built, the step goes to ``EngineHook.skip_step``
-  (same controller state as planning it), and vLLM's per-request
-  ``_update_request_with_output`` runs unwrapped.
+  nearly as cheaply: while the engine holds no shadow request and the hook
+  can skip (``EngineHook.can_skip``), ``schedule()`` takes the quiet path
+  (one flag, kept where shadows come and go, and the observer list): no
+  snapshot, no plan, no step record; the step goes to
+  ``EngineHook.skip_step`` (same controller state as planning it), and
+  vLLM's per-request ``_update_request_with_output`` runs unwrapped.
+* A KV connector (offloading, P/D) sees shadow chunks like any request's: in
+  a step that may admit them, vLLM's connector metadata is built once over
+  the whole output, shadow chunks included, as vLLM builds it (before the
+  step's tokens count as computed); a shadow admission tells the connector of
+  the request as vLLM's admission of a waiting one does. A connector's
+  external hit is not loaded for a shadow (it computes on the device).
+* Under async scheduling a step is reported when the next one is scheduled
+  (its outcome is not in yet): with the latency model's predicted duration,
+  planned or skipped (``tests/vllm/test_virtual_async.py``).
 
 Public attributes other modules use: ``shadow_clock`` (seconds; monotonic by
 default; the virtual-time mode sets its virtual clock), ``shadow_hook``,
@@ -72,7 +84,7 @@ from shadowcore.latency import BatchShape, PrefillChunk
 from shadowcore.pipeline import build_runtime
 from shadowcore.slack import NoShadowController
 from shadowcore.types import ChunkResult, Phase, RequestKind, RequestView, StepOutcome, StepPlan, StepSnapshot
-from shadowcore.wire import ShadowTag, TagKind, parse_tag
+from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_tag
 
 __all__ = [
     "CONFIG_KEY",
@@ -90,11 +102,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 _IS_PREFILL_CHUNK = operator.attrgetter("is_prefill_chunk")
 
-STOP_PREFILLED = "shadowprefill:prefilled"
-STOP_SUPERSEDED = "shadowprefill:superseded"
-STOP_OVER_CAP = "shadowprefill:exceeds-shadow-cap"
-STOP_BELOW_N_MIN = "shadowprefill:tail-below-n-min"  # the rest is smaller than the policy's n_min
-STOP_NO_SHADOW = "shadowprefill:policy-runs-no-shadows"
+# A shadow's stop_reason is a shadowcore.wire.ShadowStop; ends that leave part
+# of the prompt uncomputed add ``held=<tokens>`` (the job's held prefix).
+STOP_PREFILLED = ShadowStop(ShadowEnd.PREFILLED).to_stop_reason()
+STOP_SUPERSEDED = ShadowStop(ShadowEnd.SUPERSEDED).to_stop_reason()
+STOP_OVER_CAP = ShadowStop(ShadowEnd.OVER_CAP).to_stop_reason()
+STOP_BELOW_N_MIN = ShadowStop(ShadowEnd.BELOW_N_MIN).to_stop_reason()  # the rest is below the policy's n_min
+STOP_NO_SHADOW = ShadowStop(ShadowEnd.NO_SHADOW).to_stop_reason()
 
 
 @attrs.define
@@ -171,6 +185,12 @@ class ShadowSchedulerMixin:
         self._shadow_awaiting_first: set[str] = set()  # normal and routed requests without a token yet
         self._shadow_iteration = 0
         self._shadow_step: _OpenStep | None = None
+        #: A step of the quiet path (below) not yet reported: (output, end of schedule, predicted s, decode-only)
+        self._shadow_skipped: tuple[Any, float, float, bool] | None = None
+        self._shadow_defer_meta = False  # during super().schedule() of a step that may admit shadow chunks
+        self._shadow_deferred_meta: tuple[Any, Any] | None = None  # (connector, its block state) until built
+        self._shadow_observers = self.shadow_hook.observers.observers  # the list can_skip reads (may grow)
+        self._shadow_quiet = self._shadow_quiet_now()
         self._shadow_never_runs = isinstance(slack, NoShadowController)
         self._shadow_async = isinstance(self, AsyncScheduler)
         self._shadow_prefill_flag = True  # vLLM's Request.is_prefill_chunk exists (checked on first use)
@@ -193,6 +213,7 @@ class ShadowSchedulerMixin:
             self._shadow_park(request)
             self.shadow_to_finish[rid] = (RequestStatus.FINISHED_ERROR, f"shadowprefill: {e}")
             self.shadow_stats.num_rejected += 1
+            self._shadow_quiet = False
             return
         if tag is None or tag.kind is TagKind.ROUTED:
             if tag is not None:
@@ -200,19 +221,22 @@ class ShadowSchedulerMixin:
                 self.shadow_jobs.forget_session(tag.session_id)
             self._shadow_awaiting_first.add(rid)
             return
+        self._shadow_quiet = False
         self._shadow_open(request, tag)
 
     def _shadow_open(self, request: Request, tag: ShadowTag) -> None:
         self._shadow_park(request)
         rid = request.request_id
         if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
-            reason = "shadowprefill: a shadow request must read the prefix cache (no prompt logprobs)"
+            reason = ShadowStop(ShadowEnd.REJECTED, None, "a shadow request must read the prefix cache "
+                                                          "(no prompt logprobs)").to_stop_reason()
             self.shadow_to_finish[rid] = (RequestStatus.FINISHED_ERROR, reason)
             self.shadow_stats.num_rejected += 1
             return
         num_blocks = request.num_prompt_tokens // self.block_size
         if num_blocks > self.shadow_bridge.cap_blocks:
-            reason = f"{STOP_OVER_CAP} ({num_blocks} blocks > cap {self.shadow_bridge.cap_blocks})"
+            reason = ShadowStop(ShadowEnd.OVER_CAP, None,
+                                f"{num_blocks} blocks > cap {self.shadow_bridge.cap_blocks}").to_stop_reason()
             self.shadow_to_finish[rid] = (RequestStatus.FINISHED_ABORTED, reason)
             self.shadow_stats.num_rejected += 1
             return
@@ -246,25 +270,65 @@ class ShadowSchedulerMixin:
         self.shadow_arrival_s.pop(rid, None)
         self.shadow_first_token_s.pop(rid, None)
         self._shadow_awaiting_first.discard(rid)
-        return super()._free_request(request, *args, **kwargs)
+        freed = super()._free_request(request, *args, **kwargs)
+        if not self._shadow_quiet:
+            self._shadow_quiet = self._shadow_quiet_now()
+        return freed
 
     # -- one step ----------------------------------------------------------------------
-    # Fast path: with no shadow request in the engine and a hook that can skip
-    # (EngineHook.can_skip: no observer, a skippable controller, no pending
-    # job), begin_step would plan nothing and change nothing but what
-    # skip_step does; the step builds no snapshot and only tells the hook its
-    # duration and whether it was decode-only (the controller's credit).
+    # Quiet path: while the engine holds no shadow request (none parked, running or
+    # to finish), no planned step is open and the hook can skip with no job
+    # (EngineHook.can_skip: no observer, a skippable controller), begin_step would
+    # plan nothing and change nothing but what skip_step does. ``_shadow_quiet``
+    # says so (kept up to date where shadows come and go and where a planned step
+    # ends; the observer list is read every step, as observers may be added any
+    # time); such a step costs one test, the decode-only test (the controller's
+    # credit), two clock reads and skip_step: no snapshot, no plan, no step record.
+    def _shadow_quiet_now(self) -> bool:
+        return not (self._shadow_by_request or self.shadow_parked or self.shadow_to_finish or self.shadow_running
+                    or self._shadow_step is not None) and self.shadow_hook.can_skip()
+
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        if self._shadow_quiet and not self._shadow_observers:
+            if self._shadow_skipped is not None:  # async scheduling: the previous step is still running
+                self._shadow_close_skipped(measured=False)
+            out = super().schedule(*args, **kwargs)
+            self._shadow_iteration += 1
+            if self._shadow_async:  # reported at the next schedule(), when the requests have moved on
+                shape = self._shadow_batch_shape(out)
+                predicted_s, decode_only = self.shadow_hook.latency.predict_s(shape), shape.is_decode_only
+            else:
+                predicted_s, decode_only = 0.0, self._shadow_decode_only(out)
+            self._shadow_skipped = (out, self.shadow_clock(), predicted_s, decode_only)
+            return out
+        return self._shadow_schedule(*args, **kwargs)
+
+    def _shadow_schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        """``schedule()`` while shadows exist (or may: a step is planned whenever the hook cannot skip)."""
+        if self._shadow_skipped is not None:
+            self._shadow_close_skipped(measured=False)
         if self._shadow_step is not None:  # async scheduling: the previous step is still running
             self._shadow_close_step(measured=False)
         now_s = self.shadow_clock()
         if self.shadow_running:
             self._shadow_release_running()
-        out = super().schedule(*args, **kwargs)
+        self._shadow_defer_meta = self.connector is not None
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            self._shadow_defer_meta = False
+        try:
+            return self._shadow_plan_step(out, now_s)
+        finally:
+            if self._shadow_deferred_meta is not None:
+                self._shadow_build_connector_meta(out)
+
+    def _shadow_plan_step(self, out: SchedulerOutput, now_s: float) -> SchedulerOutput:
+        """Plan (or skip) the step vLLM has scheduled as ``out`` and admit the plan's chunks into it."""
         iteration = self._shadow_iteration
         self._shadow_iteration = iteration + 1
         if not self._shadow_by_request and self.shadow_hook.can_skip():
-            if self._shadow_async:  # reported at the next schedule(), when the requests have moved on
+            if self._shadow_async:
                 shape = self._shadow_batch_shape(out)
                 predicted_s, decode_only = self.shadow_hook.latency.predict_s(shape), shape.is_decode_only
             else:
@@ -280,9 +344,14 @@ class ShadowSchedulerMixin:
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
-        step = self._shadow_step
-        if step is not None and step.output is scheduler_output:
-            self._shadow_close_step(measured=True)
+        skipped = self._shadow_skipped
+        if skipped is not None and skipped[0] is scheduler_output:  # _shadow_close_skipped(measured=True), inline
+            self._shadow_skipped = None
+            self.shadow_hook.skip_step(max(0.0, self.shadow_clock() - skipped[1]), skipped[3])
+        else:
+            step = self._shadow_step
+            if step is not None and step.output is scheduler_output:
+                self._shadow_close_step(measured=True)
         if self._shadow_by_request:  # a shadow's prefill may end in this step: it must not decode
             self._update_request_with_output = self._shadow_update_request_with_output
             try:
@@ -295,6 +364,8 @@ class ShadowSchedulerMixin:
             self._shadow_record_first_tokens(scheduler_output.num_scheduled_tokens)
         if self._shadow_by_request or self.shadow_to_finish:
             self._shadow_finish(outputs)
+        if not self._shadow_quiet:
+            self._shadow_quiet = self._shadow_quiet_now()
         return outputs
 
     def _shadow_update_request_with_output(self, request: Request, new_token_ids: list[int], *args: Any,
@@ -326,6 +397,48 @@ class ShadowSchedulerMixin:
                 self.shadow_first_token_s[rid] = now_s
                 awaiting.discard(rid)
 
+    # -- KV connectors (offloading, P/D) ---------------------------------------------------
+    # vLLM builds a step's connector metadata near the end of schedule(), before
+    # the step's requests count their scheduled tokens as computed; shadow chunks
+    # are admitted after schedule(). In a step that may admit them, the build is
+    # deferred (vLLM's own _build_kv_connector_meta seam) and done once over the
+    # whole output, shadow chunks included, with every scheduled request's
+    # num_computed_tokens as vLLM's build sees it: a connector (an
+    # OffloadingConnector storing blocks to host memory) sees the shadow's
+    # blocks like any request's. A shadow admission tells the connector of the
+    # request as vLLM's admission of a waiting one does
+    # (get_num_new_matched_tokens, update_state_after_alloc); an external hit it
+    # reports is not loaded: the shadow computes its chunk on the device.
+    def _build_kv_connector_meta(self, connector: Any, scheduler_output: SchedulerOutput) -> Any:
+        if not self._shadow_defer_meta:
+            return super()._build_kv_connector_meta(connector, scheduler_output)
+        self._shadow_deferred_meta = (connector, getattr(scheduler_output, "kv_connector_block_state", None))
+        return None
+
+    def _shadow_build_connector_meta(self, out: SchedulerOutput) -> None:
+        connector, block_state = self._shadow_deferred_meta
+        self._shadow_deferred_meta = None
+        requests, scheduled = self.requests, out.num_scheduled_tokens
+        if block_state is not None:
+            block_state.req_ids.update(scheduled)
+            out.kv_connector_block_state = block_state
+        for rid, n in scheduled.items():  # as at vLLM's build: before _update_after_schedule
+            requests[rid].num_computed_tokens -= n
+        try:
+            out.kv_connector_metadata = super()._build_kv_connector_meta(connector, out)
+        finally:
+            for rid, n in scheduled.items():
+                requests[rid].num_computed_tokens += n
+            if block_state is not None:
+                out.kv_connector_block_state = None  # connector-only state is not sent to workers (as vLLM)
+
+    def _shadow_close_skipped(self, measured: bool) -> None:
+        """Report the quiet path's open step (``skip_step``), measured or predicted as ``_shadow_close_step``."""
+        _, end_of_schedule_s, predicted_s, decode_only = self._shadow_skipped
+        self._shadow_skipped = None
+        duration_s = self.shadow_clock() - end_of_schedule_s if measured else predicted_s
+        self.shadow_hook.skip_step(max(0.0, duration_s), decode_only)
+
     def _shadow_close_step(self, measured: bool) -> None:
         step = self._shadow_step
         assert step is not None
@@ -342,8 +455,10 @@ class ShadowSchedulerMixin:
         shape's ``is_decode_only``: every request has its first token and
         ``before >= num_tokens - 1``), without building it (synchronous
         scheduling: ``num_computed_tokens`` already counts this step's)."""
-        scheduled, requests = out.num_scheduled_tokens, self.requests
-        if not scheduled or not self.shadow_first_token_s.keys() >= scheduled.keys():
+        scheduled, requests, awaiting = out.num_scheduled_tokens, self.requests, self._shadow_awaiting_first
+        # Every scheduled request is a normal or routed one (shadows are admitted after this test), and such
+        # a live request is in ``_shadow_awaiting_first`` exactly until it has its first token.
+        if not scheduled or awaiting and not awaiting.isdisjoint(scheduled):
             return False
         if not out.scheduled_spec_decode_tokens and self._shadow_prefill_flag:
             # Without draft tokens a request with n > 1 is a prefill (num_computed <= num_tokens), and
@@ -452,6 +567,11 @@ class ShadowSchedulerMixin:
         if num_hit != grant.start_token:  # the cache changed under the plan: re-read it next step
             entry.job.validated_at = None
             return 0
+        connector = self.connector
+        if connector is not None:  # as vLLM's admission of a waiting request (block-aligned local hit)
+            num_external, _ = connector.get_num_new_matched_tokens(request, num_hit)
+            if num_external is None:  # the connector cannot tell yet: not this step
+                return 0
         with self.shadow_bridge.shadow_allocation(now_s, (b for group in blocks.blocks for b in group)):
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, grant.num_tokens, num_new_computed_tokens=num_hit, new_computed_blocks=blocks,
@@ -459,6 +579,8 @@ class ShadowSchedulerMixin:
             )
         if new_blocks is None:
             return 0
+        if connector is not None:
+            connector.update_state_after_alloc(request, self.kv_cache_manager.get_blocks(rid), 0)
         resumed = request.status == RequestStatus.PREEMPTED
         del self.shadow_parked[rid]
         self.shadow_running.add(rid)
@@ -487,7 +609,9 @@ class ShadowSchedulerMixin:
         for entry in idle:
             missing = entry.job.num_missing_tokens
             if missing == 0 or stuck or self._shadow_never_runs:
-                reason = STOP_PREFILLED if missing == 0 else STOP_BELOW_N_MIN if stuck else STOP_NO_SHADOW
+                reason = STOP_PREFILLED if missing == 0 else ShadowStop(
+                    ShadowEnd.BELOW_N_MIN if stuck else ShadowEnd.NO_SHADOW, entry.job.num_held_tokens,
+                ).to_stop_reason()
                 self.shadow_to_finish.setdefault(entry.request_id, (RequestStatus.FINISHED_STOPPED, reason))
         if not self.shadow_to_finish:
             return

@@ -17,7 +17,7 @@ from shadow_vllm.scheduler import (
     ShadowScheduler,
 )
 
-from shadowcore.wire import ShadowTag, TagKind
+from shadowcore.wire import ShadowEnd, ShadowTag, TagKind, parse_stop
 
 BLOCK = 32
 
@@ -129,9 +129,11 @@ def test_tail_below_n_min_finishes_the_shadow(shadow_llm, engines) -> None:
     before = stats.num_shadow_tokens
     context = _tokens(11, 37 * BLOCK + 5)
     out = _run(shadow_llm, [("shadow-t", context, _params(1, _shadow("s11")))])["shadow-t"]
-    assert out.outputs[0].stop_reason == STOP_BELOW_N_MIN
+    stop = parse_stop(out.outputs[0].stop_reason)
+    assert stop.end is ShadowEnd.BELOW_N_MIN
     computed = stats.num_shadow_tokens - before
     assert 0 < 37 * BLOCK - computed < 256
+    assert stop.num_held_tokens == computed  # the gateway counts this, not the whole prompt
     switch = _run(shadow_llm, [("switch-t", context, _params(1, _routed("s11")))])["switch-t"]
     assert switch.num_cached_tokens == computed
 
@@ -176,7 +178,7 @@ def test_shadow_held_back_while_an_admission_is_blocked(engines) -> None:
     engine.add_request("fifth", {"prompt_token_ids": _tokens(30, 1000)}, _params(2))
     engine.add_request("sh", {"prompt_token_ids": _tokens(31, 1200)}, _params(1, _shadow("s31")))
     done = _run(llm, [])
-    assert done["sh"].outputs[0].stop_reason in (STOP_PREFILLED, STOP_BELOW_N_MIN)
+    assert done["sh"].outputs[0].stop_reason.startswith((STOP_PREFILLED, STOP_BELOW_N_MIN))
     steps_waiting = [s for s, w in zip(rec.steps, waited, strict=True) if w]
     assert len(steps_waiting) >= 3, "the fifth request must have waited for memory"
     assert all(s.get("sh", 0) == 0 for s in steps_waiting)
