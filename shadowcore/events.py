@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 
 import attrs
@@ -60,6 +61,26 @@ class EventLoop:
         self.now_s = time_s
         self.num_events += 1
         return True
+
+    def inline_horizon_s(self) -> float:
+        """For the action of the event being run: events of its own that end
+        strictly before this time may be run inline (each as ``advance_to``
+        would: the very next event ``run`` pops); ``-inf`` when ``run`` has a
+        bound or a stop condition (nothing may be run inline), ``inf`` when
+        nothing is queued."""
+        if not self._free_running:
+            return -math.inf
+        return self._heap[0][0] if self._heap else math.inf
+
+    def advance_inline(self, time_s: float, num_events: int) -> None:
+        """``num_events`` events before :meth:`inline_horizon_s` were run inline
+        by the current action, the last at ``time_s``: count them, move the clock."""
+        if num_events <= 0:
+            return
+        if not self._free_running or time_s < self.now_s or (self._heap and self._heap[0][0] <= time_s):
+            raise ValueError(f"inline events up to {time_s} are not before the next queued event (now {self.now_s})")
+        self.now_s = time_s
+        self.num_events += num_events
 
     def __len__(self) -> int:
         return len(self._heap)

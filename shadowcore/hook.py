@@ -139,6 +139,33 @@ class EngineHook:
         n = missing // block * block
         return n == 0 or n < slack.n_min
 
+    def quiet_until_event(self) -> bool:
+        """True when :meth:`can_skip` holds and keeps holding until something
+        outside this instance's steady iterations happens: no observer, a
+        skippable controller, and one that never grants or no pending job on
+        this instance (a job becomes pending only through the router side or
+        a routed call's output, both events of their own)."""
+        slack = self.slack
+        if self.observers.observers or not slack.skippable or self._pending is not None:
+            return False
+        return slack.never_grants or not self.manager.pending_jobs(self.instance_id)
+
+    def plans_nothing(self) -> bool:
+        """True when :meth:`begin_step` on *any* snapshot would plan no grant
+        and change no state but what :meth:`skip_step` does: no observer and a
+        :attr:`~SlackController.skippable` controller that
+        :attr:`~SlackController.never_grants`. An engine may then build no
+        snapshot at all and report each iteration (empty ones with 0.0 s)
+        through :meth:`skip_step`."""
+        slack = self.slack
+        return slack.never_grants and slack.skippable and not self.observers.observers and self._pending is None
+
+    def skip_step_does_something(self) -> bool:
+        """False when :meth:`skip_step` is a no-op (the controller keeps the
+        base ``observe_skipped``, which does nothing): an engine may then
+        leave the calls out."""
+        return type(self.slack).observe_skipped is not SlackController.observe_skipped
+
     def skip_step(self, duration_s: float, decode_only: bool) -> None:
         """An iteration :meth:`can_skip` allowed ran for ``duration_s``: the
         controller's accounting for it (``commit`` + ``observe`` of a plan

@@ -29,6 +29,9 @@ import attrs
 
 from shadowcore.types import JobKey
 
+_MIX = 0x9E3779B97F4A7C15  # odd: i -> i * _MIX mod 2**64 is a bijection
+_MASK64 = (1 << 64) - 1
+
 
 def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
@@ -89,8 +92,10 @@ class SessionHistory:
 
     def _hashes(self, block_size: int, start: int, end: int, parent: int) -> Iterable[int]:
         if self.token_ids is None:
-            prefix = f"{self.session_id}\x00{self.epoch}\x00".encode()
-            return [_digest(prefix + struct.pack("<q", i)) for i in range(start, end)]
+            # (session, epoch, i): a 64-bit digest of (session, epoch) xor i times an odd constant (a bijection of
+            # i mod 2**64): distinct within an epoch, independent across them; one digest per call, not per block.
+            base = _digest(f"{self.session_id}\x00{self.epoch}".encode())
+            return [base ^ ((i + 1) * _MIX & _MASK64) for i in range(start, end)]
         out = []
         for i in range(start, end):
             block = self.token_ids[i * block_size : (i + 1) * block_size]

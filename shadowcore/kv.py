@@ -248,18 +248,23 @@ class KVClassManager:
         # evicted before its tail): share them as extend() does, never
         # overwrite them (that leaked blocks and left in-use blocks idle).
         rest = hashes[match.num_device_blocks :]
-        shared = [h for h in rest if h in self._blocks]
-        fresh = [h for h in rest if h not in self._blocks]
+        blocks = self._blocks
+        shared = [h for h in rest[1:] if h in blocks]  # rest[0] is the first miss (not cached)
+        fresh = [h for h in rest if h not in blocks] if shared else rest
         num_new = len(fresh) + num_private_blocks
         if not self._can_take(num_new, kv_class, now_s, exclude=[*hits, *shared]):
             return None
         used = self._ref_hits(hits, kv_class)
         self._ref_hits(shared, kv_class)
-        self._take(num_new, kv_class, now_s, protect=set(hashes))
+        # Nothing of ``hashes`` is idle now (hits and shared are referenced, the rest is not cached), so no
+        # eviction can touch it: no protect set is needed.
+        self._take(num_new, kv_class, now_s, protect=())
         host_hits = hashes[match.num_device_blocks : match.num_blocks]
+        if self._host:
+            for h in fresh:
+                self._host.pop(h, None)  # device and host tier stay disjoint
         for h in fresh:
-            self._host.pop(h, None)  # device and host tier stay disjoint
-            self._blocks[h] = _Block(kv_class, ref_count=1)
+            blocks[h] = _Block(kv_class, 1)
         self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks)
         self.num_reloaded_blocks += len(host_hits)
         reload_s = self.reload_seconds(len(host_hits))
@@ -278,10 +283,10 @@ class KVClassManager:
         if not self._can_take(num_new, owner.kv_class, now_s, exclude=shared):
             return False
         self._ref_hits(shared, owner.kv_class)
-        self._take(num_new, owner.kv_class, now_s, protect=set(hashes))
+        self._take(num_new, owner.kv_class, now_s, protect=())  # as in allocate: nothing of hashes is idle
         for h in fresh:
             self._host.pop(h, None)
-            self._blocks[h] = _Block(owner.kv_class, ref_count=1)
+            self._blocks[h] = _Block(owner.kv_class, 1)
         owner.hashes.extend(hashes)
         owner.num_private_blocks += num_private_blocks
         return True
@@ -301,7 +306,7 @@ class KVClassManager:
             return False
         for o, n in needs:
             owners[o].num_private_blocks += n
-        self._take(total, KVClass.NORMAL, now_s, protect=set())
+        self._take(total, KVClass.NORMAL, now_s, protect=())
         return True
 
     def release(self, owner_id: str, now_s: float) -> None:
@@ -341,6 +346,8 @@ class KVClassManager:
         calls run."""
         owner = self._owners[owner_id]
         blocks = self._blocks
+        if self._release_and_cache_chain(owner_id, owner, hashes, now_s):
+            return
         held = set(owner.hashes)
         match = self.match_prefix(hashes)
         fresh = [h for h in hashes[match.num_device_blocks :] if h not in blocks]
@@ -370,8 +377,60 @@ class KVClassManager:
         self.num_reloaded_blocks += match.num_host_blocks
         for h in fresh:
             self._host.pop(h, None)
-            blocks[h] = _Block(KVClass.NORMAL, ref_count=1)
+            blocks[h] = _Block(KVClass.NORMAL, 1)
         self._unref(reversed(hashes), hits, now_s)  # the cache owner's release
+
+    def _release_and_cache_chain(self, owner_id: str, owner: _Owner, hashes: Sequence[int], now_s: float) -> bool:
+        """release_and_cache's usual case, in one pass per block: a normal
+        owner whose blocks are the head of ``hashes`` (no repeats) and whose
+        tail is not cached at all and fits in free blocks plus the owner's
+        private ones. The general short way would find the head held, no
+        other hit, the tail fresh; the cache owner's release then makes the
+        tail idle (last block first) and the head loses the owner's reference,
+        in that order, with consecutive release tokens. False (nothing
+        changed) when the case does not apply."""
+        k = len(owner.hashes)
+        blocks = self._blocks
+        if owner.kv_class is not KVClass.NORMAL or len(hashes) < k or list(hashes[:k]) != owner.hashes:
+            return False
+        tail = hashes[k:]
+        if (len(tail) > self.num_free_blocks + owner.num_private_blocks or any(h in blocks for h in tail)
+                or len(set(hashes)) != len(hashes)):
+            return False
+        del self._owners[owner_id]
+        self.num_free_blocks += owner.num_private_blocks - len(tail)
+        host = self._host
+        if host:
+            n_host = 0
+            for h in tail:  # match_prefix's host part: the tail's cached run in the host tier
+                if h not in host:
+                    break
+                n_host += 1
+            self.num_reloaded_blocks += n_host
+            for h in tail:
+                host.pop(h, None)
+        idle = self._idle
+        normal_idle = idle[KVClass.NORMAL]
+        token = first = self._num_releases
+        newly_idle = []
+        for h in reversed(tail):
+            token += 1
+            blocks[h] = _Block(KVClass.NORMAL, 0, now_s, token)
+            newly_idle.append(h)
+            normal_idle[h] = None
+        for h in reversed(owner.hashes):
+            block = blocks[h]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                block.idle_since_s = now_s
+                token += 1
+                block.idle_token = token
+                newly_idle.append(h)
+                idle[block.kv_class][h] = None
+        self._num_releases = token
+        if newly_idle:
+            self._cold_queue.append((now_s, newly_idle, first))
+        return True
 
     def reload_seconds(self, num_blocks: int) -> float:
         host = self.policy.host
@@ -386,6 +445,8 @@ class KVClassManager:
         if num <= self.num_free_blocks:
             return True
         excluded = {h for h in exclude if self._blocks[h].ref_count == 0}
+        if kv_class is KVClass.NORMAL:  # any idle block but the excluded ones (all idle: ref count 0)
+            return self.num_free_blocks + self.num_idle_blocks - len(excluded) >= num
         available = self.num_free_blocks
         for cls in (KVClass.SHADOW, KVClass.NORMAL):
             for h in self._idle[cls]:
@@ -432,9 +493,7 @@ class KVClassManager:
         for cls in (KVClass.SHADOW, KVClass.NORMAL):
             idle = self._idle[cls]
             if not protect and requester is KVClass.NORMAL:  # nothing skipped: the LRU head
-                victims = list(itertools.islice(idle, num))
-                self._evict_blocks(victims, cls)
-                num -= len(victims)
+                num -= self._evict_head(min(num, len(idle)), cls)
                 if num == 0:
                     return
                 continue
@@ -454,6 +513,26 @@ class KVClassManager:
             if num == 0:
                 return
         raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
+
+    def _evict_head(self, num: int, cls: KVClass) -> int:
+        """``_evict_blocks`` of the first ``num`` idle blocks of ``cls`` (LRU
+        order), popped from the head; returns ``num``."""
+        if num <= 0:
+            return 0
+        if self.policy.host is not None:
+            self._evict_blocks(list(itertools.islice(self._idle[cls], num)), cls)
+            return num
+        idle, blocks = self._idle[cls], self._blocks
+        num_cold = 0
+        for _ in range(num):
+            if blocks.pop(idle.popitem(last=False)[0]).cold:
+                num_cold += 1  # _leave_idle (the evicted block object is dropped)
+        self._num_cold_idle -= num_cold
+        if cls is KVClass.SHADOW:
+            self.num_shadow_blocks -= num
+        self.num_evicted_blocks[cls] += num
+        self.eviction_count += num
+        return num
 
     def _evict_blocks(self, victims: list[int], cls: KVClass) -> None:
         """Drop idle blocks of one class from the device, in order (to the host tier if any)."""

@@ -51,7 +51,9 @@ MUTATIONS: dict[str, tuple] = {
     "lru-mru": (UNIT, "test_evict_shadow_before_normal_and_lru_within_class", "shadowcore/kv.py",
                 "            for h in idle:\n                if len(victims) == num:\n",
                 "            for h in reversed(idle):\n                if len(victims) == num:\n",
-                "victims = list(itertools.islice(idle, num))", "victims = list(itertools.islice(reversed(idle), num))"),
+                "self._evict_blocks(list(itertools.islice(self._idle[cls], num)), cls)",
+                "self._evict_blocks(list(itertools.islice(reversed(self._idle[cls]), num)), cls)",
+                "blocks.pop(idle.popitem(last=False)[0])", "blocks.pop(idle.popitem(last=True)[0])"),
     "young": (UNIT, "test_shadow_never_displaces_young_entry", "shadowcore/kv.py",
               "return now_s - idle_since_s > self.cold_age_s", "return now_s - idle_since_s >= self.cold_age_s"),
     "order-hook": (UNIT, "test_jobs_served_in_nonincreasing_switch_probability", "shadowcore/hook.py",
@@ -90,7 +92,8 @@ MUTATIONS: dict[str, tuple] = {
                    "        self._unref(reversed(owner.hashes), (), now_s)", "        self._unref(owner.hashes, (), now_s)"),
     "cold-count": ("tests/test_kv_room.py", "test_shadow_room_matches_definition", "shadowcore/kv.py",
                    "            block = blocks.pop(h)\n            self._leave_idle(block)\n",
-                   "            block = blocks.pop(h)\n"),
+                   "            block = blocks.pop(h)\n",
+                   "                num_cold += 1  # _leave_idle", "                pass  # _leave_idle"),
 }
 
 

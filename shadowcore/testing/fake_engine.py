@@ -29,6 +29,11 @@ Invariants (tested in ``tests/test_engine.py``):
 * a shadow chunk runs only when the hook's plan granted it, and never more
   tokens than granted.
 
+Runs of steady decode iterations with nothing to do at their ends (no
+finish, no request waiting, no grant possible before the next event) are taken
+in one call (``EngineInstance.run_steady``): every iteration still happens,
+with the same durations, busy time, clock values, credit and KV reservations.
+
 Between two steady decode iterations, a running normal request's
 ``num_computed_tokens``, ``num_generated`` and history count may lag (the lazy
 decode cohort, ``EngineInstance.lazy_decodes``); they are exact whenever the
@@ -167,6 +172,8 @@ class EngineInstance:
     _longest: list = attrs.Factory(list)  # heap (-(context - clock), run_seq, request)
     _num_admitted: int = 0
     num_lazy_finishes: int = 0  # requests that finished as cohort members (a diagnostic)
+    steady_runs: bool = True  # run_steady may take runs of plain ticks (off: one round trip per iteration)
+    num_steady_ticks: int = 0  # iteration ends taken by run_steady (a diagnostic)
 
     def energy_j(self, wall_s: float) -> float:
         """GPU energy over ``wall_s``: idle power throughout, busy power while iterating."""
@@ -199,6 +206,8 @@ class EngineInstance:
         if self._cohort:
             self._drop_cohort()
         batch, blocked = self._schedule(now_s)
+        if self.hook is None or self.hook.plans_nothing():
+            return self._start_unplanned(batch, now_s)
         used = sum(n for _, n in batch)
         with _validation(self.validate_values):
             snapshot = StepSnapshot(
@@ -218,7 +227,32 @@ class EngineInstance:
             r.pending_reload_s = 0.0
         duration = self.latency.predict_s(snapshot.batch_shape.with_prefills(chunks)) + reload_s
         self.last_batch_tokens = used + sum(c.num_new_tokens for c in chunks)
-        self._step = (batch, results, duration)
+        self._step = (batch, results, duration, None)
+        self.busy = True
+        return now_s + duration
+
+    def _start_unplanned(self, batch: list[tuple[EngineRequest, int]], now_s: float) -> float | None:
+        """start_step's rest when no hook can plan anything (none, or
+        ``plans_nothing``): no snapshot and no shadow chunk; the batch's shape
+        is the snapshot's (prefill chunks, then decode contexts, each in batch
+        order), and the hook hears of the iteration through ``skip_step``."""
+        if not batch:
+            if self.hook is not None:
+                self.hook.skip_step(0.0, False)
+            self.iteration += 1
+            return None
+        reload_s = 0.0
+        prefills, decodes = [], []
+        for r, n in batch:
+            reload_s += r.pending_reload_s
+            r.pending_reload_s = 0.0
+            if r.is_decoding:
+                decodes.append(r.num_computed_tokens)
+            else:
+                prefills.append(PrefillChunk(n, r.num_computed_tokens))
+        duration = self.latency.predict_s(BatchShape(prefills, decodes)) + reload_s
+        self.last_batch_tokens = sum(n for _, n in batch)
+        self._step = (batch, [], duration, bool(decodes) and not prefills)
         self.busy = True
         return now_s + duration
 
@@ -226,7 +260,7 @@ class EngineInstance:
         if self._step is None:
             self._end_steady(now_s)
             return
-        batch, results, duration = self._step
+        batch, results, duration, decode_only = self._step  # decode_only: None when the hook planned it
         self._step = None
         self.busy = False
         self.busy_s += duration
@@ -236,7 +270,10 @@ class EngineInstance:
                 self.kv.release(_shadow_owner(r.grant), now_s)
                 self.num_shadow_tokens += r.num_computed_tokens
         if self.hook is not None:
-            self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
+            if decode_only is None:
+                self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
+            else:
+                self.hook.skip_step(duration, decode_only)
         self.iteration += 1
         for req, n in batch:
             if req in self.running:  # not preempted meanwhile
@@ -383,6 +420,114 @@ class EngineInstance:
             self._advance_all(now_s)
         self._steady = bool(self.running)
 
+    # -- runs of steady iterations (macro-steps) --------------------------------------
+    # Between two events of the run, a lazy cohort with no eager request, no
+    # waiting request and a hook that provably grants nothing until the next
+    # event has a fully determined future: each iteration's end is a clock
+    # tick (no finish), its block boundaries are reservations that cannot
+    # preempt (checked before the end is taken), and the next duration comes
+    # from the aggregates (every context + 1, the longest + 1). run_steady
+    # does exactly what end_step + start_step would for each such iteration,
+    # in the same order and with the same float operations (busy time and the
+    # clock are the same sums in the same order, the controller gets each
+    # skip_step), without the Python round trips in between.
+
+    def can_run_steady(self) -> bool:
+        """A steady iteration is in flight and :meth:`run_steady` may run: the
+        class keeps this class's ``start_step`` and ``end_step`` (a subclass's
+        per-iteration additions must run), the
+        lazy cohort holds every running request, nothing waits, and the hook
+        (if any) grants nothing until the next event: it can skip now, and
+        its controller never grants or this instance has no pending job (a
+        job becomes pending only through another event)."""
+        cls = type(self)
+        if (not self.steady_runs or self._step is not None or not self._cohort or self._eager or self.waiting or self._due
+                or not self.busy or getattr(self.latency, "predict_decodes_s", None) is None
+                or cls.end_step is not EngineInstance.end_step or cls.start_step is not EngineInstance.start_step):
+            return False
+        return self.hook is None or self.hook.quiet_until_event()
+
+    def run_steady(self, now_s: float, horizon_s: float) -> tuple[float, int, float]:
+        """The steady iteration in flight ends at ``now_s`` (the clock is
+        there). While its end is a plain tick (no cohort member finishes; the
+        block boundaries reached so far fit in free and idle blocks) end it
+        and start the next, which must end strictly before ``horizon_s`` to be
+        ended here too. Only after :meth:`can_run_steady`. Returns (time of
+        the last end taken here, number of ends taken, end of the iteration
+        now in flight); with 0 ends nothing changed.
+
+        The block reservations of all these starts go to the KV manager in one
+        ``extend_private`` at the end: nothing is released in between and a
+        normal owner's growth takes free blocks, then LRU idle blocks, with no
+        regard to time or owner order, so one call leaves exactly the state of
+        the calls one by one (``tests/sim/test_speed_equivalence_macro.py``)."""
+        finish, lazy_due = self._lazy_finish, self._lazy_due
+        predict, kv = self.latency.predict_decodes_s, self.kv
+        skip = self.hook.skip_step if self.hook is not None and self.hook.skip_step_does_something() else None
+        nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
+        next_finish = finish[0][0] if finish else math.inf
+        room = kv.num_free_blocks + kv.num_idle_blocks  # what reservations here may take
+        needs: list[tuple[str, int]] = []
+        t, last, d, busy, num = now_s, now_s, self._steady_s, self.busy_s, 0  # t: the in-flight iteration's end
+        try:
+            while True:
+                c = clock + 1
+                if c >= next_finish:
+                    break
+                if lazy_due and lazy_due[0][0] <= c:
+                    room = self._reserve_due(c, room, needs)
+                    if room < 0:
+                        break
+                busy += d  # the end of the iteration in flight (end_step)
+                clock, last = c, t
+                num += 1
+                if skip is not None:
+                    skip(d, True)
+                total += nd
+                longest += 1
+                d = predict(nd, total, longest)  # the next iteration (start_step); may raise, as start_step would
+                t += d
+                if t >= horizon_s:
+                    break
+        finally:  # the state of the ends taken (also when the latency model raised)
+            if needs:
+                kv.extend_private(needs, last)  # fits: checked against room
+            if num:
+                self.busy_s = busy
+                self.num_iterations_run += num
+                self.num_fast_iterations = clock
+                self.num_steady_ticks += num
+                self.iteration += num
+                self._ctx_total, self._ctx_max, self._steady_s = total, longest, d
+        return last, num, t
+
+    def _reserve_due(self, clock: int, room: int, needs: list) -> int:
+        """The cohort members whose block boundary ``clock`` reaches get their
+        blocks (as _start_steady would after the end at ``clock``), appended
+        to ``needs``, when they fit in ``room``; returns the room left, or -1
+        with nothing changed when they do not fit."""
+        lazy_due, bs = self._lazy_due, self.kv.block_size
+        due = []
+        total = 0
+        while lazy_due and lazy_due[0][0] <= clock:
+            entry = heapq.heappop(lazy_due)
+            req = entry[2]
+            if req.finish_s is None:
+                need = -(-(req.num_computed_tokens + clock - req.lazy_base + 2) // bs) - req.num_blocks
+                due.append((entry, need))
+                if need > 0:
+                    total += need
+        if total > room:
+            for entry, _ in due:
+                heapq.heappush(lazy_due, entry)
+            return -1
+        for (_, seq, req), need in due:
+            if need > 0:
+                needs.append((req.owner_id, need))
+                req.num_blocks += need
+            heapq.heappush(lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens, seq, req))
+        return room - total
+
     def _advance_all(self, now_s: float) -> None:
         """Every running request, one by one: one token, finish or block check."""
         bs = self.kv.block_size
@@ -459,12 +604,20 @@ class EngineInstance:
     def _schedule(self, now_s: float) -> tuple[list[tuple[EngineRequest, int]], bool]:
         budget = self.limits.token_budget
         batch: list[tuple[EngineRequest, int]] = []
+        running, bs, preemptions = self.running, self.kv.block_size, self.num_preemptions
         for decoding in (True, False):  # decodes first, then in-flight prefill chunks
-            for req in list(self.running):
-                if req.is_decoding != decoding or budget <= 0 or req not in self.running:
+            for req in list(running):
+                if budget <= 0:
+                    break
+                left = req.num_prompt_tokens + req.num_generated - req.num_computed_tokens
+                if (left == 1 and req.first_token_s is not None) != decoding:  # is_decoding, inlined
                     continue
-                n = min(budget, req.num_tokens - req.num_computed_tokens)
-                if not self._reserve(req, req.num_computed_tokens + n, now_s, batch):
+                if self.num_preemptions != preemptions and req not in running:  # preempted meanwhile
+                    continue
+                n = min(budget, left)
+                # _reserve, when it has blocks to find (without any, it changes nothing)
+                if (-(-(req.num_computed_tokens + n + 1) // bs) > req.num_blocks
+                        and not self._reserve(req, req.num_computed_tokens + n, now_s, batch)):
                     continue
                 batch.append((req, n))
                 budget -= n

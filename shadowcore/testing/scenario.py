@@ -148,9 +148,22 @@ class EngineCluster:
     def _on_step_end(self, inst: EngineInstance) -> None:
         """End ``inst``'s iteration and start its next; while that one ends
         before any other queued event, run its end inline (what the loop
-        would pop next anyway: ``EventLoop.advance_to``)."""
+        would pop next anyway: ``EventLoop.advance_to``); runs of steady
+        iterations with nothing to do at their ends go through
+        ``EngineInstance.run_steady`` in one call."""
         loop = self.loop
+        ticks = True  # False right after run_steady stopped at an end that is not a plain tick
         while True:
+            if ticks and loop.inline_horizon_s() > loop.now_s and inst.can_run_steady():
+                last, num, end = inst.run_steady(loop.now_s, loop.inline_horizon_s())
+                if num:
+                    loop.advance_inline(last, num - 1)  # the first end is this event
+                    if not loop.advance_to(end):
+                        loop.at(end, STEP_END, lambda t, i=inst: self._on_step_end(i))
+                        return
+                    ticks = False
+                    continue
+            ticks = True
             inst.end_step(loop.now_s)
             if inst.busy:
                 return

@@ -1,0 +1,119 @@
+"""Runs of steady iterations (``EngineInstance.run_steady``) change no result.
+
+The golden file (``test_speed_equivalence.py``) pins multi-instance runs in
+which ``run_steady`` takes many iterations; this file compares, run for run,
+the same seeded scenario with ``steady_runs`` on and off, on configurations
+that stress what a run of ticks must stop for or fold together: one instance
+per model with dense normal traffic (long runs: few other events), a tight KV
+pool (reservations that do not fit, preemptions, LRU evictions folded into one
+``extend_private``), a host tier (evictions spilled in order), and the shadow
+policies (credit earned per skipped iteration, pending jobs that stop a run).
+Everything a result is made of is compared exactly: every normal request's
+times, every call record, per instance its counters, busy time, KV state and
+the idle LRU order, per hook the credit, the end time and the event count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import pytest
+from shadow_sim.simulator import SimRun, SimScenario
+
+from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.kv import KVClass
+from shadowcore.testing.scenario import FakeRun, FakeScenario
+
+from .test_speed_equivalence import _same
+
+_FAKE_ONE = {"instances_per_model": 1, "duration_s": 50.0, "warmup_s": 5.0, "session_rate_per_s": 0.05,
+             "calls_per_session": 4, "normal_rate_per_s": 6.0, "normal_output_median": 300, "seed": 5}
+_SIM_ONE = {"models": ["Qwen2.5-7B", "Llama-3.1-8B"], "latency": "roofline", "instances_per_model": 1,
+            "duration_s": 30.0, "warmup_s": 5.0, "session_rate_per_s": 0.1, "calls_per_session": 4,
+            "normal_rate_per_s": 8.0, "normal_output_median": 300, "seed": 9}
+
+CASES: dict[str, tuple[str, dict, str]] = {
+    "fake-one-no-shadow": ("fake", _FAKE_ONE, "no-shadow"),
+    "fake-one-no-shadow-tight-kv": ("fake", {**_FAKE_ONE, "num_blocks": 900}, "no-shadow"),
+    "fake-one-harvest-slo-host-tight-kv": ("fake", {**_FAKE_ONE, "num_blocks": 1200}, "harvest-slo-host"),
+    "fake-one-harvest": ("fake", _FAKE_ONE, "harvest"),
+    "sim-one-no-shadow": ("sim", _SIM_ONE, "no-shadow"),
+    "sim-one-harvest-slo-host": ("sim", _SIM_ONE, "harvest-slo-host"),
+}
+
+
+def _record(cls: type) -> type:
+    @attrs.define(eq=False)
+    class Recorded(cls):
+        normal_records: list = attrs.field(init=False, factory=list)
+
+        def _normal_done(self, req, now_s: float) -> None:
+            super()._normal_done(req, now_s)
+            self.normal_records.append((req.request_id, req.arrival_s, req.first_token_s, req.finish_s,
+                                        req.rejected, req.num_cached_tokens, req.num_admissions))
+
+    return Recorded
+
+
+@functools.cache
+def run_case(name: str, steady_runs: bool) -> tuple[dict, dict]:
+    backend, fields, policy = CASES[name]
+    shadow = ShadowConfig(PluginRef(policy), seed=4)
+    if backend == "fake":
+        run = _record(FakeRun)(FakeScenario.from_dict(fields), shadow)
+    else:
+        run = _record(SimRun)(SimScenario.from_dict(fields), shadow)
+    for inst in run.cluster.by_id.values():
+        inst.steady_runs = steady_runs
+    result = run.run()
+    insts = run.cluster.by_id.values()
+    out = {
+        "summary": dict(result.metrics),
+        "calls": [attrs.astuple(c) for c in result.calls],
+        "normal": sorted(run.normal_records),
+        "instances": {
+            i.instance_id: (i.num_iterations_run, i.iteration, i.num_fast_iterations, i.busy_s,
+                            i.num_shadow_tokens, i.num_preemptions, i.num_rejected, i.kv.eviction_count,
+                            dict(i.kv.num_evicted_blocks), i.kv.num_free_blocks, i.kv.num_cached_blocks,
+                            i.kv.num_shadow_blocks, i.kv.num_reloaded_blocks, i.kv.num_host_blocks,
+                            i.kv.idle_order(KVClass.NORMAL), i.kv.idle_order(KVClass.SHADOW))
+            for i in insts
+        },
+        "credit": {k: (h.slack.credit.balance_s, h.slack.credit.earned_s, h.slack.credit.spent_s)
+                   for k, h in sorted(run.runtime.hooks.items()) if getattr(h.slack, "credit", None) is not None},
+        "end_s": run.loop.now_s,
+        "num_events": run.loop.num_events,
+    }
+    diag = {"ticks": sum(i.num_steady_ticks for i in insts), "iterations": sum(i.num_iterations_run for i in insts),
+            "preemptions": sum(i.num_preemptions for i in insts), "evictions": sum(i.kv.eviction_count for i in insts),
+            "shadow_tokens": sum(i.num_shadow_tokens for i in insts)}
+    return out, diag
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_steady_runs_change_nothing(name: str) -> None:
+    with_runs, diag = run_case(name, True)
+    without, diag_off = run_case(name, False)
+    assert diag_off["ticks"] == 0
+    # The run actually took iterations in runs, many of them (not a vacuous comparison).
+    assert diag["ticks"] > 1000, diag
+    for key in with_runs:
+        assert _same(_lists(with_runs[key]), _lists(without[key])), f"{name}: {key} differs"
+
+
+def _lists(value):
+    """Tuples as lists, dicts keyed by strings (for ``_same``, which compares floats exactly, NaN equal)."""
+    if isinstance(value, (list, tuple)):
+        return [_lists(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _lists(v) for k, v in value.items()}
+    return value
+
+
+def test_cases_exercise_what_they_claim() -> None:
+    """The tight pools preempt and evict; the shadow case computes shadows."""
+    _, tight = run_case("fake-one-no-shadow-tight-kv", True)
+    assert tight["preemptions"] > 0 and tight["evictions"] > 0, tight
+    _, host = run_case("fake-one-harvest-slo-host-tight-kv", True)
+    assert host["evictions"] > 0 and host["shadow_tokens"] > 0, host
