@@ -174,11 +174,17 @@ class EngineHook:
 
     # -- planning -------------------------------------------------------------------
     def _refreshed_jobs(self) -> list[ShadowJob]:
+        """Pending jobs in the source's order, each checked against the cache;
+        the source is asked again only when a refresh may have changed which
+        jobs are pending (a job whose prefix got fully cached drops out)."""
         evictions = self.port.eviction_count()
-        for job in self.manager.pending_jobs(self.instance_id):
+        jobs = self.manager.pending_jobs(self.instance_id)
+        refreshed = False
+        for job in jobs:
             if job.validated_at != evictions or job.epoch != job.history.epoch:
                 job.refresh(self.port.cached_prefix_tokens(job.history), evictions)
-        return self.manager.pending_jobs(self.instance_id)
+                refreshed = True
+        return self.manager.pending_jobs(self.instance_id) if refreshed else jobs
 
     def _size(
         self, jobs: Sequence[ShadowJob], base: BatchShape, base_s: float, budget: SlackBudget, limit: int
