@@ -32,6 +32,13 @@ side in one run (all engines live in this process, trials interleaved):
 
    TTFT is wall time from ``add_request`` to the engine step that returns the
    first token, with ``engine.step()`` driven in a loop here (no gaps).
+
+   A control separates what the shadow scheduler costs from what a busy CPU
+   costs: (c) the same call right after the engine ran ``--warm-steps``
+   steps of *normal* prefill work (an untagged request of ``--warm-steps`` x
+   ``--budget`` tokens and one output token, finished before the call). On
+   this CPU a forward pass right after large steps is slower than one on an
+   idle engine whatever ran before; the second table compares (b) with (c).
 2. **Per-step overhead with no shadow jobs within 1.05x of stock.** The same
    decode-heavy batch (``--overhead-requests`` x ``--overhead-tokens``) runs on
    a stock ``Scheduler`` engine and a ``ShadowScheduler`` engine; the time
@@ -194,6 +201,9 @@ class RequestLevelMode:
     def drain(self) -> None:
         drain(self.engine, self._on_output)
 
+    def start_normal(self, rid: str, ids: Sequence[int]) -> None:
+        add(self.engine, rid, ids, 1)
+
 
 # -- mode (b): the engine-level shadow scheduler ------------------------------------------
 class EngineLevelMode:
@@ -233,6 +243,9 @@ class EngineLevelMode:
 
     def step(self) -> None:
         step(self.engine)
+
+    def start_normal(self, rid: str, ids: Sequence[int]) -> None:
+        add(self.engine, rid, ids, 1)
 
     def drain(self) -> None:
         """Run the routed work out; a shadow that slack has not finished yet is
@@ -288,7 +301,7 @@ def ttft_trials(modes: Sequence[Any], args: argparse.Namespace, tokens: Tokens) 
     call alternate which goes first, so slow drifts of the machine's load hit
     both alike); also the duration of the shadow-only steps before the routed
     call (what a call arriving mid-step would wait for at most, on top)."""
-    keys = ("idle", "shadow", "shadow_step", "shadow_tokens", "idle_parts", "shadow_parts")
+    keys = ("idle", "shadow", "work", "shadow_step", "shadow_tokens", "idle_parts", "shadow_parts")
     out = {m.name: {k: [] for k in keys} for m in modes}
     for m in modes:  # warm-up: first calls compile/allocate
         m.routed(f"warm-{m.name}", tokens(args.routed_tokens))
@@ -296,7 +309,15 @@ def ttft_trials(modes: Sequence[Any], args: argparse.Namespace, tokens: Tokens) 
     for k in range(args.trials):
         for m in modes:
             r = out[m.name]
-            for kind in (("idle", "shadow") if k % 2 == 0 else ("shadow", "idle")):
+            kinds = ("idle", "shadow", "work")
+            for kind in kinds[k % 3:] + kinds[:k % 3]:
+                if kind == "work":  # the control: normal prefill work that finished just before the call
+                    m.start_normal(f"work-{k}", tokens(args.warm_steps * args.budget))
+                    for _ in range(args.warm_steps):
+                        m.step()
+                    r["work"].append(m.routed(f"after-work-{k}", tokens(args.routed_tokens)))
+                    m.drain()
+                    continue
                 if kind == "idle":
                     r["idle"].append(m.routed(f"idle-{k}", tokens(args.routed_tokens)))
                     r["idle_parts"].append(m.last_parts())
@@ -471,8 +492,21 @@ def report_ttft(results: dict[str, dict[str, list[float]]]) -> dict[str, bool]:
         if loaded_trials < len(r["shadow_tokens"]):
             print(f"  {len(r['shadow_tokens']) - loaded_trials} trial(s) had no shadow work running before the "
                   "call: not a measurement under load")
+    _report_control(results)
     _report_parts(results)
     return met
+
+
+def _report_control(results: dict[str, dict[str, list[float]]]) -> None:
+    """The control: shadow load against the same engine right after normal prefill work."""
+    print("\nThe same call right after normal prefill work (same CPU state, no shadow), ms median [min, p90]")
+    print(f"{'mode':38s} {'after normal work':>22s} {'shadow load / it':>17s} {'95% CI':>14s} {'paired':>7s}")
+    for name, r in results.items():
+        work, loaded = statistics.median(r["work"]), statistics.median(r["shadow"])
+        lo, hi = bootstrap_ratio_ci(r["shadow"], r["work"])
+        paired = statistics.median(a / b for a, b in zip(r["shadow"], r["work"], strict=True))
+        print(f"{name:38s} {_ms(r['work'])} [{min(r['work']) * 1e3:5.2f}, {_p90(r['work']) * 1e3:5.1f}] "
+              f"{loaded / work:16.2f}x [{lo:5.2f}, {hi:5.2f}] {paired:6.2f}x")
 
 
 def _report_parts(results: dict[str, dict[str, list[float]]]) -> None:

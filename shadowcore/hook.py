@@ -201,6 +201,9 @@ class EngineHook:
             return used <= budget.budget_s, t
 
         lo, lo_s = 0, base_s
+        smallest = -(-self.slack.n_min // block)  # fewest blocks a grant may have (>= n_min tokens)
+        if smallest > upper or (0 < smallest < upper and not fits(smallest)[0]):
+            return (), base_s  # fits is monotone: nothing from n_min up fits (a routed step's small credit)
         ok, t_hi = fits(upper)
         if ok:
             lo, lo_s = upper, t_hi
