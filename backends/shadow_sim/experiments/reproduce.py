@@ -4,7 +4,7 @@ Markdown table of our numbers next to the paper's (:mod:`paper_numbers`).
 
 The grid: a main study (pairs x policies), a load study (rho), a switch-rate
 study (Markov router) and a models-per-router study (N = 2, 3, 5 small models,
-all targets vs top-1 vs our ``adaptive-host``). ``--quick`` shrinks the grid and
+all targets vs top-1 vs our ``adaptive-host`` and ``benefit-host``). ``--quick`` shrinks the grid and
 the measurement (2 instances per model, 180 s measured, one seed, peak window)
 to finish in under 30 minutes on 2 cores; the full grid uses the paper's
 settings (4 instances, 600 s after 120 s warm-up, 3 seeds x 3 windows).
@@ -30,7 +30,7 @@ from shadowcore.config import PluginRef
 from shadowcore.errors import ConfigError, PluginError
 
 MAIN_POLICIES = ("no-shadow", "host-tier", "harvest", "harvest-slo", "harvest-slo-host", "adaptive-host",
-                 "oracle", "oracle-host")
+                 "benefit-host", "oracle", "oracle-host")
 SHORT = ("no-shadow", "harvest-slo", "harvest-slo-host", "oracle-host")
 N_MODELS = ("Qwen2.5-7B", "Mistral-7B", "Llama-3.1-8B", "Mistral-Nemo-12B", "gpt-oss-20b")
 
@@ -56,7 +56,7 @@ def studies(quick: bool, override: Mapping[str, Any] | None = None,
                                                       "input_tokens_median": 1000}}, refs(SHORT)))
     nm = {**base, "instances_per_model": base.get("instances_per_model", 2) // 2 or 1}
     n_policies = (PluginRef("no-shadow"), PluginRef("harvest-slo-host"), PluginRef("harvest-slo-host", {"top_k": 1}),
-                  PluginRef("adaptive-host"), PluginRef("oracle-host"))
+                  PluginRef("adaptive-host"), PluginRef("benefit-host"), PluginRef("oracle-host"))
     for n in ((2, 5) if quick else (2, 3, 4, 5)):
         out.append(("nmodels", f"N={n}", {**nm, "models": list(N_MODELS[:n])}, n_policies))
     return out
@@ -143,7 +143,7 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path) -> list[Pa
         save(fig, name)
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    over = [p for p in ("harvest", "harvest-slo", "harvest-slo-host", "adaptive-host", "oracle-host")]
+    over = [p for p in ("harvest", "harvest-slo", "harvest-slo-host", "adaptive-host", "benefit-host", "oracle-host")]
     for ax, (metric, title, scale) in zip(axes, (
             ("prefill_tput_inc", "(a) Prefill tok/s change incl. shadow (%)", 100.0),
             ("energy_inc", "(b) Energy per good request change (%)", 100.0),
@@ -174,9 +174,9 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path) -> list[Pa
 
     nm = sorted(((int(k.split("=")[1]), c) for k, (s, c) in results.items() if s == "nmodels"), key=lambda x: x[0])
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
-    names = ["harvest-slo-host", "harvest-slo-host(top_k=1)", "adaptive-host", "oracle-host"]
+    names = ["harvest-slo-host", "harvest-slo-host(top_k=1)", "adaptive-host", "benefit-host", "oracle-host"]
     _lines(axes[0], nm, names, "call_latency_red", "(d) LLM-call latency reduction (%)", "models per router")
-    _lines(axes[1], nm, names[:3], "shadow_unused_share", "(e) Unused shadow tokens (%)", "models per router")
+    _lines(axes[1], nm, names[:4], "shadow_unused_share", "(e) Unused shadow tokens (%)", "models per router")
     axes[0].legend(fontsize=7)
     save(fig, "fig16_models_per_router.png")
     return paths
@@ -239,11 +239,26 @@ def ours(results: Mapping[str, tuple[str, Comparison]]) -> dict[str, float]:
         out["n5_top1_unused"] = _get(n5, "harvest-slo-host(top_k=1)", "shadow_unused_share")[0]
         out["n5_adaptive_call_red"] = _get(n5, "adaptive-host", "call_latency_red")[0]
         out["n5_adaptive_unused"] = _get(n5, "adaptive-host", "shadow_unused_share")[0]
+        out["n5_benefit_call_red"] = _get(n5, "benefit-host", "call_latency_red")[0]
+        out["n5_benefit_unused"] = _get(n5, "benefit-host", "shadow_unused_share")[0]
+        out["n5_benefit_wasted_vs_all"] = _wasted_ratio(n5, "benefit-host", h)
     if n2:
         out["n2_unused"] = _get(n2, h, "shadow_unused_share")[0]
     out["adaptive_switch_latency_red"] = _avg(main, "adaptive-host", "switch_latency_red")
     out["adaptive_oracle_gain_switch"] = _avg(main, "adaptive-host", "oracle_gain_switch")
+    out["benefit_switch_latency_red"] = _avg(main, "benefit-host", "switch_latency_red")
+    out["benefit_call_latency_red"] = _avg(main, "benefit-host", "call_latency_red")
     return out
+
+
+def _wasted_ratio(c: Comparison, policy: str, reference: str) -> float:
+    """Unused shadow tokens (shadow tokens x unused share, summed over runs) of ``policy``
+    relative to ``reference``'s: below 1 means fewer tokens wasted in absolute terms."""
+    def wasted(p: str) -> float:
+        return sum(m[p]["shadow_tokens"] * m[p]["shadow_unused_share"] for _s, _w, m in c.per_run
+                   if p in m and not math.isnan(m[p].get("shadow_unused_share", math.nan)))
+    ref = wasted(reference)
+    return wasted(policy) / ref if ref > 0 else math.nan
 
 
 OURS_ONLY = {
@@ -251,6 +266,11 @@ OURS_ONLY = {
     "n5_adaptive_unused": "N=5, adaptive-host (ours): unused shadow tokens",
     "adaptive_switch_latency_red": "adaptive-host (ours) switch-call latency reduction, main pairs",
     "adaptive_oracle_gain_switch": "adaptive-host (ours) share of the oracle's switch-call gain, main pairs",
+    "n5_benefit_call_red": "N=5, benefit-host (ours): LLM-call reduction",
+    "n5_benefit_unused": "N=5, benefit-host (ours): unused shadow tokens",
+    "n5_benefit_wasted_vs_all": "N=5, benefit-host (ours): unused shadow tokens, absolute, relative to all targets'",
+    "benefit_switch_latency_red": "benefit-host (ours) switch-call latency reduction, main pairs",
+    "benefit_call_latency_red": "benefit-host (ours) LLM-call latency reduction, main pairs",
 }
 
 
