@@ -29,7 +29,6 @@ import attrs
 
 from shadowcore.types import JobKey
 
-_MIX = 0x9E3779B97F4A7C15  # odd: i -> i * _MIX mod 2**64 is a bijection
 _MASK64 = (1 << 64) - 1
 
 
@@ -92,10 +91,14 @@ class SessionHistory:
 
     def _hashes(self, block_size: int, start: int, end: int, parent: int) -> Iterable[int]:
         if self.token_ids is None:
-            # (session, epoch, i): a 64-bit digest of (session, epoch) xor i times an odd constant (a bijection of
-            # i mod 2**64): distinct within an epoch, independent across them; one digest per call, not per block.
+            # (session, epoch, i): a 64-bit digest of (session, epoch) plus i + 1 mod 2**64 (a bijection of i):
+            # distinct within an epoch, independent across them; one digest per call, not per block. Consecutive
+            # values on purpose: a chain's blocks then sit in neighbouring slots of the KV manager's dicts
+            # (Python hashes an int to itself mod 2**61 - 1), which keeps its per-block work in cache.
             base = _digest(f"{self.session_id}\x00{self.epoch}".encode())
-            return [base ^ ((i + 1) * _MIX & _MASK64) for i in range(start, end)]
+            if base + end <= _MASK64:  # no wrap (all but ~end / 2**64 of bases): the same values, built in C
+                return list(range(base + start + 1, base + end + 1))
+            return [(base + i + 1) & _MASK64 for i in range(start, end)]
         out = []
         for i in range(start, end):
             block = self.token_ids[i * block_size : (i + 1) * block_size]

@@ -28,6 +28,8 @@ import enum
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import repeat
+from operator import itemgetter
 
 import attrs
 
@@ -91,13 +93,17 @@ class Allocation:
     num_shadow_blocks_used: int  # shadow blocks a normal owner hit (now promoted)
 
 
-@attrs.define(eq=False)
-class _Block:
-    kv_class: KVClass
-    ref_count: int = 0
-    idle_since_s: float = 0.0
-    idle_token: int = -1  # which release made it idle (stale cold-queue entries mismatch)
-    cold: bool = False  # idle and counted in _num_cold_idle
+# A cached block's state is one tuple ``(shadow, ref_count, idle_since_s, idle_token, cold)``:
+#   shadow        its class (True: KVClass.SHADOW); a bool, so the tuple holds atomic values only and the
+#                 garbage collector stops tracking it at its first collection (no object per block to scan)
+#   ref_count     owners holding it; 0: idle, in its class's LRU order
+#   idle_since_s  when it last went idle (0.0 if never since cached)
+#   idle_token    which release made it idle (-1 if never; stale cold-queue entries mismatch)
+#   cold          idle and counted in _num_cold_idle
+# A change replaces the tuple; a new held block of a class is one shared constant tuple.
+_KV_CLASS = (KVClass.NORMAL, KVClass.SHADOW)  # by the shadow flag
+_HELD = {KVClass.NORMAL: (False, 1, 0.0, -1, False), KVClass.SHADOW: (True, 1, 0.0, -1, False)}
+_is_cold = itemgetter(4)
 
 
 @attrs.define(eq=False)
@@ -121,7 +127,7 @@ class KVClassManager:
     num_evicted_blocks: dict[KVClass, int] = attrs.field(init=False)
     num_shadow_blocks_used: int = attrs.field(init=False, default=0)
     num_reloaded_blocks: int = attrs.field(init=False, default=0)
-    _blocks: dict[int, _Block] = attrs.field(init=False, factory=dict)
+    _blocks: dict[int, tuple] = attrs.field(init=False, factory=dict)  # hash -> state (see _HELD)
     _idle: dict[KVClass, OrderedDict[int, None]] = attrs.field(init=False)
     _owners: dict[str, _Owner] = attrs.field(init=False, factory=dict)
     _host: OrderedDict[int, KVClass] = attrs.field(init=False, factory=OrderedDict)
@@ -165,7 +171,7 @@ class KVClassManager:
 
     def class_of(self, block_hash: int) -> KVClass | None:
         block = self._blocks.get(block_hash)
-        return None if block is None else block.kv_class
+        return None if block is None else _KV_CLASS[block[0]]
 
     def is_cached(self, block_hash: int) -> bool:
         return block_hash in self._blocks
@@ -178,7 +184,7 @@ class KVClassManager:
         return list(self._idle[kv_class])
 
     def idle_since(self, block_hash: int) -> float:
-        return self._blocks[block_hash].idle_since_s
+        return self._blocks[block_hash][2]
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
         n_dev = 0
@@ -216,14 +222,9 @@ class KVClassManager:
             for h in hashes:
                 token += 1
                 block = blocks.get(h)
-                if block is not None and block.ref_count == 0 and block.idle_token == token and not block.cold:
-                    block.cold = True
+                if block is not None and block[1] == 0 and block[3] == token and not block[4]:
+                    blocks[h] = (*block[:4], True)
                     self._num_cold_idle += 1
-
-    def _leave_idle(self, block: _Block) -> None:
-        if block.cold:
-            block.cold = False
-            self._num_cold_idle -= 1
 
     # -- allocation --------------------------------------------------------------
     def allocate(
@@ -249,8 +250,11 @@ class KVClassManager:
         # overwrite them (that leaked blocks and left in-use blocks idle).
         rest = hashes[match.num_device_blocks :]
         blocks = self._blocks
-        shared = [h for h in rest[1:] if h in blocks]  # rest[0] is the first miss (not cached)
-        fresh = [h for h in rest if h not in blocks] if shared else rest
+        if blocks.keys().isdisjoint(rest):  # the usual case, tested in C (rest[0] is the first miss: not cached)
+            shared, fresh = [], rest
+        else:
+            shared = [h for h in rest[1:] if h in blocks]
+            fresh = [h for h in rest if h not in blocks]
         num_new = len(fresh) + num_private_blocks
         if not self._can_take(num_new, kv_class, now_s, exclude=[*hits, *shared]):
             return None
@@ -263,8 +267,7 @@ class KVClassManager:
         if self._host:
             for h in fresh:
                 self._host.pop(h, None)  # device and host tier stay disjoint
-        for h in fresh:
-            blocks[h] = _Block(kv_class, 1)
+        blocks.update(zip(fresh, repeat(_HELD[kv_class])))
         self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks)
         self.num_reloaded_blocks += len(host_hits)
         reload_s = self.reload_seconds(len(host_hits))
@@ -286,7 +289,7 @@ class KVClassManager:
         self._take(num_new, owner.kv_class, now_s, protect=())  # as in allocate: nothing of hashes is idle
         for h in fresh:
             self._host.pop(h, None)
-            self._blocks[h] = _Block(owner.kv_class, 1)
+            self._blocks[h] = _HELD[owner.kv_class]
         owner.hashes.extend(hashes)
         owner.num_private_blocks += num_private_blocks
         return True
@@ -323,18 +326,19 @@ class KVClassManager:
         token = first = self._num_releases
         newly_idle = []
         for h in hashes:
-            block = blocks[h]
+            shadow, ref, since, tok, cold = blocks[h]
             if not keep or h not in keep:
-                block.ref_count -= 1
-            if block.ref_count == 0:
-                block.idle_since_s = now_s
+                ref -= 1
+            if ref == 0:
                 token += 1
-                block.idle_token = token
+                blocks[h] = (shadow, 0, now_s, token, cold)
                 newly_idle.append(h)
-                idle[block.kv_class][h] = None
+                idle[_KV_CLASS[shadow]][h] = None
+            else:
+                blocks[h] = (shadow, ref, since, tok, cold)
         self._num_releases = token
         if newly_idle:
-            self._cold_queue.append((now_s, newly_idle, first))
+            self._cold_queue.append((now_s, tuple(newly_idle), first))  # ints only: the collector untracks it
 
     def release_and_cache(self, owner_id: str, hashes: Sequence[int], cache_owner_id: str, now_s: float) -> None:
         """A finished request: exactly ``release(owner_id)``, then, if it fits,
@@ -366,18 +370,22 @@ class KVClassManager:
             if block is None or h in held:
                 continue
             hits.add(h)
-            if block.ref_count == 0:
-                del self._idle[block.kv_class][h]
-                self._leave_idle(block)
-            if block.kv_class is KVClass.SHADOW:
-                block.kv_class = KVClass.NORMAL
+            shadow, ref, since, tok, cold = block
+            if ref == 0:
+                del self._idle[_KV_CLASS[shadow]][h]
+                if cold:
+                    cold = False
+                    self._num_cold_idle -= 1
+            if shadow:
+                shadow = False
                 self.num_shadow_blocks -= 1
                 used += 1
+            blocks[h] = (shadow, ref, since, tok, cold)
         self.num_shadow_blocks_used += used
         self.num_reloaded_blocks += match.num_host_blocks
         for h in fresh:
             self._host.pop(h, None)
-            blocks[h] = _Block(KVClass.NORMAL, 1)
+            blocks[h] = _HELD[KVClass.NORMAL]
         self._unref(reversed(hashes), hits, now_s)  # the cache owner's release
 
     def _release_and_cache_chain(self, owner_id: str, owner: _Owner, hashes: Sequence[int], now_s: float) -> bool:
@@ -394,7 +402,7 @@ class KVClassManager:
         if owner.kv_class is not KVClass.NORMAL or len(hashes) < k or list(hashes[:k]) != owner.hashes:
             return False
         tail = hashes[k:]
-        if (len(tail) > self.num_free_blocks + owner.num_private_blocks or any(h in blocks for h in tail)
+        if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not blocks.keys().isdisjoint(tail)
                 or len(set(hashes)) != len(hashes)):
             return False
         del self._owners[owner_id]
@@ -411,25 +419,23 @@ class KVClassManager:
                 host.pop(h, None)
         idle = self._idle
         normal_idle = idle[KVClass.NORMAL]
-        token = first = self._num_releases
-        newly_idle = []
-        for h in reversed(tail):
-            token += 1
-            blocks[h] = _Block(KVClass.NORMAL, 0, now_s, token)
-            newly_idle.append(h)
-            normal_idle[h] = None
-        for h in reversed(owner.hashes):
-            block = blocks[h]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                block.idle_since_s = now_s
+        first = self._num_releases
+        newly_idle = list(reversed(tail))  # the tail goes idle last block first, tokens first + 1, ...
+        token = first + len(newly_idle)
+        blocks.update(zip(newly_idle, [(False, 0, now_s, t, False) for t in range(first + 1, token + 1)]))
+        normal_idle.update(zip(newly_idle, repeat(None)))
+        for h in reversed(owner.hashes):  # then the head loses the owner's reference, last block first
+            shadow, ref, since, tok, cold = blocks[h]
+            if ref == 1:
                 token += 1
-                block.idle_token = token
+                blocks[h] = (shadow, 0, now_s, token, cold)
                 newly_idle.append(h)
-                idle[block.kv_class][h] = None
+                idle[_KV_CLASS[shadow]][h] = None
+            else:
+                blocks[h] = (shadow, ref - 1, since, tok, cold)
         self._num_releases = token
         if newly_idle:
-            self._cold_queue.append((now_s, newly_idle, first))
+            self._cold_queue.append((now_s, tuple(newly_idle), first))  # ints only: the collector untracks it
         return True
 
     def reload_seconds(self, num_blocks: int) -> float:
@@ -444,7 +450,7 @@ class KVClassManager:
             return False
         if num <= self.num_free_blocks:
             return True
-        excluded = {h for h in exclude if self._blocks[h].ref_count == 0}
+        excluded = {h for h in exclude if self._blocks[h][1] == 0}
         if kv_class is KVClass.NORMAL:  # any idle block but the excluded ones (all idle: ref count 0)
             return self.num_free_blocks + self.num_idle_blocks - len(excluded) >= num
         available = self.num_free_blocks
@@ -452,9 +458,7 @@ class KVClassManager:
             for h in self._idle[cls]:
                 if h in excluded:
                     continue
-                if kv_class is KVClass.SHADOW and not self.policy.shadow_may_displace(
-                    self._blocks[h].idle_since_s, now_s
-                ):
+                if kv_class is KVClass.SHADOW and not self.policy.shadow_may_displace(self._blocks[h][2], now_s):
                     break
                 available += 1
                 if available >= num:
@@ -463,16 +467,19 @@ class KVClassManager:
 
     def _ref_hits(self, hits: Sequence[int], requester: KVClass) -> int:
         used = 0
+        blocks = self._blocks
         for h in hits:
-            block = self._blocks[h]
-            if block.ref_count == 0:
-                del self._idle[block.kv_class][h]
-                self._leave_idle(block)
-            block.ref_count += 1
-            if requester is KVClass.NORMAL and block.kv_class is KVClass.SHADOW:
-                block.kv_class = KVClass.NORMAL
+            shadow, ref, since, tok, cold = blocks[h]
+            if ref == 0:
+                del self._idle[_KV_CLASS[shadow]][h]
+                if cold:
+                    cold = False
+                    self._num_cold_idle -= 1
+            if requester is KVClass.NORMAL and shadow:
+                shadow = False
                 self.num_shadow_blocks -= 1
                 used += 1
+            blocks[h] = (shadow, ref + 1, since, tok, cold)
         self.num_shadow_blocks_used += used
         return used
 
@@ -503,9 +510,7 @@ class KVClassManager:
                     break
                 if h in protect:
                     continue
-                if requester is KVClass.SHADOW and not self.policy.shadow_may_displace(
-                    self._blocks[h].idle_since_s, now_s
-                ):
+                if requester is KVClass.SHADOW and not self.policy.shadow_may_displace(self._blocks[h][2], now_s):
                     break
                 victims.append(h)
             self._evict_blocks(victims, cls)
@@ -522,12 +527,13 @@ class KVClassManager:
         if self.policy.host is not None:
             self._evict_blocks(list(itertools.islice(self._idle[cls], num)), cls)
             return num
-        idle, blocks = self._idle[cls], self._blocks
-        num_cold = 0
-        for _ in range(num):
-            if blocks.pop(idle.popitem(last=False)[0]).cold:
-                num_cold += 1  # _leave_idle (the evicted block object is dropped)
-        self._num_cold_idle -= num_cold
+        idle = self._idle[cls]
+        victims = list(itertools.islice(idle, num))
+        deque(map(idle.pop, victims), 0)
+        if self._num_cold_idle:  # _leave_idle of each (dropped)
+            self._num_cold_idle -= sum(map(_is_cold, map(self._blocks.pop, victims)))
+        else:  # no block is cold
+            deque(map(self._blocks.pop, victims), 0)
         if cls is KVClass.SHADOW:
             self.num_shadow_blocks -= num
         self.num_evicted_blocks[cls] += num
@@ -540,8 +546,8 @@ class KVClassManager:
         spill = self.policy.host is not None
         for h in victims:
             del idle[h]
-            block = blocks.pop(h)
-            self._leave_idle(block)
+            if blocks.pop(h)[4]:  # it was counted cold
+                self._num_cold_idle -= 1
             if spill:
                 self._spill(h, cls)
         if cls is KVClass.SHADOW:
