@@ -25,7 +25,13 @@ through the pool itself):
 * A block in use is never evicted (vLLM's rule; the bridge only reorders
   idle blocks).
 * With no shadow request ever, every allocation returns the blocks stock
-  vLLM returns (the queue's front), so the subclass schedules as stock.
+  vLLM returns (the queue's front), so the subclass schedules as stock. A
+  ``lazy`` bridge (the scheduler's) is not even attached until
+  :meth:`ShadowKVBridge.attach` (the first shadow request): until then vLLM's
+  pool and queue run their own classes, at no cost. Blocks cached before the
+  attachment count as idle from that moment (their true release time is not
+  known), so the cold-age rule protects them for ``cold_age_s`` more: the
+  conservative side for normal traffic.
 
 Times are seconds on the scheduler's clock (``shadow_clock``).
 """
@@ -43,7 +49,7 @@ from shadowcore.kv import KVClass, KVClassPolicy
 class ShadowKVBridge:
     """Shadow/normal classes, shadow cap and cold age for one vLLM block pool."""
 
-    def __init__(self, pool: Any, policy: KVClassPolicy, clock: Callable[[], float]) -> None:
+    def __init__(self, pool: Any, policy: KVClassPolicy, clock: Callable[[], float], *, lazy: bool = False) -> None:
         self.pool = pool
         self.policy = policy
         self.clock = clock
@@ -57,14 +63,25 @@ class ShadowKVBridge:
         self.num_promoted_blocks = 0
         self._shadow_now_s: float | None = None  # set while a shadow request allocates
         self._shadow_hit_ids: frozenset[int] = frozenset()
-        queue = pool.free_block_queue
+        self.attached = False
+        if not lazy:
+            self.attach()
+
+    def attach(self) -> None:
+        """Hook into the pool and its free queue (once): from now on the
+        bridge sees every block that goes idle, is evicted or is touched."""
+        if self.attached:
+            return
+        pool, queue = self.pool, self.pool.free_block_queue
+        now_s = self.clock()
         for block in queue.get_all_free_blocks():
             if block.block_hash is not None:
-                self.idle[KVClass.NORMAL][block.block_id] = self.clock()
+                self.idle[KVClass.NORMAL][block.block_id] = now_s
         pool.__class__ = _subclass(type(pool), _PoolHooks)
         queue.__class__ = _subclass(type(queue), _QueueHooks)
         pool._shadow_bridge = self
         queue._shadow_bridge = self
+        self.attached = True
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -82,6 +99,7 @@ class ShadowKVBridge:
         """Blocks a shadow allocation may take now: room under the cap, limited
         to hash-less free blocks plus cold idle blocks (``exclude``: idle blocks
         the allocation itself hits, which it reuses rather than evicts)."""
+        self.attach()
         room = self.cap_blocks - len(self.shadow_ids)
         if room <= 0:
             return 0
@@ -108,6 +126,7 @@ class ShadowKVBridge:
     @contextlib.contextmanager
     def shadow_allocation(self, now_s: float, hit_blocks: Iterable[Any]) -> Iterator[None]:
         """Allocations inside this block are a shadow request's."""
+        self.attach()
         self._shadow_now_s = now_s
         self._shadow_hit_ids = frozenset(b.block_id for b in hit_blocks if b.ref_cnt == 0)
         # Only a shadow allocation sees the limited count: an instance attribute

@@ -169,7 +169,7 @@ class ShadowSchedulerMixin:
         self.shadow_config = config
         self.shadow_clock: Callable[[], float] = time.monotonic
         self.shadow_bridge = ShadowKVBridge(self.kv_cache_manager.block_pool, runtime.policy.kv,
-                                            lambda: self.shadow_clock())
+                                            lambda: self.shadow_clock(), lazy=True)  # attached by the first shadow
         self.shadow_jobs = EngineJobs(config.instance_id, self.block_size)
         self._shadow_by_request = self.shadow_jobs.by_request  # truthy while a shadow request exists
         slack = runtime.policy.slack.build(np.random.default_rng(runtime.rng.integers(2**63)))
@@ -225,6 +225,7 @@ class ShadowSchedulerMixin:
         self._shadow_open(request, tag)
 
     def _shadow_open(self, request: Request, tag: ShadowTag) -> None:
+        self.shadow_bridge.attach()  # the KV classes matter from the first shadow on (vLLM's own pool until then)
         self._shadow_park(request)
         rid = request.request_id
         if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):

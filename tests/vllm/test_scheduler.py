@@ -222,6 +222,27 @@ def test_no_shadow_jobs_schedules_exactly_as_stock(engines) -> None:
     assert shadow_outs == stock_outs and len(stock_outs) == 9
 
 
+def test_kv_bridge_attaches_at_the_first_shadow(engines) -> None:
+    """Until a shadow request arrives, vLLM's block pool and free queue keep
+    their own classes (no per-block hook costs a stock workload anything);
+    the first shadow attaches the bridge, and the switch then finds the
+    shadow's context cached as usual."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    llm = engines.start(**engine_args("harvest-slo", slo={"ttft_s": 1.0, "tpot_s": 0.025}))
+    sched = engines.scheduler(llm)
+    pool = sched.kv_cache_manager.block_pool
+    _run(llm, [("plain", _tokens(70, 300), _params(3))])
+    assert not sched.shadow_bridge.attached and type(pool) is BlockPool
+    context = _tokens(71, 20 * BLOCK)
+    out = _run(llm, [("sh", context, _params(1, _shadow("s71")))])["sh"]
+    assert out.outputs[0].stop_reason == STOP_PREFILLED
+    assert sched.shadow_bridge.attached and type(pool) is not BlockPool and isinstance(pool, BlockPool)
+    switch = _run(llm, [("switch", context + _tokens(72, 8), _params(1, _routed("s71")))])["switch"]
+    assert switch.num_cached_tokens == 20 * BLOCK
+    engines.stop(llm)
+
+
 def test_async_class_covers_the_same_hooks() -> None:
     """The CPU engine forces async scheduling off, so the async class is
     checked structurally: the mixin comes first and every hook resolves to it."""
