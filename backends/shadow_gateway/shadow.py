@@ -158,11 +158,14 @@ class ShadowDispatcher:
         if now < inst.shadow_blocked_until_s:
             self.wake_later(lane, inst.shadow_blocked_until_s - now)
             return
-        for job in self.manager.pending_jobs(inst.id):
+        pending = self.manager.pending_jobs(inst.id)
+        if lane.declined:  # forget declines of jobs that grew, moved on to a new epoch or ended
+            lane.declined = {j.key: mark for j in pending if (mark := lane.declined.get(j.key))
+                             == (j.history.epoch, j.num_target_tokens)}
+        for job in pending:
             if len(lane.inflight) >= self.config.max_inflight_per_instance:
                 return
-            if job.key not in lane.inflight and \
-                    lane.declined.get(job.key) != (job.history.epoch, job.num_target_tokens):
+            if job.key not in lane.inflight and job.key not in lane.declined:
                 self._submit(lane, job)
 
     def _submit(self, lane: Lane, job: ShadowJob) -> None:

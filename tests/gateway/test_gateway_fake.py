@@ -82,9 +82,12 @@ def test_a_shadow_the_engine_ends_early_counts_only_what_it_holds(upstreams, gat
     assert w["num_expected_cached_tokens"] == held
     time.sleep(0.3)  # the lane refilled when the request ended: the declined job stays unsent
     assert len(b.shadow_requests()) == 1
+    lane = next(lane for lane in gw.gateway.shadows.lanes.values() if lane.instance.model.name == "b")
+    assert len(lane.declined) == 1
     second = _complete(client, gw, "b", prompt + out_text + " Tool result: ok.")
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == held
     assert gw.metric("shadowprefill_gateway_shadow_tokens_used_total", model="b") == held
+    wait_for(lambda: not lane.declined, what="the decline forgotten once the context grew")  # no leak per job
     errors = [m for m in gw.gateway.metrics.registry.collect() if m.name == "shadowprefill_gateway_errors"]
     assert not [s for m in errors for s in m.samples if s.name.endswith("_total") and s.value]
 
