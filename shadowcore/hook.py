@@ -112,6 +112,11 @@ class EngineHook:
         self.observers.emit("on_step_end", snapshot, plan, outcome)
 
     # -- skipping iterations that provably get nothing -------------------------------
+    def _may_skip(self) -> bool:
+        """What every skip test needs: no observer (it would miss a plan), a
+        skippable controller, and no planned step open."""
+        return not self.observers.observers and self.slack.skippable and self._pending is None
+
     def can_skip(self) -> bool:
         """True when :meth:`begin_step` on a steady decode batch (nothing
         waiting, no admission blocked, every request decoding) would provably
@@ -122,7 +127,7 @@ class EngineHook:
         that need no refresh and miss fewer whole-block tokens than ``n_min``
         (or than one block), which :meth:`_size` would then never grant."""
         slack = self.slack
-        if self.observers.observers or not slack.skippable or self._pending is not None:
+        if not self._may_skip():
             return False
         if slack.never_grants:
             return True
@@ -145,10 +150,7 @@ class EngineHook:
         skippable controller, and one that never grants or no pending job on
         this instance (a job becomes pending only through the router side or
         a routed call's output, both events of their own)."""
-        slack = self.slack
-        if self.observers.observers or not slack.skippable or self._pending is not None:
-            return False
-        return slack.never_grants or not self.manager.pending_jobs(self.instance_id)
+        return self._may_skip() and (self.slack.never_grants or not self.manager.pending_jobs(self.instance_id))
 
     def plans_nothing(self) -> bool:
         """True when :meth:`begin_step` on *any* snapshot would plan no grant
@@ -157,8 +159,7 @@ class EngineHook:
         :attr:`~SlackController.never_grants`. An engine may then build no
         snapshot at all and report each iteration (empty ones with 0.0 s)
         through :meth:`skip_step`."""
-        slack = self.slack
-        return slack.never_grants and slack.skippable and not self.observers.observers and self._pending is None
+        return self.slack.never_grants and self._may_skip()
 
     def skip_step_does_something(self) -> bool:
         """False when :meth:`skip_step` is a no-op (the controller keeps the

@@ -295,11 +295,7 @@ class ShadowSchedulerMixin:
                 self._shadow_close_skipped(measured=False)
             out = super().schedule(*args, **kwargs)
             self._shadow_iteration += 1
-            if self._shadow_async:  # reported at the next schedule(), when the requests have moved on
-                shape = self._shadow_batch_shape(out)
-                predicted_s, decode_only = self.shadow_hook.latency.predict_s(shape), shape.is_decode_only
-            else:
-                predicted_s, decode_only = 0.0, self._shadow_decode_only(out)
+            predicted_s, decode_only = self._shadow_skip_shape(out)
             self._shadow_skipped = (out, self.shadow_clock(), predicted_s, decode_only)
             return out
         return self._shadow_schedule(*args, **kwargs)
@@ -324,16 +320,22 @@ class ShadowSchedulerMixin:
             if self._shadow_deferred_meta is not None:
                 self._shadow_build_connector_meta(out)
 
+    def _shadow_skip_shape(self, out: SchedulerOutput) -> tuple[float, bool]:
+        """(predicted duration, decode-only) of a step the hook skips. Under async
+        scheduling the step is reported at the next ``schedule()``, when its
+        requests have moved on, so its duration is predicted from its batch now;
+        otherwise it is measured (0.0 here) and only the decode-only test is needed."""
+        if self._shadow_async:
+            shape = self._shadow_batch_shape(out)
+            return self.shadow_hook.latency.predict_s(shape), shape.is_decode_only
+        return 0.0, self._shadow_decode_only(out)
+
     def _shadow_plan_step(self, out: SchedulerOutput, now_s: float) -> SchedulerOutput:
         """Plan (or skip) the step vLLM has scheduled as ``out`` and admit the plan's chunks into it."""
         iteration = self._shadow_iteration
         self._shadow_iteration = iteration + 1
         if not self._shadow_by_request and self.shadow_hook.can_skip():
-            if self._shadow_async:
-                shape = self._shadow_batch_shape(out)
-                predicted_s, decode_only = self.shadow_hook.latency.predict_s(shape), shape.is_decode_only
-            else:
-                predicted_s, decode_only = 0.0, self._shadow_decode_only(out)
+            predicted_s, decode_only = self._shadow_skip_shape(out)
             self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), predicted_s, (), decode_only)
             return out
         snapshot = self._shadow_snapshot(out, now_s, iteration)

@@ -114,18 +114,20 @@ def vllm_servers(tmp_path_factory) -> Iterator[dict[str, str]]:
             log.close()
 
 
-@pytest.fixture(scope="module")
-def gw(vllm_servers) -> Iterator[GatewayServer]:
-    config = {
-        "models": {
-            "tiny-a": {"block_size": BLOCK, "instances": [{"url": vllm_servers["tiny-a"], "scheduler": "stock"}]},
-            "tiny-b": {"block_size": BLOCK, "instances": [{"url": vllm_servers["tiny-b"], "scheduler": "stock"}]},
-        },
+def _config(vllm_servers: dict[str, str], scheduler: str, **shadow_submit: float) -> dict:
+    """A gateway over both servers, every instance with ``scheduler`` (stock or shadow)."""
+    return {
+        "models": {name: {"block_size": BLOCK, "instances": [{"url": url, "scheduler": scheduler}]}
+                   for name, url in vllm_servers.items()},
         "shadow": {"policy": "harvest-slo"},
         "health": {"interval_s": 1.0},
-        "shadow_submit": {"timeout_s": 60.0, "poll_interval_s": 0.02},
+        "shadow_submit": {"timeout_s": 60.0, **shadow_submit},
     }
-    g = GatewayServer(config).start()
+
+
+@pytest.fixture(scope="module")
+def gw(vllm_servers) -> Iterator[GatewayServer]:
+    g = GatewayServer(_config(vllm_servers, "stock", poll_interval_s=0.02)).start()
     yield g
     g.stop()
 
@@ -133,16 +135,7 @@ def gw(vllm_servers) -> Iterator[GatewayServer]:
 @pytest.fixture(scope="module")
 def gw_tagged(vllm_servers) -> Iterator[GatewayServer]:
     """A second gateway on the same servers, in tagged mode (``scheduler: shadow``)."""
-    config = {
-        "models": {
-            "tiny-a": {"block_size": BLOCK, "instances": [{"url": vllm_servers["tiny-a"], "scheduler": "shadow"}]},
-            "tiny-b": {"block_size": BLOCK, "instances": [{"url": vllm_servers["tiny-b"], "scheduler": "shadow"}]},
-        },
-        "shadow": {"policy": "harvest-slo"},
-        "health": {"interval_s": 1.0},
-        "shadow_submit": {"timeout_s": 60.0},
-    }
-    g = GatewayServer(config).start()
+    g = GatewayServer(_config(vllm_servers, "shadow")).start()
     yield g
     g.stop()
 
