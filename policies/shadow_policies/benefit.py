@@ -52,7 +52,7 @@ from shadow_policies.paper import _slo, _spec, _user_args
 from shadowcore._validators import non_negative, positive_int, probability
 from shadowcore.errors import ConfigError
 from shadowcore.policy import Component, PolicySpec
-from shadowcore.switch import SwitchPredictor, Target, Targeting
+from shadowcore.switch import ProbabilityGate, SwitchPredictor, Target, Targeting, TopK
 
 
 @attrs.frozen
@@ -64,12 +64,7 @@ class ExpectedBenefitTargets(Targeting):
     max_k: int = attrs.field(default=2, validator=positive_int)
 
     def choose(self, ranked: Sequence[Target]) -> list[Target]:
-        out = []
-        for t in ranked[: self.max_k]:
-            if t.switch_probability < self.gate:
-                break
-            out.append(t)
-        return out
+        return ProbabilityGate(self.gate).choose(TopK(self.max_k).choose(ranked))
 
 
 def _counts() -> defaultdict:
