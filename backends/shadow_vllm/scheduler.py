@@ -25,7 +25,9 @@ Invariants (``tests/vllm/``):
 * Between steps a shadow request holds no KV blocks (it is released at the
   start of every ``schedule()``; its computed blocks stay cached as the
   shadow class), so normal work never waits for, or preempts past, a shadow:
-  shadows are always preempted first.
+  shadows are always preempted first. The one exception is a shadow whose
+  asynchronous connector load (host tier) is in flight: it holds the
+  blocks being loaded, outside vLLM's queues, until the load finishes.
 * The core's KV classes hold in vLLM's block pool (:mod:`shadow_vllm.kvpool`):
   shadow cap, shadow-first eviction after never-used blocks, cold age,
   promotion on a normal hit.
@@ -45,9 +47,21 @@ Invariants (``tests/vllm/``):
 * A KV connector (offloading, P/D) sees shadow chunks like any request's: in
   a step that may admit them, vLLM's connector metadata is built once over
   the whole output, shadow chunks included, as vLLM builds it (before the
-  step's tokens count as computed); a shadow admission tells the connector of
-  the request as vLLM's admission of a waiting one does. A connector's
-  external hit is not loaded for a shadow (it computes on the device).
+  step's tokens count as computed); a shadow admission asks the connector
+  and tells it of the request as vLLM's admission of a waiting one does, and
+  loads the connector's external hit as vLLM does (a host tier's blocks
+  come back instead of being recomputed): a synchronous load (taken only in
+  a step with no normal or routed work, since it runs inside the forward
+  pass) puts the chunk's compute after the loaded tokens; an asynchronous
+  one (``OffloadingConnector``) computes nothing that step and parks the
+  shadow until the load finishes, when its blocks are cached and released
+  like any chunk's. The job then adopts what the engine holds for the
+  request (``job.refresh`` with its computed tokens, or the prefix cache's
+  reading ``EnginePort.cached_prefix_tokens`` gives if longer), so the next
+  plan starts where the prefix really ends. A shadow going on where its own
+  last chunk ended is not asked about again (a running request's next chunk:
+  vLLM asks no connector for those). A connector error or a "cannot tell
+  yet" drops the chunk, nothing else.
 * Under async scheduling a step is reported when the next one is scheduled
   (its outcome is not in yet): with the latency model's predicted duration,
   planned or skipped (``tests/vllm/test_virtual_async.py``).
@@ -122,6 +136,8 @@ class ShadowStats:
     num_superseded: int = 0
     num_rejected: int = 0
     max_shadow_blocks: int = 0  # most shadow-class blocks seen after a step was planned
+    num_loads: int = 0  # chunks that loaded a KV connector's external hit (sync or async)
+    num_loaded_tokens: int = 0  # tokens those loads brought in (not computed)
 
 
 class _OpenStep(NamedTuple):
@@ -133,6 +149,14 @@ class _OpenStep(NamedTuple):
     predicted_s: float  # a skipped step's only under async scheduling (else measured)
     results: tuple[ChunkResult, ...]
     decode_only: bool | None  # None: planned by the hook; else skipped (EngineHook.can_skip)
+
+
+class _ShadowLoad(NamedTuple):
+    """A shadow's asynchronous connector load in flight."""
+
+    entry: ShadowEntry
+    prior_status: RequestStatus  # WAITING (never ran) or PREEMPTED (released before): restored when done
+    iteration: int  # the step that started it
 
 
 class _Port:
@@ -194,9 +218,14 @@ class ShadowSchedulerMixin:
         self._shadow_never_runs = isinstance(slack, NoShadowController)
         self._shadow_async = isinstance(self, AsyncScheduler)
         self._shadow_prefill_flag = True  # vLLM's Request.is_prefill_chunk exists (checked on first use)
-        if runtime.policy.kv.host is not None:
-            logger.warning("policy %r has a host tier; this scheduler keeps device classes only "
-                           "(see docs/vllm.md: host tier)", runtime.policy.name)
+        #: Shadows whose asynchronous connector load is in flight (parked, holding its blocks).
+        self.shadow_loading: dict[str, _ShadowLoad] = {}
+        self._shadow_sync_loaded: list[ShadowEntry] = []  # sync loads of the open step (adopted at its close)
+        self._shadow_chunk_end: dict[str, int] = {}  # with a connector: where each shadow's last chunk ended
+        if runtime.policy.kv.host is not None and self.connector is None:
+            logger.warning("policy %r has a host tier, which on vLLM needs a KV offloading connector "
+                           "(--kv-offloading-size, OffloadingConnector); this engine has none, so shadows "
+                           "use the device tier only (see docs/vllm.md: host tier)", runtime.policy.name)
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -271,6 +300,7 @@ class ShadowSchedulerMixin:
         self.shadow_arrival_s.pop(rid, None)
         self.shadow_first_token_s.pop(rid, None)
         self._shadow_awaiting_first.discard(rid)
+        self._shadow_chunk_end.pop(rid, None)
         freed = super()._free_request(request, *args, **kwargs)
         if not self._shadow_quiet:
             self._shadow_quiet = self._shadow_quiet_now()
@@ -363,6 +393,8 @@ class ShadowSchedulerMixin:
                 del self._update_request_with_output  # back to vLLM's method (no per-request cost)
         else:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.shadow_loading:
+            self._shadow_finish_loads()
         if self._shadow_awaiting_first:
             self._shadow_record_first_tokens(scheduler_output.num_scheduled_tokens)
         if self._shadow_by_request or self.shadow_to_finish:
@@ -408,10 +440,29 @@ class ShadowSchedulerMixin:
     # whole output, shadow chunks included, with every scheduled request's
     # num_computed_tokens as vLLM's build sees it: a connector (an
     # OffloadingConnector storing blocks to host memory) sees the shadow's
-    # blocks like any request's. A shadow admission tells the connector of the
-    # request as vLLM's admission of a waiting one does
-    # (get_num_new_matched_tokens, update_state_after_alloc); an external hit it
-    # reports is not loaded: the shadow computes its chunk on the device.
+    # blocks like any request's.
+    #
+    # Loads. A shadow admission asks the connector for its hit beyond the local
+    # one and tells it of the allocation, as vLLM's admission of a waiting
+    # request does (get_num_new_matched_tokens, allocate_slots with
+    # num_external_computed_tokens, update_state_after_alloc), and nowhere else:
+    # the question has side effects in some connectors (the OffloadingConnector
+    # resets the request's block list and hit counts), so the port never asks
+    # it. Hence the core plans from the device prefix cache only
+    # (EnginePort.cached_prefix_tokens reads vLLM's get_computed_blocks): a
+    # grant starts at the local hit, and what the connector adds is learnt at
+    # the admission. After a load the job adopts what the engine holds for the
+    # request (job.refresh with its computed tokens, or the port's prefix-cache
+    # reading if longer): at the close of the step for a sync load (vLLM cached
+    # the loaded and computed blocks at allocation), when vLLM reports the load
+    # finished for an async one. So the next plan
+    # starts where the prefix really ends and no step is lost to a "cache
+    # changed under the plan" drop; ChunkResult keeps reporting only computed
+    # tokens (loaded ones cost the step nothing). While an async load is in
+    # flight all the job misses counts as in flight, so no plan grants it.
+    # A connector that reports invalid blocks for a shadow's async load is not
+    # handled (vLLM scans its own queues for those; the OffloadingConnector
+    # reports none).
     def _build_kv_connector_meta(self, connector: Any, scheduler_output: SchedulerOutput) -> Any:
         if not self._shadow_defer_meta:
             return super()._build_kv_connector_meta(connector, scheduler_output)
@@ -452,6 +503,8 @@ class ShadowSchedulerMixin:
             return
         self.shadow_hook.end_step(StepOutcome(self.shadow_config.instance_id, step.iteration,
                                               max(0.0, duration_s), step.results))
+        if self._shadow_sync_loaded or self.shadow_loading:
+            self._shadow_adopt_loads()
 
     def _shadow_decode_only(self, out: SchedulerOutput) -> bool:
         """Whether the snapshot of ``out`` would be decode-only (its batch
@@ -543,7 +596,7 @@ class ShadowSchedulerMixin:
             results.append(ChunkResult(grant, n))
             if n:
                 admitted[entry.request_id] = n
-            else:
+            elif entry is None or not self._shadow_load_began(entry):
                 self.shadow_stats.num_dropped_chunks += 1
         if admitted:
             out.num_scheduled_tokens.update(admitted)
@@ -559,10 +612,11 @@ class ShadowSchedulerMixin:
         return tuple(results)
 
     def _shadow_admit_one(self, out: SchedulerOutput, entry: ShadowEntry, grant: Any, now_s: float) -> int:
-        """Admit one granted chunk from the prefix cache; its token count, or 0."""
+        """Admit one granted chunk from the prefix cache and a connector's external hit; the tokens it
+        computes this step, or 0 (dropped, or an asynchronous load started)."""
         request = entry.request
         rid = request.request_id
-        if rid in self.shadow_to_finish or rid not in self.shadow_parked:
+        if rid in self.shadow_to_finish or rid not in self.shadow_parked or rid in self.shadow_loading:
             return 0
         if len(self.running) >= self.max_num_running_reqs:
             return 0
@@ -570,35 +624,154 @@ class ShadowSchedulerMixin:
         if num_hit != grant.start_token:  # the cache changed under the plan: re-read it next step
             entry.job.validated_at = None
             return 0
+        num_external, load_async = 0, False
         connector = self.connector
-        if connector is not None:  # as vLLM's admission of a waiting request (block-aligned local hit)
-            num_external, _ = connector.get_num_new_matched_tokens(request, num_hit)
-            if num_external is None:  # the connector cannot tell yet: not this step
+        # Asked as vLLM's admission of a waiting request (block-aligned local hit), unless the shadow
+        # goes on where its own last chunk ended: that is a running request's next chunk, for which
+        # vLLM asks no connector (and the OffloadingConnector would answer "not yet" while the last
+        # chunk's stores are in flight).
+        asked = connector is not None and self._shadow_chunk_end.get(rid) != num_hit
+        if asked:
+            hit = self._shadow_external_hit(connector, request, num_hit, bool(out.num_scheduled_tokens))
+            if hit is None:
                 return 0
+            num_external, load_async = hit
+        if load_async:
+            self._shadow_start_load(out, entry, blocks, num_hit, num_external, now_s)
+            return 0
+        num_computed = num_hit + num_external
+        num_tokens = self._shadow_tokens_after_load(entry, grant, num_computed) if num_external else grant.num_tokens
         with self.shadow_bridge.shadow_allocation(now_s, (b for group in blocks.blocks for b in group)):
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, grant.num_tokens, num_new_computed_tokens=num_hit, new_computed_blocks=blocks,
-                num_lookahead_tokens=self.num_lookahead_tokens,
+                request, num_tokens, num_new_computed_tokens=num_hit, new_computed_blocks=blocks,
+                num_lookahead_tokens=self.num_lookahead_tokens, num_external_computed_tokens=num_external,
             )
         if new_blocks is None:
             return 0
-        if connector is not None:
-            connector.update_state_after_alloc(request, self.kv_cache_manager.get_blocks(rid), 0)
+        if asked:
+            connector.update_state_after_alloc(request, self.kv_cache_manager.get_blocks(rid), num_external)
+        if num_external:  # a sync load: the worker loads it in this step's forward pass, before the chunk
+            self._shadow_sync_loaded.append(entry)
+            self.shadow_stats.num_loads += 1
+            self.shadow_stats.num_loaded_tokens += num_external
         resumed = request.status == RequestStatus.PREEMPTED
         del self.shadow_parked[rid]
         self.shadow_running.add(rid)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit
+        request.num_computed_tokens = num_computed
+        if connector is not None:
+            self._shadow_chunk_end[rid] = num_computed + num_tokens
         all_blocks = self.kv_cache_manager.get_blocks(rid)
         if self.use_v2_model_runner or not resumed:
             prefill = request._all_token_ids if self.use_v2_model_runner else None
             out.scheduled_new_reqs.append(NewRequestData.from_request(
                 request, all_blocks.get_block_ids(), prefill, uses_mrope=self.model_uses_mrope))
         else:
-            cached = self._make_cached_request_data([], [request], {rid: grant.num_tokens}, {}, {rid: all_blocks})
+            cached = self._make_cached_request_data([], [request], {rid: num_tokens}, {}, {rid: all_blocks})
             _extend_dataclass(out.scheduled_cached_reqs, cached)
-        return grant.num_tokens
+        return num_tokens
+
+    def _shadow_external_hit(self, connector: Any, request: Request, num_hit: int,
+                             batch_busy: bool) -> tuple[int, bool] | None:
+        """(tokens, asynchronous) the connector holds beyond ``num_hit``, asked as vLLM's admission asks
+        (the call has side effects in some connectors: only here, at an admission); None drops the
+        chunk: the connector cannot tell yet, failed, or answered out of range. A synchronous hit in a
+        step with normal or routed work is not taken (the load would run inside their forward pass):
+        the shadow computes on the device as without a connector."""
+        try:
+            num_external, load_async = connector.get_num_new_matched_tokens(request, num_hit)
+        except Exception:
+            logger.exception("shadow %s: the KV connector failed; chunk dropped", request.request_id)
+            return None
+        if num_external is None:
+            return None
+        if request.skip_reading_prefix_cache or num_external == 0:
+            return 0, False
+        if not 0 < num_external < request.num_tokens - num_hit:
+            logger.error("shadow %s: the KV connector reported %r tokens beyond %d of %d; chunk dropped",
+                         request.request_id, num_external, num_hit, request.num_tokens)
+            return None
+        if not load_async and batch_busy:
+            return 0, False
+        return int(num_external), bool(load_async)
+
+    def _shadow_tokens_after_load(self, entry: ShadowEntry, grant: Any, num_computed: int) -> int:
+        """A chunk's compute after a sync load brought the prefix to ``num_computed``: the grant's
+        size, capped at the full-block tokens the job still misses, and at least one token (a load
+        rides on a forward pass of the request)."""
+        missing = entry.job.num_target_tokens - num_computed
+        return max(1, min(grant.num_tokens, missing, entry.request.num_tokens - num_computed))
+
+    def _shadow_start_load(self, out: SchedulerOutput, entry: ShadowEntry, blocks: Any, num_hit: int,
+                           num_external: int, now_s: float) -> None:
+        """Start an asynchronous load as vLLM's admission does (blocks allocated now, cached only
+        when the load finishes, no compute this step); the shadow stays parked, holding them."""
+        request, connector = entry.request, self.connector
+        rid = request.request_id
+        with self.shadow_bridge.shadow_allocation(now_s, (b for group in blocks.blocks for b in group)):
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, 0, num_new_computed_tokens=num_hit, new_computed_blocks=blocks,
+                num_external_computed_tokens=num_external, delay_cache_blocks=True,
+                skip_zeroing_group_ids=connector.get_loaded_kv_cache_group_ids(request),
+            )
+        if new_blocks is None:
+            return
+        connector.update_state_after_alloc(request, self.kv_cache_manager.get_blocks(rid), num_external)
+        self.shadow_loading[rid] = _ShadowLoad(entry, request.status, self._shadow_iteration - 1)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_hit + num_external  # as vLLM: what the load will have made computed
+        zero = self._get_new_block_ids_to_zero()
+        if zero:
+            out.new_block_ids_to_zero = (out.new_block_ids_to_zero or []) + zero
+        self.shadow_stats.num_loads += 1
+        self.shadow_stats.num_loaded_tokens += num_external
+
+    def _shadow_load_began(self, entry: ShadowEntry) -> bool:
+        """Whether ``entry``'s chunk started an asynchronous load in the step being planned."""
+        load = self.shadow_loading.get(entry.request_id)
+        return load is not None and load.iteration == self._shadow_iteration - 1
+
+    def _shadow_adopt_loads(self) -> None:
+        """After a step's outcome is committed (``end_step``): a job whose chunk loaded synchronously
+        adopts what the engine holds now (loaded and computed blocks: vLLM cached them at
+        allocation); a job whose asynchronous load is in flight stays out of plans (all it misses
+        counts as in flight) until the load finishes."""
+        loaded, self._shadow_sync_loaded = self._shadow_sync_loaded, []
+        for entry in loaded:
+            if entry.request_id in self.shadow_jobs:
+                self._shadow_adopt(entry)
+        for load in self.shadow_loading.values():
+            job = load.entry.job
+            job.num_inflight_tokens = max(job.num_inflight_tokens, job.num_target_tokens - job.num_held_tokens)
+
+    def _shadow_finish_loads(self) -> None:
+        """Shadows whose asynchronous load finished (vLLM's ``finished_recving_kv_req_ids``, after
+        ``update_from_output``): the loaded blocks are cached by vLLM's own
+        ``_update_waiting_for_remote_kv`` (a failed load caches its valid prefix only) and released
+        like any chunk's; the job adopts what the load brought."""
+        for rid, load in list(self.shadow_loading.items()):
+            request = load.entry.request
+            if request.is_finished():  # ended during its load: vLLM frees the blocks when the load ends
+                del self.shadow_loading[rid]
+                continue
+            if rid not in self.finished_recving_kv_req_ids:
+                continue
+            del self.shadow_loading[rid]
+            self._update_waiting_for_remote_kv(request)
+            self._shadow_chunk_end[rid] = request.num_computed_tokens  # the next chunk goes on from here
+            load.entry.job.num_inflight_tokens = 0
+            self._shadow_adopt(load.entry)
+            self._free_request_blocks(request)
+            request.num_computed_tokens = 0
+            request.status = load.prior_status
+
+    def _shadow_adopt(self, entry: ShadowEntry) -> None:
+        """The job's held prefix after a load: what the engine holds for the request (its computed
+        tokens; the prefix cache's reading when that is longer), block-aligned by ``job.refresh``."""
+        request = entry.request
+        held = max(self.shadow_cached_tokens(request), request.num_computed_tokens)
+        entry.job.refresh(held, self.shadow_bridge.eviction_count)
 
     # -- finishing shadows -------------------------------------------------------------
     def _shadow_finish(self, outputs: dict[int, EngineCoreOutputs]) -> None:

@@ -11,7 +11,10 @@ batch to a :class:`~shadowcore.latency.LatencyModel` (for example the
 simulator's Vidur model of an H100) and feeds a ``ModelRunnerOutput`` with
 fake sampled tokens to ``update_from_output()`` at the end of the iteration.
 A policy can so be checked against vLLM's own scheduling semantics at GPU
-speed without a GPU.
+speed without a GPU. With ``VirtualEngineConfig.kv_offloading_bytes`` the
+scheduler gets vLLM's real ``OffloadingConnector`` (scheduler side, the host
+tier) and :class:`OffloadTransferWorker` runs its store and load jobs in
+place of the worker side the CPU build refuses.
 
 On top: :class:`VirtualScenarioRun` plays the fake backend's scenario (same
 sessions, normal traffic, request ids and event order) through virtual
@@ -23,10 +26,12 @@ engines by their inputs and compare their decisions
 
 Invariants:
 
-* Every scheduling decision is vLLM's: this module never reorders, admits,
-  preempts or frees anything itself; it reports what the scheduler output
-  says. An idle engine starts an iteration as soon as a request arrives;
-  what arrives during an iteration waits for the next one.
+* Every scheduling decision is vLLM's (and its KV connector's): this module
+  never reorders, admits, preempts or frees anything itself; it reports what
+  the scheduler output says, and the fake transfer worker only reports the
+  jobs the connector's metadata lists, as done, when the bandwidth says. An
+  idle engine starts an iteration as soon as a request arrives; what arrives
+  during an iteration waits for the next one.
 * The clock is virtual and shared: ``Request.arrival_time`` is the virtual
   arrival, and a scheduler that reads a clock (the shadow scheduler's
   ``shadow_clock``) is given :class:`VirtualClock`; no decision here depends
@@ -92,6 +97,24 @@ class VirtualEngineConfig:
     vocab_size: int = attrs.field(default=1024, validator=positive_int)
     #: ``VllmConfig.additional_config`` (the shadow scheduler reads its policy here).
     additional_config: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, hash=False)
+    #: Host tier: vLLM's native CPU KV offloading (``OffloadingConnector``, as ``--kv-offloading-size``
+    #: sets it up) with this many bytes of host memory; None: no connector.
+    kv_offloading_bytes: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(positive_int))
+    #: Tokens per offloaded chunk (the connector's ``block_size`` key; a multiple of ``block_size``);
+    #: None: one device block.
+    kv_offloading_block_size: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(positive_int))
+    #: Bandwidth of the fake transfer worker, each direction (bytes/s); None: transfers are instant.
+    kv_transfer_bytes_per_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.gt(0)))
+
+    def __attrs_post_init__(self) -> None:
+        chunk = self.kv_offloading_block_size
+        if chunk is not None and chunk % self.block_size:
+            raise ConfigError("kv_offloading_block_size", chunk, f"must be a multiple of block_size {self.block_size}")
+        if self.kv_offloading_bytes is None and (chunk is not None or self.kv_transfer_bytes_per_s is not None):
+            raise ConfigError("kv_offloading_bytes", None, "the host tier's other settings need its size")
 
 
 def write_model_config(directory: str, vocab_size: int = 1024, max_position_embeddings: int = 32768) -> str:
@@ -145,6 +168,7 @@ def build_scheduler(scheduler_cls: type | None = None, config: VirtualEngineConf
     )
     cache = CacheConfig(block_size=config.block_size, enable_prefix_caching=True)
     vllm_config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
+                             kv_transfer_config=_offloading_config(config),
                              additional_config=dict(config.additional_config))
     vllm_config.cache_config.num_gpu_blocks = config.num_blocks
     spec = FullAttentionSpec(block_size=config.block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
@@ -154,6 +178,19 @@ def build_scheduler(scheduler_cls: type | None = None, config: VirtualEngineConf
         structured_output_manager=StructuredOutputManager(vllm_config), block_size=config.block_size,
         log_stats=True,
     )
+
+
+def _offloading_config(config: VirtualEngineConfig) -> Any:
+    """The ``KVTransferConfig`` that ``--kv-offloading-size`` builds (native backend), or None.
+    The scheduler creates the connector's scheduler side only (role SCHEDULER); no worker side."""
+    if config.kv_offloading_bytes is None:
+        return None
+    from vllm.config import KVTransferConfig
+
+    extra: dict[str, Any] = {"cpu_bytes_to_use": config.kv_offloading_bytes}
+    if config.kv_offloading_block_size is not None:
+        extra["block_size"] = config.kv_offloading_block_size
+    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
 
 
 def _is_async(cls: type) -> bool:
@@ -222,6 +259,7 @@ class VirtualRequest:
     finish_s: float | None = None
     finish_reason: str | None = None
     num_cached_tokens: int | None = None
+    prefill_stats: Any = None  # vLLM's PrefillStats of its first scheduled prefill (local and external hits)
     on_finish: Callable[[VirtualRequest], None] | None = None
     on_token: Callable[[VirtualRequest, int], None] | None = None  # each sampled token, as it arrives
 
@@ -231,13 +269,123 @@ class VirtualRequest:
 
 
 @attrs.define(eq=False)
+class OffloadTransferWorker:
+    """The worker side of vLLM's ``OffloadingConnector``, fake only in its data movement (no device,
+    no host buffer): it runs the store and load jobs of each step's connector metadata on the
+    virtual clock and reports them back as ``OffloadingConnectorWorker`` does, so every scheduling
+    decision stays vLLM's and the connector's.
+
+    Timing follows the real worker: a step's loads start when the step starts
+    (``start_kv_transfers``); its stores are queued at its end (``prepare_store_kv``) and start
+    when the next step starts; ``jobs_to_flush`` (a preempted request's or a reused block's stores)
+    are started and waited for at the step's start (``handle_preemptions``; the step is longer by
+    the wait). A job takes its blocks'
+    bytes over ``bytes_per_s`` (None: no time), one job at a time per direction. A step reports
+    (``KVConnectorOutput``: ``kv_connector_worker_meta.completed_jobs``, the loaded requests in
+    ``finished_recving``, transfer stats) every job done by its end.
+    """
+
+    bytes_per_block: int
+    bytes_per_s: float | None = None
+    num_loaded_blocks: int = 0
+    num_stored_blocks: int = 0
+    #: Every job started: (job id, the loading request or None for a store, blocks, start s, done s).
+    transfers: list[tuple[int, str | None, int, float, float]] = attrs.Factory(list)
+    _unsubmitted: list[tuple[int, int]] = attrs.Factory(list)  # (job id, blocks): stores of the last step
+    _inflight: list[tuple[float, int, str | None, int]] = attrs.Factory(list)  # (done s, job, load's request, blocks)
+    _link_free_s: dict[bool, float] = attrs.Factory(lambda: {True: 0.0, False: 0.0})  # per direction (is_load)
+
+    def _submit(self, job_id: int, num_blocks: int, request_id: str | None, now_s: float) -> float:
+        is_load = request_id is not None
+        duration = 0.0 if self.bytes_per_s is None else num_blocks * self.bytes_per_block / self.bytes_per_s
+        start = max(now_s, self._link_free_s[is_load])
+        done = start + duration
+        self._link_free_s[is_load] = done
+        self.transfers.append((job_id, request_id, num_blocks, start, done))
+        self._inflight.append((done, job_id, request_id, num_blocks))
+        return done
+
+    def begin_step(self, meta: Any, now_s: float) -> float:
+        """What the worker does before the step's forward pass; the seconds it stalls the step
+        (waiting for the jobs to flush)."""
+        flush = set(meta.jobs_to_flush or ()) if meta is not None else set()
+        if flush:
+            for job_id in flush:
+                job = meta.store_jobs.pop(job_id, None)
+                if job is not None:
+                    self._unsubmitted.append((job_id, len(job.src_spec.block_ids)))
+        for job_id, num_blocks in self._unsubmitted:
+            self._submit(job_id, num_blocks, None, now_s)
+        self._unsubmitted.clear()
+        stall_s = 0.0
+        if flush:  # the worker waits for them before the forward pass
+            stall_s = max((done - now_s for done, job_id, *_ in self._inflight if job_id in flush), default=0.0)
+        if meta is not None:
+            for job_id, job in meta.load_jobs.items():
+                self._submit(job_id, len(job.dst_spec.block_ids), job.req_id, now_s)
+        return max(0.0, stall_s)
+
+    @property
+    def has_queued_stores(self) -> bool:
+        return bool(self._unsubmitted)
+
+    def wait_s(self, now_s: float) -> float | None:
+        """How long an engine with nothing to compute waits for the next job to finish (vLLM's
+        engine core keeps stepping while the connector has work); None: no job in flight."""
+        if not self._inflight:
+            return None
+        return max(0.0, min(done for done, *_ in self._inflight) - now_s)
+
+    def end_step(self, meta: Any, now_s: float) -> Any:
+        """What the worker reports after the step (``get_finished`` and the worker metadata)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+
+        if meta is not None:
+            for job_id, job in meta.store_jobs.items():
+                self._unsubmitted.append((job_id, len(job.src_spec.block_ids)))
+        done = [t for t in self._inflight if t[0] <= now_s]
+        if not done:
+            return None
+        self._inflight = [t for t in self._inflight if t[0] > now_s]
+        worker_meta = OffloadingWorkerMetadata()
+        finished_recving = set()
+        for _, job_id, request_id, num_blocks in done:
+            worker_meta.mark_completed(job_id)
+            stats = worker_meta.transfer_stats.store if request_id is None else worker_meta.transfer_stats.load
+            duration = 0.0 if self.bytes_per_s is None else num_blocks * self.bytes_per_block / self.bytes_per_s
+            stats.record(num_blocks * self.bytes_per_block, duration)
+            if request_id is None:
+                self.num_stored_blocks += num_blocks
+            else:
+                self.num_loaded_blocks += num_blocks
+                finished_recving.add(request_id)
+        return KVConnectorOutput(finished_sending=set(), finished_recving=finished_recving,
+                                 kv_connector_worker_meta=worker_meta)
+
+    @classmethod
+    def for_scheduler(cls, scheduler: Any, bytes_per_s: float | None = None) -> OffloadTransferWorker | None:
+        """The fake worker of ``scheduler``'s ``OffloadingConnector``; None without one."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+        if not isinstance(getattr(scheduler, "connector", None), OffloadingConnector):
+            return None
+        (group,) = scheduler.kv_cache_config.kv_cache_groups
+        return cls(group.kv_cache_spec.page_size_bytes * len(group.layer_names), bytes_per_s)
+
+
+@attrs.define(eq=False)
 class VirtualEngine:
     """One vLLM scheduler on the shared virtual timeline of ``loop``.
 
     ``add_request`` may be called at any time (between or during iterations,
     as the engine core's input queue allows); an idle engine starts an
     iteration at once. Each iteration runs ``schedule()`` at its start time
-    and ``update_from_output()`` at its end time.
+    and ``update_from_output()`` at its end time. With an ``OffloadingConnector``
+    (``VirtualEngineConfig.kv_offloading_bytes``) :attr:`offload` runs its
+    transfers; a step in which nothing is computed but a transfer is in flight
+    lasts until the next transfer ends (vLLM's engine core keeps stepping while
+    the connector has work) and is recorded with an empty batch.
     """
 
     scheduler: Any
@@ -249,10 +397,14 @@ class VirtualEngine:
     steps: list[StepRecord] = attrs.Factory(list)
     requests: dict[str, VirtualRequest] = attrs.Factory(dict)
     busy: bool = False
+    #: The fake transfer worker's bandwidth (``VirtualEngineConfig.kv_transfer_bytes_per_s``).
+    transfer_bytes_per_s: float | None = None
+    offload: OffloadTransferWorker | None = attrs.field(init=False, default=None)
     _hasher: Callable = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._hasher = block_hasher(self.scheduler.block_size)
+        self.offload = OffloadTransferWorker.for_scheduler(self.scheduler, self.transfer_bytes_per_s)
         if hasattr(self.scheduler, "shadow_clock"):  # the shadow scheduler reads "now" here
             self.scheduler.shadow_clock = self.clock
 
@@ -331,11 +483,16 @@ class VirtualEngine:
             return
         now = self._sync_clock()
         output = self.scheduler.schedule()
+        stall_s = 0.0 if self.offload is None else self.offload.begin_step(output.kv_connector_metadata, now)
         if output.total_num_scheduled_tokens == 0:  # nothing ran (e.g. only finished ids to flush)
-            self._flush(output)
-            return
-        batch = self._batch(output)
-        duration = self.latency.predict_s(batch_shape(batch))
+            wait_s = None if self.offload is None else self.offload.wait_s(now)
+            if wait_s is None:
+                self._flush(output)
+                return
+            batch, duration = (), max(stall_s, wait_s)  # waiting for a transfer
+        else:
+            batch = self._batch(output)
+            duration = stall_s + self.latency.predict_s(batch_shape(batch))
         record = StepRecord(len(self.steps), now, duration, batch, len(self.scheduler.waiting),
                             tuple(sorted(output.preempted_req_ids or ())))
         self.steps.append(record)
@@ -346,9 +503,16 @@ class VirtualEngine:
         """An empty iteration: the engine core still passes it through
         ``update_from_output``; no time passes and nothing restarts it
         (the next arrival or iteration end does)."""
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
-        self._dispatch(self.scheduler.update_from_output(output, EMPTY_MODEL_RUNNER_OUTPUT), self.loop.now_s)
+        runner_output = EMPTY_MODEL_RUNNER_OUTPUT
+        if self.offload is not None:
+            kv_output = self.offload.end_step(output.kv_connector_metadata, self.loop.now_s)
+            if kv_output is not None:
+                runner_output = ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=kv_output)
+        self._dispatch(self.scheduler.update_from_output(output, runner_output), self.loop.now_s)
+        if self.offload is not None and self.offload.has_queued_stores:
+            self.kick()  # stores queued by this step start with the next one (the engine core keeps stepping)
 
     def _batch(self, output: Any) -> tuple[ScheduledRequest, ...]:
         out = []
@@ -368,8 +532,9 @@ class VirtualEngine:
             req = self.scheduler.requests.get(rid)
             partial = req is None or req.is_finished() or req.is_prefill_chunk
             sampled.append([] if partial else [self.sampler(rid, req.num_output_tokens)])
+        kv_output = None if self.offload is None else self.offload.end_step(output.kv_connector_metadata, now)
         runner_output = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                          sampled_token_ids=sampled)
+                                          sampled_token_ids=sampled, kv_connector_output=kv_output)
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
         self.busy = False
         self._dispatch(engine_outputs, now)
@@ -398,6 +563,7 @@ class VirtualEngine:
                     handle.on_token(handle, token)
         if out.prefill_stats is not None and handle.num_cached_tokens is None:
             handle.num_cached_tokens = out.prefill_stats.num_cached_tokens
+            handle.prefill_stats = out.prefill_stats
         if out.finish_reason is None:
             return []
         handle.finish_s = now
@@ -501,7 +667,8 @@ class VirtualScenarioRun:
         by_model = {
             m: [
                 VirtualEngine(build_scheduler(self.scheduler_cls, self._config(m, f"{m}/{k}")), self.latency[m],
-                              self.loop, self.clock, name=f"{m}/{k}")
+                              self.loop, self.clock, name=f"{m}/{k}",
+                              transfer_bytes_per_s=self.engine_config[m].kv_transfer_bytes_per_s)
                 for k in range(sc.instances_per_model)
             ]
             for m in sc.models
@@ -774,6 +941,7 @@ def check_scheduler_cls(value: Any, field: str = "scheduler_cls") -> type:
 __all__ = [
     "Agreement",
     "LatencyScale",
+    "OffloadTransferWorker",
     "PlanRecorder",
     "PlannedStep",
     "ScheduledRequest",

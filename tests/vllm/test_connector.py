@@ -6,8 +6,11 @@ scheduler admits shadow chunks after vLLM's scheduling, so it defers that build
 (vLLM's ``_build_kv_connector_meta`` seam) and makes it once over the whole
 output. The connector here is vLLM's own ``ExampleConnector`` (shared storage:
 it writes stored KV to a folder), which runs on the CPU build; its
-``build_connector_meta`` is wrapped to record what it saw. Native CPU
-offloading (``OffloadingConnector``) refuses the CPU build; see docs/vllm.md.
+``build_connector_meta`` is wrapped to record what it saw. A shadow whose
+prefix the connector holds loads it (a synchronous load) and computes only the
+rest. Native CPU offloading (``OffloadingConnector``) refuses the CPU build;
+its scheduler side is checked in virtual time
+(``tests/vllm/test_offloading_virtual.py``); see docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def connector_engine(engines, tmp_path):
             "scheduled": {rid: (n, sched.requests[rid].num_computed_tokens)
                           for rid, n in out.num_scheduled_tokens.items()},
             "stores": [len(r.token_ids) for r in meta.requests if r.is_store],
+            "loads": [len(r.token_ids) for r in meta.requests if not r.is_store],
         })
         return meta
 
@@ -90,3 +94,65 @@ def test_normal_requests_keep_their_connector_view_beside_a_shadow(connector_eng
     assert len(chunks) >= 2 and chunks[0][0] <= 512 - 200
     assert [start for _, start in chunks] == [sum(n for n, _ in chunks[:i]) for i in range(len(chunks))]
     assert sum(n for n, _ in chunks) == 992
+
+
+def test_a_shadow_loads_the_connectors_hit_and_computes_only_the_rest(connector_engine):
+    llm, sched, builds, _ = connector_engine
+    prompt = _ids(480, 4)  # 15 full blocks, one chunk of the 512-token budget
+    # A normal request with this prompt: the ExampleConnector stores its first 448 tokens (it keeps
+    # whole blocks below the prompt's last token), then the device prefix cache is emptied.
+    normal = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert [448] in [b["stores"] for b in builds]
+    assert llm.reset_prefix_cache()
+    builds.clear()
+
+    tag = ShadowTag(TagKind.SHADOW, "s-load", "tiny", 0, 1.0)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, extra_args=tag.to_extra_args()),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].stop_reason == "shadowprefill:prefilled"
+    # vLLM's own view: the connector was asked at the shadow's admission, planned a load of the
+    # 448 stored tokens, and the chunk was scheduled from token 448 on: only the last block computed.
+    assert [b["loads"] for b in builds if b["loads"]] == [[448]]
+    assert _seen(builds, out.request_id) == [(32, 448)]
+    assert sched.shadow_stats.num_loads == 1 and sched.shadow_stats.num_loaded_tokens == 448
+    assert sched.shadow_stats.num_dropped_chunks == 0
+
+    # What the shadow holds is real KV on the device: a routed call with the same context finds the
+    # whole prompt's blocks cached (vLLM's num_cached_tokens), as it did after the normal request.
+    routed = ShadowTag(TagKind.ROUTED, "s-load").to_extra_args()
+    follow = llm.generate([{"prompt_token_ids": prompt + _ids(40, 5)}],
+                          SamplingParams(max_tokens=1, extra_args=routed), use_tqdm=False)[0]
+    assert follow.num_cached_tokens == 480
+    assert normal.outputs[0].token_ids  # the stored KV came from a real forward pass
+
+
+def test_a_shadows_next_chunk_does_not_ask_the_connector_again(connector_engine):
+    """A shadow going on where its own last chunk ended is a running request's next chunk: vLLM asks
+    no connector for those (only a waiting request's admission does)."""
+    llm, sched, _, _ = connector_engine
+    asked = []
+    inner = sched.connector.get_num_new_matched_tokens
+    sched.connector.get_num_new_matched_tokens = lambda request, n: asked.append(n) or inner(request, n)
+    tag = ShadowTag(TagKind.SHADOW, "s-next", "tiny", 0, 1.0)
+    out = llm.generate([{"prompt_token_ids": _ids(1000, 6)}],
+                       SamplingParams(max_tokens=1, extra_args=tag.to_extra_args()), use_tqdm=False)[0]
+    assert out.outputs[0].stop_reason == "shadowprefill:prefilled"
+    assert sched.shadow_stats.num_chunks == 2 and asked == [0]  # asked at its admission only
+
+
+def test_a_synchronous_load_never_rides_on_a_step_with_normal_work(connector_engine):
+    """A sync load runs inside the step's forward pass: beside a normal request the shadow ignores the
+    connector's hit and computes on the device, as without a connector."""
+    llm, sched, builds, _ = connector_engine
+    prompt = _ids(480, 7)
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)  # stored: 448
+    assert llm.reset_prefix_cache()
+    builds.clear()
+    shadow = ShadowTag(TagKind.SHADOW, "s-busy", "tiny", 0, 1.0).to_extra_args()
+    outs = llm.generate([{"prompt_token_ids": _ids(100, 8)}, {"prompt_token_ids": prompt}],
+                        [SamplingParams(max_tokens=4, ignore_eos=True), SamplingParams(max_tokens=1, extra_args=shadow)],
+                        use_tqdm=False)
+    assert outs[1].outputs[0].stop_reason == "shadowprefill:prefilled"
+    chunks = _seen(builds, outs[1].request_id)
+    assert chunks[0][1] == 0 and sum(n for n, _ in chunks) == 480  # from token 0, every block computed
+    assert not [b["loads"] for b in builds if b["loads"]] and sched.shadow_stats.num_loads == 0
