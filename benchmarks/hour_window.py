@@ -14,6 +14,7 @@ import argparse
 import time
 
 from shadow_sim.simulator import SimRun, SimScenario
+
 from shadowcore.config import PluginRef, ShadowConfig
 
 

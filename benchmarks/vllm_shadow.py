@@ -41,7 +41,8 @@ side in one run (all engines live in this process, trials interleaved):
    idle engine whatever ran before; the second table compares (b) with (c).
 2. **Per-step overhead with no shadow jobs within 1.05x of stock.** The same
    decode-heavy batch (``--overhead-requests`` x ``--overhead-tokens``) runs on
-   a stock ``Scheduler`` engine and a ``ShadowScheduler`` engine; the time
+   a stock ``Scheduler`` engine and a ``ShadowScheduler`` engine in lockstep
+   (one step of each in turn, the order alternating per repetition); the time
    inside ``schedule()`` + ``update_from_output()`` is measured per step by
    wrapping the two bound methods of each engine's scheduler (the model's
    forward pass is excluded, it is identical), plus the whole ``step()``; and
@@ -411,17 +412,26 @@ class StepTimer:
         scheduler.update_from_output = update_from_output
 
 
-def overhead_run(engine: Any, timer: StepTimer, args: argparse.Namespace, tokens: Tokens) -> tuple[float, float]:
-    """(median scheduler seconds per step, median engine.step seconds) over one decode-heavy batch."""
-    timer.seconds.clear()
-    for k in range(args.overhead_requests):
-        add(engine, f"ovh-{tokens.n}-{k}", tokens(args.overhead_prompt), args.overhead_tokens)
-    steps = []
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t)
-    return statistics.median(timer.seconds), statistics.median(steps)
+def overhead_rep(engines: dict[str, Any], timers: dict[str, StepTimer], args: argparse.Namespace, tokens: Tokens,
+                 order: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """Per engine: (median scheduler seconds per step, median ``engine.step`` seconds) over one
+    decode-heavy batch, the same prompts on every engine, run in lockstep: one step of each engine in
+    ``order`` (alternated by the caller), so that each step of one engine is measured right beside the
+    same step of the other, under the same machine load."""
+    prompts = [tokens(args.overhead_prompt) for _ in range(args.overhead_requests)]
+    steps: dict[str, list[float]] = {name: [] for name in engines}
+    for name, engine in engines.items():
+        timers[name].seconds.clear()
+        for k, ids in enumerate(prompts):
+            add(engine, f"ovh-{tokens.n}-{k}", ids, args.overhead_tokens)
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for name in order:
+            engine = engines[name]
+            if engine.has_unfinished_requests():
+                t = time.perf_counter()
+                engine.step()
+                steps[name].append(time.perf_counter() - t)
+    return {name: (statistics.median(timers[name].seconds), statistics.median(steps[name])) for name in engines}
 
 
 def overhead(model_dir: str, args: argparse.Namespace, tokens: Tokens) -> dict[str, list[tuple[float, float]]]:
@@ -435,12 +445,11 @@ def overhead(model_dir: str, args: argparse.Namespace, tokens: Tokens) -> dict[s
     }
     timers = {name: StepTimer(scheduler_of(e)) for name, e in engines.items()}
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
-    for name, e in engines.items():  # warm-up
-        overhead_run(e, timers[name], args, tokens)
+    overhead_rep(engines, timers, args, tokens, list(engines))  # warm-up
     for rep in range(args.overhead_reps):
-        order = list(engines) if rep % 2 == 0 else list(reversed(engines))  # alternate who goes first
-        for name in order:
-            results[name].append(overhead_run(engines[name], timers[name], args, tokens))
+        order = list(engines) if rep % 2 == 0 else list(reversed(engines))  # alternate who steps first
+        for name, figures in overhead_rep(engines, timers, args, tokens, order).items():
+            results[name].append(figures)
     return results
 
 
