@@ -110,6 +110,22 @@ class RequestLevelFeeder:
         self.shadower.pump()
 
 
+def host_tier(args: argparse.Namespace, model: str, num_blocks: int, block_size: int) -> dict[str, Any]:
+    """``VirtualEngineConfig`` fields of the host tier (``--host-tier``): vLLM's ``OffloadingConnector``
+    with ``--host-blocks-per-device-block`` x the device pool of host memory, and a fake transfer worker
+    as fast in tokens per second as ``--pcie-bytes-per-s`` is for ``model``'s real KV (the virtual
+    engine's KV spec is a tiny stand-in: one layer, 2 KV heads x 32, fp32)."""
+    if not args.host_tier:
+        return {}
+    from shadow_sim.models import get_model
+
+    virtual_bytes_per_token = 2 * 2 * 32 * 4  # K and V x 2 KV heads x head_dim 32 x fp32, one layer
+    tokens_per_s = args.pcie_bytes_per_s / get_model(model).kv_bytes_per_token()
+    return {"kv_offloading_bytes": int(args.host_blocks_per_device_block * num_blocks * block_size
+                                       * virtual_bytes_per_token),
+            "kv_transfer_bytes_per_s": tokens_per_s * virtual_bytes_per_token}
+
+
 def run_arm(args: argparse.Namespace, seed: int, latency: dict[str, Any], arm: str) -> Any:
     """One virtual run of ``arm`` (one of :data:`ARMS`)."""
     from shadow_vllm import virtual
@@ -134,7 +150,7 @@ def run_arm(args: argparse.Namespace, seed: int, latency: dict[str, Any], arm: s
         engine_config[m] = virtual.VirtualEngineConfig(
             block_size=sc.block_size, num_blocks=sc.num_blocks + 1, max_num_batched_tokens=sc.token_budget,
             max_num_seqs=256, scheduling_policy="priority" if arm == "request-level" else "fcfs",
-            additional_config=extra)
+            additional_config=extra, **host_tier(args, m, sc.num_blocks, sc.block_size))
     feeder = virtual.TaggedShadowFeeder(wake=True) if shadow else RequestLevelFeeder() if arm == "request-level" \
         else None
     run = virtual.VirtualScenarioRun(sc, config, latency, engine_config,
@@ -228,6 +244,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--normal-output", type=int, default=150)
     p.add_argument("--num-blocks", type=int, default=8192, help="KV blocks of 16 tokens per instance")
     p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    p.add_argument("--host-tier", action="store_true",
+                   help="every arm's engines get vLLM's CPU KV offloading (OffloadingConnector, scheduler side "
+                        "real, transfers faked on the virtual clock); use a *-host --policy")
+    p.add_argument("--host-blocks-per-device-block", type=float, default=4.0, help="host tier size")
+    p.add_argument("--pcie-bytes-per-s", type=float, default=25e9, help="host link of the real model's KV")
     args = p.parse_args(argv)
     try:
         args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -250,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"vLLM scheduler in virtual time, {args.latency} latency of {' and '.join(args.models)} on H100-80GB, "
           f"one instance each; {args.duration:.0f} s of arrivals: {args.session_rate}/s sessions x {args.calls} "
           f"calls (switch p={args.switch_probability}), {args.normal_rate}/s normal requests per instance; "
-          f"engine-level policy {args.policy} {args.policy_kwargs}; seeds {args.seed_list}")
+          f"engine-level policy {args.policy} {args.policy_kwargs}; "
+          f"{'host tier (OffloadingConnector) on every arm; ' if args.host_tier else ''}seeds {args.seed_list}")
     pairs: dict[str, dict[str, list[tuple[float, float]]]] = {arm: {c: [] for c in CLASSES} for arm in ARMS}
     for seed in args.seed_list:
         t0 = time.perf_counter()

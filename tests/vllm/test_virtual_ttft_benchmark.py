@@ -63,3 +63,16 @@ def test_report_verdicts(bench, capsys) -> None:
     assert not bench.report({"engine-level": {**empty, bench.CLASSES[0]: slower}, "request-level": empty})
     out = capsys.readouterr().out
     assert "MET" in out and "NOT MET" in out
+
+
+def test_host_tier_arms_store_to_and_load_from_vllms_offloading_connector(bench) -> None:
+    from shadow_sim.latency import latency_model
+
+    args = bench.parse_args(["--seeds", "3", "--duration", "30", "--latency", "roofline", "--session-rate", "0.3",
+                             "--host-tier", "--policy", "harvest-slo-host", "--num-blocks", "2048"])
+    latency = {m: latency_model(m, kind="roofline") for m in args.models}
+    run = bench.run_arm(args, 3, latency, "engine-level")
+    workers = [e.offload for e in run.cluster.by_id.values()]
+    assert all(w is not None for w in workers)
+    assert sum(w.num_stored_blocks for w in workers) > 0
+    assert sum(w.num_loaded_blocks for w in workers) > 0  # evicted shadow or session blocks came back from host
