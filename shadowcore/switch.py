@@ -34,6 +34,29 @@ class Target:
     switch_probability: float = attrs.field(validator=probability)
 
 
+def next_model_distribution_from_counts(
+    counts: Mapping[str, float], current_model: str, models: Sequence[str], pseudo_count: float = 0.0
+) -> dict[str, float]:
+    """P(next call goes to m | it switches) from (pseudo-)counts of next models.
+
+    Each model ``m`` in ``models`` other than ``current_model`` gets the weight
+    ``counts.get(m, 0) + pseudo_count`` (a symmetric Dirichlet prior; counts of
+    models outside ``models`` and of staying are ignored), and the weights are
+    divided by their sum. When the sum is not positive (nothing observed and no
+    prior) the distribution is uniform over those models. The result has one
+    entry per other model, in the order of ``models``, and sums to 1; it is
+    empty when there is no other model. Shared by the predictors that keep
+    transition counts (:class:`EmpiricalSwitchPredictor` and the policies'
+    own), so they all normalise alike.
+    """
+    others = [m for m in models if m != current_model]
+    weights = {m: counts.get(m, 0.0) + pseudo_count for m in others}
+    total = sum(weights.values())
+    if total <= 0:
+        return {m: 1.0 / len(others) for m in others} if others else {}
+    return {m: w / total for m, w in weights.items()}
+
+
 class SwitchPredictor(ABC):
     """Strategy: P(switch | task, current model) and the next-model distribution."""
 
@@ -98,12 +121,7 @@ class EmpiricalSwitchPredictor(SwitchPredictor):
         self, session_id: str, task: str, current_model: str, models: Sequence[str]
     ) -> dict[str, float]:
         row = self._row(session_id, task, current_model)
-        others = [m for m in models if m != current_model]
-        weights = {m: row.get(m, 0.0) + self.pseudo_count for m in others}
-        total = sum(weights.values())
-        if total <= 0:
-            return {m: 1.0 / len(others) for m in others} if others else {}
-        return {m: w / total for m, w in weights.items()}
+        return next_model_distribution_from_counts(row, current_model, models, self.pseudo_count)
 
 
 @attrs.define
@@ -182,5 +200,6 @@ __all__ = [
     "Target",
     "Targeting",
     "TopK",
+    "next_model_distribution_from_counts",
     "rank_targets",
 ]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from shadow_policies.paper import _slo, _spec, _user_args
+from shadow_policies.building import policy_spec, slo_slack, user_args
 from shadowcore._validators import non_negative, probability
 from shadowcore.errors import ConfigError
 from shadowcore.policy import Component, PolicySpec
@@ -79,13 +79,13 @@ class SessionAwarePredictor(EmpiricalSwitchPredictor):
         return row
 
 
-@_user_args
+@user_args
 def adaptive_host(mass: float = 0.8, floor: float = 0.02, session_weight: float = 2.0, beta: float = 0.5,
                   delta: float = 0.025, n_min: int = 256, margin: float = 0.1, chunk_tokens: int = 2048,
                   **kv) -> PolicySpec:
-    spec = _spec("adaptive-host", "Harvest-SLO+Host with nucleus (adaptive top-k) targeting and a session-aware "
-                 "next-model predictor.", _slo(beta, delta, n_min, margin, chunk_tokens),
-                 targeting=NucleusTargets(mass, floor), host=True, **kv)
+    spec = policy_spec("adaptive-host", "Harvest-SLO+Host with nucleus (adaptive top-k) targeting and a "
+                       "session-aware next-model predictor.", slo_slack(beta, delta, n_min, margin, chunk_tokens),
+                       targeting=NucleusTargets(mass, floor), host=True, **kv)
     predictor = Component(SessionAwarePredictor, {"pseudo_count": kv.get("pseudo_count", 1.0),
                                                   "session_weight": session_weight})
     return attrs.evolve(spec, predictor=predictor)

@@ -48,11 +48,18 @@ from collections.abc import Sequence
 
 import attrs
 
-from shadow_policies.paper import _slo, _spec, _user_args
+from shadow_policies.building import policy_spec, slo_slack, user_args
 from shadowcore._validators import non_negative, positive_int, probability
 from shadowcore.errors import ConfigError
 from shadowcore.policy import Component, PolicySpec
-from shadowcore.switch import ProbabilityGate, SwitchPredictor, Target, Targeting, TopK
+from shadowcore.switch import (
+    ProbabilityGate,
+    SwitchPredictor,
+    Target,
+    Targeting,
+    TopK,
+    next_model_distribution_from_counts,
+)
 
 
 @attrs.frozen
@@ -125,22 +132,17 @@ class PopulationBackoffPredictor(SwitchPredictor):
         self, session_id: str, task: str, current_model: str, models: Sequence[str]
     ) -> dict[str, float]:
         row = self._row(session_id, task, current_model, self._models(current_model, models))
-        others = [m for m in models if m != current_model]
-        weights = {m: row.get(m, 0.0) for m in others}
-        total = sum(weights.values())
-        if total <= 0:
-            return {m: 1.0 / len(others) for m in others} if others else {}
-        return {m: w / total for m, w in weights.items()}
+        return next_model_distribution_from_counts(row, current_model, models)  # the prior is already in the row
 
 
-@_user_args
+@user_args
 def benefit_host(gate: float = 0.1, max_k: int = 2, prior_strength: float = 4.0, session_weight: float = 2.0,
                  beta: float = 0.5, delta: float = 0.0, n_min: int = 256, margin: float = 0.1,
                  chunk_tokens: int = 2048, **kv) -> PolicySpec:
-    spec = _spec("benefit-host", "Harvest-SLO+Host with expected-benefit targeting (absolute switch probability "
-                 ">= gate, at most max_k), a population-backoff predictor and no routed-step credit.",
-                 _slo(beta, delta, n_min, margin, chunk_tokens), targeting=ExpectedBenefitTargets(gate, max_k),
-                 host=True, **kv)
+    spec = policy_spec("benefit-host", "Harvest-SLO+Host with expected-benefit targeting (absolute switch "
+                       "probability >= gate, at most max_k), a population-backoff predictor and no routed-step "
+                       "credit.", slo_slack(beta, delta, n_min, margin, chunk_tokens),
+                       targeting=ExpectedBenefitTargets(gate, max_k), host=True, **kv)
     predictor = Component(PopulationBackoffPredictor, {"prior_strength": prior_strength,
                                                        "session_weight": session_weight,
                                                        "pseudo_count": kv.get("pseudo_count", 1.0)})
