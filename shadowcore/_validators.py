@@ -67,3 +67,13 @@ def positive_int(_instance: Any, attribute: Any, value: Any) -> None:
 def non_empty_str(_instance: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise ConfigError(attribute.name, value, "must be a non-empty string")
+
+
+def one_of(*choices: str) -> Any:
+    """A validator: the value is one of ``choices`` (strings)."""
+
+    def check(_instance: Any, attribute: Any, value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(attribute.name, value, f"must be one of {', '.join(map(repr, choices))}")
+
+    return check

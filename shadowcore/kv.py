@@ -9,10 +9,13 @@ pure and reused by the vLLM backend's block-pool bridge.
 Invariants (each has a property test):
 
 * Shadow blocks (in use or cached) never exceed ``cap_blocks``.
-* A normal allocation evicts an idle shadow block before any normal block;
-  eviction is LRU (least recently released first) within a class; a released
-  chain goes idle tail first, so its tail is evicted before its head and
-  what survives is still a prefix (vLLM frees blocks in reverse order too).
+* Eviction order (``KVClassPolicy.eviction_order``). ``"shadow-first"`` (the
+  paper's): a normal allocation evicts an idle shadow block before any
+  normal block, LRU (least recently released first) within a class.
+  ``"lru"``: one LRU over both classes (the earlier release first; on equal
+  release times shadow blocks first). Either way a released chain goes idle
+  tail first, so its tail is evicted before its head and what survives is
+  still a prefix (vLLM frees blocks in reverse order too).
 * A shadow allocation takes free blocks or idle blocks older than
   ``cold_age_s`` only; it never displaces a younger entry of either class.
 * A block in use (ref count > 0) is never evicted.
@@ -33,7 +36,7 @@ from operator import itemgetter
 
 import attrs
 
-from shadowcore._validators import fraction_open_closed, non_negative, positive, positive_int
+from shadowcore._validators import fraction_open_closed, non_negative, one_of, positive, positive_int
 
 
 class KVClass(enum.Enum):
@@ -53,13 +56,28 @@ class HostTierParams:
     pcie_bytes_per_s: float = attrs.field(default=25e9, validator=positive)
 
 
+#: ``KVClassPolicy.eviction_order`` values.
+EVICTION_ORDERS = ("shadow-first", "lru")
+
+
 @attrs.frozen
 class KVClassPolicy:
-    """The rules of the two classes, as pure functions of block metadata."""
+    """The rules of the two classes, as pure functions of block metadata.
+
+    ``eviction_order`` says which idle block an allocation evicts:
+    ``"shadow-first"`` (the paper's evict-first shadow class: every idle
+    shadow block goes before any normal one) or ``"lru"`` (the least recently
+    released block of either class; shadow blocks keep their cap and a shadow
+    allocation still takes only cold blocks). Under normal traffic with little
+    prefix reuse, shadow-first evicts a shadow before its switch call comes
+    while normal blocks nobody will hit again stay cached (docs/architecture.md,
+    "KV classes").
+    """
 
     shadow_cap_fraction: float = attrs.field(default=0.25, validator=fraction_open_closed)
     cold_age_s: float = attrs.field(default=5.0, validator=non_negative)
     host: HostTierParams | None = None
+    eviction_order: str = attrs.field(default="shadow-first", validator=one_of(*EVICTION_ORDERS))
 
     def cap_blocks(self, num_blocks: int) -> int:
         return int(self.shadow_cap_fraction * num_blocks)
@@ -496,7 +514,11 @@ class KVClassManager:
         class, never a block of ``protect``; a shadow requester takes cold
         blocks only. One pass per class evicts exactly what ``num`` single
         evictions in a row would (each restarts at the head and skips the same
-        protected and young blocks), in the same order."""
+        protected and young blocks), in the same order. (``"lru"`` order:
+        :meth:`_evict_lru`.)"""
+        if self.policy.eviction_order == "lru":
+            self._evict_lru(num, requester, now_s, protect)
+            return
         for cls in (KVClass.SHADOW, KVClass.NORMAL):
             idle = self._idle[cls]
             if not protect and requester is KVClass.NORMAL:  # nothing skipped: the LRU head
@@ -518,6 +540,34 @@ class KVClassManager:
             if num == 0:
                 return
         raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
+
+    def _evict_lru(self, num: int, requester: KVClass, now_s: float, protect: set[int]) -> None:
+        """Evict ``num`` idle blocks, least recently released first across both
+        classes (each class's idle list is in release order: a merge of the two;
+        equal release times take the shadow block first), never a block of
+        ``protect``; a shadow requester takes cold blocks only (once the oldest
+        candidate is young, every other one is too)."""
+        blocks, victims = self._blocks, []
+        shadow_iter, normal_iter = iter(self._idle[KVClass.SHADOW]), iter(self._idle[KVClass.NORMAL])
+        s, n = next(shadow_iter, None), next(normal_iter, None)
+        while len(victims) < num:
+            while s in protect:
+                s = next(shadow_iter, None)
+            while n in protect:
+                n = next(normal_iter, None)
+            if s is not None and (n is None or blocks[s][2] <= blocks[n][2]):
+                victim, s = (s, KVClass.SHADOW), next(shadow_iter, None)
+            elif n is not None:
+                victim, n = (n, KVClass.NORMAL), next(normal_iter, None)
+            else:
+                break
+            if requester is KVClass.SHADOW and not self.policy.shadow_may_displace(blocks[victim[0]][2], now_s):
+                break
+            victims.append(victim)
+        if len(victims) < num:
+            raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
+        for h, cls in victims:  # in order (the host tier keeps its own LRU of what spills)
+            self._evict_blocks([h], cls)
 
     def _evict_head(self, num: int, cls: KVClass) -> int:
         """``_evict_blocks`` of the first ``num`` idle blocks of ``cls`` (LRU

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+import attrs
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
@@ -211,8 +212,26 @@ class _EvictionOrderMachine(KVClassMachine):
 
 def test_evict_shadow_before_normal_and_lru_within_class():
     """C3: eviction removes idle shadow blocks before normal ones and is LRU
-    within each class."""
+    within each class (policies drawn with either eviction order: under
+    ``"lru"`` one LRU over both classes instead)."""
     _run(_EvictionOrderMachine, 60, 35)
+
+
+class _OneLRUMachine(KVClassMachine):
+    """Every policy drawn with ``eviction_order="lru"``."""
+
+    checks = frozenset({"lru", "young", "cap", "liveness"})
+    cap_fractions = st.sampled_from([0.25, 0.5, 1.0])
+
+    def make_policy(self, draw, block_bytes):
+        return attrs.evolve(super().make_policy(draw, block_bytes), eviction_order="lru")
+
+
+def test_one_lru_over_both_classes_keeps_cap_cold_age_and_liveness():
+    """``eviction_order="lru"``: the least recently released idle block of
+    either class goes first; the cap, the cold-age rule and liveness hold as
+    under shadow-first."""
+    _run(_OneLRUMachine, 60, 35)
 
 
 class _YoungMachine(KVClassMachine):

@@ -17,9 +17,12 @@ through the pool itself):
   (an instance attribute of the pool for the allocation's duration only),
   so vLLM's own ``allocate_slots`` refuses one that would break them.
 * Eviction order for every allocation: never-used (hash-less) free blocks
-  first, then idle shadow blocks (least recently freed first), then idle
-  normal blocks (vLLM's LRU). Shadow blocks are never evicted while a
-  never-used block is free (the pitfall of moving them to the queue's front).
+  first, then, under ``eviction_order="shadow-first"``, idle shadow blocks
+  (least recently freed first), then idle normal blocks (vLLM's LRU); under
+  ``"lru"``, the least recently freed idle block of either class (on equal
+  times the shadow block), as :class:`shadowcore.kv.KVClassManager` does.
+  Shadow blocks are never evicted while a never-used block is free (the
+  pitfall of moving them to the queue's front).
 * A shadow allocation takes hash-less free blocks, or idle blocks (either
   class) freed more than ``cold_age_s`` ago; never a younger one.
 * A block in use is never evicted (vLLM's rule; the bridge only reorders
@@ -39,6 +42,7 @@ Times are seconds on the scheduler's clock (``shadow_clock``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -196,6 +200,8 @@ class ShadowKVBridge:
         if first is not None and first is not queue.fake_free_list_tail and first.block_hash is None:
             return None  # never-used blocks go first
         now_s = self._shadow_now_s
+        if self.policy.eviction_order == "lru":
+            return self._next_idle_lru(now_s)
         for cls in (KVClass.SHADOW, KVClass.NORMAL):
             for block_id, idle_since_s in self.idle[cls].items():
                 if now_s is not None and not self.policy.shadow_may_displace(idle_since_s, now_s):
@@ -206,6 +212,23 @@ class ShadowKVBridge:
         if now_s is not None:
             raise AssertionError("shadow allocation beyond its room (get_num_free_blocks was checked)")
         return None
+
+
+    def _next_idle_lru(self, now_s: float | None) -> Any | None:
+        """``_next_idle`` under one LRU: the older head of the two idle lists
+        (each in release order; equal times: the shadow block); a shadow
+        allocation (``now_s`` set) takes it only if it is cold."""
+        heads = [(since, cls is KVClass.NORMAL, block_id)
+                 for cls in (KVClass.SHADOW, KVClass.NORMAL)
+                 for block_id, since in itertools.islice(self.idle[cls].items(), 1)]
+        if not heads:
+            if now_s is not None:
+                raise AssertionError("shadow allocation beyond its room (get_num_free_blocks was checked)")
+            return None
+        since, _, block_id = min(heads)
+        if now_s is not None and not self.policy.shadow_may_displace(since, now_s):
+            raise AssertionError("shadow allocation beyond its room (get_num_free_blocks was checked)")
+        return self.pool.blocks[block_id]
 
 
 def _subclass(base: type, hooks: type) -> type:

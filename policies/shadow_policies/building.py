@@ -44,7 +44,8 @@ PCIE_BYTES_PER_S = 25e9
 #: Keywords every policy built with :func:`policy_spec` accepts through ``**kv``
 #: (passed on to the KV class rules and the predictor); :func:`user_args`
 #: accepts them for any factory that has a ``**kv`` parameter.
-KV_ARGS = frozenset({"shadow_cap", "cold_age_s", "host_capacity_bytes", "pcie_bytes_per_s", "pseudo_count"})
+KV_ARGS = frozenset({"shadow_cap", "cold_age_s", "host_capacity_bytes", "pcie_bytes_per_s", "pseudo_count",
+                     "eviction_order"})
 
 #: Where a validator reports a bad value (component field) -> the keyword the
 #: user wrote, so that ``load_policy`` says ``policy.args.shadow_cap = 0``
@@ -100,9 +101,9 @@ def user_args(factory: Callable[..., PolicySpec]) -> Callable[..., PolicySpec]:
 
 
 def _kv(shadow_cap: float, cold_age_s: float, host: bool, host_capacity_bytes: float,
-        pcie_bytes_per_s: float) -> KVClassPolicy:
+        pcie_bytes_per_s: float, eviction_order: str) -> KVClassPolicy:
     tier = HostTierParams(host_capacity_bytes, pcie_bytes_per_s)  # validated even when unused
-    return KVClassPolicy(shadow_cap, cold_age_s, tier if host else None)
+    return KVClassPolicy(shadow_cap, cold_age_s, tier if host else None, eviction_order)
 
 
 def targeting_from(top_k: int | None, gate: float | None) -> Targeting:
@@ -127,7 +128,8 @@ def slo_slack(beta: float, delta: float, n_min: int, margin: float, chunk_tokens
 def policy_spec(name: str, description: str, slack: Component, *, host: bool = False,
                 targeting: Targeting | None = None, oracle: bool = False, dedicated: bool = False,
                 shadow_cap: float = 0.25, cold_age_s: float = 5.0, host_capacity_bytes: float = HOST_CAPACITY_BYTES,
-                pcie_bytes_per_s: float = PCIE_BYTES_PER_S, pseudo_count: float = 1.0) -> PolicySpec:
+                pcie_bytes_per_s: float = PCIE_BYTES_PER_S, pseudo_count: float = 1.0,
+                eviction_order: str = "shadow-first") -> PolicySpec:
     """A :class:`~shadowcore.policy.PolicySpec` with the paper's defaults.
 
     ``slack`` is the controller recipe; ``targeting`` defaults to
@@ -137,12 +139,15 @@ def policy_spec(name: str, description: str, slack: Component, *, host: bool = F
     (``host_capacity_bytes`` per GPU at ``pcie_bytes_per_s``, validated even
     when ``host`` is off); ``shadow_cap`` is the shadow class's share of the KV
     pool and ``cold_age_s`` the idle age after which a block may be taken by a
-    shadow chunk. The keyword-only KV arguments are exactly :data:`KV_ARGS`,
+    shadow chunk; ``eviction_order`` is ``"shadow-first"`` (the paper's
+    evict-first shadow class) or ``"lru"`` (one LRU over both classes,
+    :class:`~shadowcore.kv.KVClassPolicy`). The keyword-only KV arguments are exactly :data:`KV_ARGS`,
     so a factory can pass its ``**kv`` straight through.
     """
     return PolicySpec(
         name, description, slack, Component(EmpiricalSwitchPredictor, {"pseudo_count": pseudo_count}),
-        targeting or AllOthers(), _kv(shadow_cap, cold_age_s, host, host_capacity_bytes, pcie_bytes_per_s),
+        targeting or AllOthers(),
+        _kv(shadow_cap, cold_age_s, host, host_capacity_bytes, pcie_bytes_per_s, eviction_order),
         oracle, dedicated,
     )
 

@@ -119,14 +119,15 @@ class KVClassMachine(RuleBasedStateMachine):
     ``"cap"``: shadow blocks (in use + cached + private) <= ``cap_blocks``, and
     ``shadow_room_blocks`` never exceeds the room left under the cap.
 
-    ``"shadow_first"``: no normal block is evicted while an evictable idle shadow
-    block exists -- for a normal requester any idle shadow block outside the
-    allocation's own chain, for a shadow requester one idle for more than
-    ``cold_age_s``.
+    ``"shadow_first"`` (policies with ``eviction_order="shadow-first"``): no
+    normal block is evicted while an evictable idle shadow block exists -- for a
+    normal requester any idle shadow block outside the allocation's own chain,
+    for a shadow requester one idle for more than ``cold_age_s``.
 
     ``"lru"``: within each class the evicted blocks are the least recently
     released of the eligible idle ones (ties in release time in any order), and
-    ``idle_order`` lists each class by non-decreasing release time.
+    ``idle_order`` lists each class by non-decreasing release time; with
+    ``eviction_order="lru"`` the same holds across both classes together.
 
     ``"young"``: a shadow allocation never evicts a block idle for
     ``<= cold_age_s`` (of either class).
@@ -247,7 +248,8 @@ class KVClassMachine(RuleBasedStateMachine):
                 f"{[(h, self._age(h)) for h in young]}"
             )
         eligible = set(self._evictable(pre, chain, requester))
-        if "shadow_first" in self.checks and any(pre.cached[h] is KVClass.NORMAL for h in evicted):
+        lru_order = self.kv.policy.eviction_order == "lru"
+        if "shadow_first" in self.checks and not lru_order and any(pre.cached[h] is KVClass.NORMAL for h in evicted):
             left = sorted(h for h in eligible - evicted if pre.cached[h] is KVClass.SHADOW)
             assert not left, (
                 f"{requester.value} allocation evicted normal blocks "
@@ -255,14 +257,14 @@ class KVClassMachine(RuleBasedStateMachine):
                 f"while evictable idle shadow blocks {left} remained"
             )
         if "lru" in self.checks:
-            for c in KVClass:
-                gone = {h for h in evicted if pre.cached[h] is c}
-                kept = {h for h in eligible - evicted if pre.cached[h] is c}
+            for c in (None,) if lru_order else KVClass:  # None: both classes as one LRU
+                gone = {h for h in evicted if c is None or pre.cached[h] is c}
+                kept = {h for h in eligible - evicted if c is None or pre.cached[h] is c}
                 if gone and kept:
                     newest_gone = max(self.idle_since[h] for h in gone)
                     oldest_kept = min(self.idle_since[h] for h in kept)
                     assert newest_gone <= oldest_kept, (
-                        f"{c.value} eviction not LRU: evicted {sorted(gone)} (released up to t={newest_gone}) "
+                        f"{'one-LRU' if c is None else c.value} eviction not LRU: evicted {sorted(gone)} (released up to t={newest_gone}) "
                         f"but kept {sorted(kept)} (released from t={oldest_kept})"
                     )
         if "host" in self.checks:

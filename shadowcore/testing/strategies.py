@@ -35,7 +35,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from shadowcore.kv import HostTierParams, KVClassPolicy
+from shadowcore.kv import EVICTION_ORDERS, HostTierParams, KVClassPolicy
 from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
 from shadowcore.slack import (
     EagerController,
@@ -266,14 +266,15 @@ def kv_policies(
     *, host: bool | None = None, block_bytes: float | None = None, max_cold_age_s: float = 4.0
 ) -> st.SearchStrategy[KVClassPolicy]:
     """:class:`KVClassPolicy` with any cap fraction in (0, 1], a cold age on the
-    time grid, and a host tier when ``host`` (None: sometimes)."""
+    time grid, a host tier when ``host`` (None: sometimes) and either eviction
+    order."""
     cap = st.one_of(st.sampled_from([0.1, 0.25, 0.5, 1.0]), st.floats(0.01, 1.0))
     tier = (
         st.none() if host is False
         else host_tier_params(block_bytes) if host
         else st.one_of(st.none(), host_tier_params(block_bytes))
     )
-    return st.builds(KVClassPolicy, cap, grid_times(max_cold_age_s), tier)
+    return st.builds(KVClassPolicy, cap, grid_times(max_cold_age_s), tier, st.sampled_from(EVICTION_ORDERS))
 
 
 def draw_hash_chain(draw: Draw, known: Sequence[Sequence[int]] = (), *, next_hash: int = 1,

@@ -99,6 +99,32 @@ def test_shadow_allocation_takes_only_cold_blocks_and_respects_the_cap() -> None
     assert bridge.num_shadow_blocks == 2  # one evicted, one new: still within the cap
 
 
+def test_one_lru_evicts_the_least_recently_freed_block_of_either_class() -> None:
+    """``eviction_order="lru"``: normal blocks freed before the shadow ones go
+    first (still after the never-used blocks); a shadow allocation takes the
+    oldest cold block of either class."""
+    clock = Clock()
+    policy = KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=5.0, eviction_order="lru")
+    pool, bridge = _pool(8, policy, clock)
+    shadow = _take(pool, bridge, 2, True, clock)
+    normal = pool.get_new_blocks(2)
+    _cache(pool, shadow, "s")
+    _cache(pool, normal, "n")
+    pool.free_blocks(reversed(normal))
+    clock.now_s += 1.0
+    pool.free_blocks(reversed(shadow))
+    shadow, normal = [b.block_id for b in shadow], [b.block_id for b in normal]
+    first = [b.block_id for b in pool.get_new_blocks(3)]
+    assert not set(first) & set(shadow + normal) and bridge.eviction_count == 0
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [normal[1]]  # released first (a chain tail first)
+    clock.now_s += 6.0  # every idle block is cold now
+    with bridge.shadow_allocation(clock(), ()):
+        assert pool.get_num_free_blocks() == 1  # cap 3 of 7 usable, 2 shadow blocks cached
+        assert [b.block_id for b in pool.get_new_blocks(1)] == [normal[0]]  # older than either shadow block
+    assert [b.block_id for b in pool.get_new_blocks(2)] == shadow[::-1]
+    assert bridge.num_evicted_blocks == {KVClass.SHADOW: 2, KVClass.NORMAL: 2}
+
+
 def test_normal_hit_promotes_a_shadow_block() -> None:
     pool, bridge, _, shadow, _ = _scenario(bridged=True)
     pool.touch([pool.blocks[shadow[0]]])

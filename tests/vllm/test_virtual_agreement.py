@@ -54,11 +54,12 @@ class RooflineRun(FakeRun):
         return EngineInstance(instance_id, model, kv, latency, tpot, EngineLimits(sc.token_budget))
 
 
-def _run_both(policy: str, scheduler_cls, keep_tails: bool = False, **policy_args):
+def _run_both(policy: str, scheduler_cls, keep_tails: bool = False, scenario: FakeScenario = SCENARIO,
+              **policy_args):
     """The simulator's run (done) and the virtual vLLM run (built, not run)."""
     shadow = ShadowConfig(PluginRef(policy, policy_args))
     sim_rec = virtual.PlanRecorder(lambda i: [j for j in sim.runtime.manager.jobs() if j.instance_id == i])
-    sim = RooflineRun(SCENARIO, shadow, (sim_rec,))
+    sim = RooflineRun(scenario, shadow, (sim_rec,))
     sim.run()
     configs = {}
     for m in MODELS:
@@ -67,15 +68,15 @@ def _run_both(policy: str, scheduler_cls, keep_tails: bool = False, **policy_arg
         if scheduler_cls is not None:  # the engine rebuilds the same policy, SLOs and latency model
             extra = {"shadowprefill": {
                 "shadow": json.loads(shadow.to_json()),
-                "slo": {"ttft_s": SCENARIO.slo.ttft_s, "tpot_s": inst.tpot_slo_s},
+                "slo": {"ttft_s": scenario.slo.ttft_s, "tpot_s": inst.tpot_slo_s},
                 "latency": {"name": "shadow_sim.latency:latency_model", "args": {"name": m, "kind": "roofline"}},
                 "keep_tails_below_n_min": keep_tails,
             }}
         configs[m] = virtual.VirtualEngineConfig(
-            block_size=SCENARIO.block_size, num_blocks=SCENARIO.num_blocks + 1,  # + vLLM's null block
-            max_num_batched_tokens=SCENARIO.token_budget, max_num_seqs=256, additional_config=extra)
+            block_size=scenario.block_size, num_blocks=scenario.num_blocks + 1,  # + vLLM's null block
+            max_num_batched_tokens=scenario.token_budget, max_num_seqs=256, additional_config=extra)
     vrun = virtual.VirtualScenarioRun(
-        SCENARIO, shadow, {m: sim.cluster.by_model[m][0].latency for m in MODELS}, configs,
+        scenario, shadow, {m: sim.cluster.by_model[m][0].latency for m in MODELS}, configs,
         scheduler_cls=scheduler_cls, shadow_feeder=virtual.TaggedShadowFeeder() if scheduler_cls else None)
     return sim, vrun
 
@@ -142,3 +143,32 @@ def test_shadow_decisions_agree_where_the_engines_see_the_same_batch(policy_args
         assert sum(a.num_compared_multi_job for a in agreements) >= 1  # the order of jobs was checked
     shadow_tokens = sum(e.scheduler.shadow_stats.num_shadow_tokens for e in vrun.cluster.by_id.values())
     assert shadow_tokens > 5000
+
+
+def test_one_lru_eviction_agrees_under_kv_pressure() -> None:
+    """``eviction_order="lru"`` in both engines (the simulator's KVClassManager,
+    the vLLM bridge) on a 400-block pool where both classes get evicted: no
+    decision differs where the engines see the same batch and jobs. Under this
+    pressure the engines part more often than with room (vLLM preempts), for
+    either eviction order alike (shadow-first compares about as many steps)."""
+    from shadow_vllm.scheduler import ShadowScheduler
+
+    small = attrs.evolve(SCENARIO, num_blocks=400)
+    sim, vrun = _run_both("harvest-slo", ShadowScheduler, False, small, n_min=0, eviction_order="lru")
+    vllm_rec = virtual.PlanRecorder(
+        lambda i: [e.job for e in vrun.cluster.by_id[i].scheduler.shadow_jobs.entries()])
+    for engine in vrun.cluster.by_id.values():
+        engine.scheduler.shadow_hook.observers.add(vllm_rec)
+    vrun.run()
+    agreements = [virtual.compare_steps(f"{m}/0", sim.observers[0].steps[f"{m}/0"], vllm_rec.steps[f"{m}/0"], 0)
+                  for m in MODELS]
+    print("\nharvest-slo lru, 400 blocks:\n" + "\n".join(_report(a) for a in agreements))
+    for a in agreements:
+        assert a.mismatches == (), _report(a)
+        assert a.num_compared >= 0.2 * a.num_steps[0], _report(a)
+    assert sum(a.num_compared_with_grants for a in agreements) >= 10
+    for engine in vrun.cluster.by_id.values():
+        evicted = engine.scheduler.shadow_bridge.num_evicted_blocks
+        assert min(evicted.values()) > 0, evicted  # both classes were evicted: the order mattered
+    for inst in sim.cluster.by_id.values():
+        assert min(inst.kv.num_evicted_blocks.values()) > 0
