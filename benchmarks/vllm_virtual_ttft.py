@@ -43,7 +43,7 @@ what a wait behind a shadow-only step moves; medians barely notice), with a
 95% bootstrap interval (calls resampled in pairs, per seed pooled); ``MET``
 needs the ratio and the interval's upper end within the target.
 
-Run from the project root in the vLLM venv (about a minute per seed)::
+Run from the project root in the vLLM venv (one to two and a half minutes per seed for the three arms)::
 
     /work/venv_vllm/bin/python benchmarks/vllm_virtual_ttft.py
     /work/venv_vllm/bin/python benchmarks/vllm_virtual_ttft.py --seeds 0,1,2,3 --latency roofline
