@@ -2,7 +2,8 @@
 
 ``shadowprefill simulate`` runs one scenario under several policies (same
 workload seed for all) and prints a comparison table; with no arguments it
-runs the embedded default on the default backend. ``shadowprefill plugins``
+runs the embedded default on the default backend (``--policy
+'NAME:{json}'``, repeated, gives policies with arguments). ``shadowprefill plugins``
 lists registered policies and backends and whether each loads.
 
 Other subcommands (``sweep``, ``reproduce``, ``serve``, ``vllm-serve``...) are
@@ -24,6 +25,7 @@ from typing import Any
 
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError, PluginError
+from shadowcore.policy import load_policy
 from shadowcore.registry import Registry, backends, commands, policies
 
 DEFAULT_POLICIES = ("no-shadow", "harvest-slo-host", "oracle-host")
@@ -71,12 +73,34 @@ def _load_scenario(path: str | None) -> dict[str, Any]:
     return data
 
 
+def policy_ref(text: str) -> PluginRef:
+    """``--policy``'s value: ``NAME`` or ``NAME:{JSON object of arguments}``,
+    e.g. ``harvest-slo:{"eviction_order": "lru"}``."""
+    name, sep, rest = text.partition(":{")
+    if not sep:
+        return PluginRef(name.strip())
+    try:
+        args = json.loads("{" + rest)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--policy {name}", "{" + rest, f"arguments are not JSON: {e.msg} (column {e.colno})") \
+            from None
+    return PluginRef.parse(f"--policy {name}", {"name": name.strip(), "args": args})
+
+
 def _simulate(args: argparse.Namespace) -> int:
     scenario = _load_scenario(args.scenario)
     if args.duration is not None:
         scenario["duration_s"] = args.duration
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    configs = [ShadowConfig(PluginRef(n), seed=args.seed) for n in names]
+    if args.policy and args.policies is not None:
+        raise ConfigError("--policy", args.policy, "give --policies or --policy, not both")
+    if args.policy:
+        refs = [policy_ref(p) for p in args.policy]
+    else:
+        names = args.policies if args.policies is not None else ",".join(DEFAULT_POLICIES)
+        refs = [PluginRef(n.strip()) for n in names.split(",") if n.strip()]
+    for i, ref in enumerate(refs):  # every policy loads before anything runs (a bad argument costs no run)
+        load_policy(ref, field=f"--policy {ref.name}" if args.policy else f"--policies[{i}]")
+    configs = [ShadowConfig(ref, seed=args.seed) for ref in refs]
     backend = backends.load(args.backend)()
     compare = getattr(backend, "compare", None)  # a backend's own runner (sim: matched calls, reductions, +-SE)
     if compare is not None:
@@ -125,7 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     sim = sub.add_parser("simulate", help="run one scenario under several policies")
     sim.add_argument("--backend", default=DEFAULT_BACKEND, help="registered backend name")
-    sim.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names")
+    sim.add_argument("--policies", default=None,
+                     help=f"comma-separated policy names (default: {','.join(DEFAULT_POLICIES)})")
+    sim.add_argument("--policy", action="append", metavar="NAME[:JSON]",
+                     help='one policy, with arguments if any, e.g. \'harvest-slo:{"eviction_order": "lru"}\' '
+                          "(repeat it; instead of --policies)")
     sim.add_argument("--scenario", help="JSON file with scenario fields (default: the embedded scenario)")
     sim.add_argument("--duration", type=float, help="simulated seconds of arrivals")
     sim.add_argument("--seed", type=int, default=0, help="policy seed")

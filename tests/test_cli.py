@@ -73,3 +73,27 @@ def test_plugin_subcommands_are_listed_in_help(command_plugins, capsys) -> None:
         main(["--help"])
     out = capsys.readouterr().out
     assert "hello" in out and "broken" in out
+
+
+def test_policy_flag_takes_arguments_as_json(capsys) -> None:
+    argv = ["simulate", "--backend", "fake", "--duration", "20", "--policy", "no-shadow",
+            "--policy", 'harvest-slo:{"eviction_order": "lru", "shadow_cap": 0.5}']
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no-shadow" in out and "harvest-slo" in out
+
+
+@pytest.mark.parametrize(("value", "where"), [
+    ('harvest-slo:{"eviction_order": lru}', "--policy harvest-slo"),  # not JSON: the flag, the policy, the column
+    ('harvest-slo:{"eviction_ordr": "lru"}', "eviction_ordr"),  # unknown argument
+    ('harvest-slo:{"eviction_order": "fifo"}', "eviction_order = 'fifo'"),  # bad value
+])
+def test_bad_policy_flag_is_one_error_line_naming_it(capsys, value: str, where: str) -> None:
+    assert main(["simulate", "--backend", "fake", "--duration", "5", "--policy", value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and where in err, err
+
+
+def test_policy_and_policies_exclude_each_other(capsys) -> None:
+    assert main(["simulate", "--backend", "fake", "--policies", "no-shadow", "--policy", "harvest-slo"]) == 2
+    assert "not both" in capsys.readouterr().err
