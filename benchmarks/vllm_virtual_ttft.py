@@ -52,6 +52,7 @@ Run from the project root in the vLLM venv (one to two and a half minutes per se
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -87,7 +88,7 @@ class RequestLevelFeeder:
     def __init__(self) -> None:
         self.shadower: Any = None
         self._num_calls_seen = 0
-        self._calls_seen: set[str] = set()
+        self._num_requests_seen: dict[str, int] = {}  # per instance: requests already looked at (in added order)
 
     def __call__(self, run: Any) -> None:
         from shadow_vllm.request_level import Destination, RequestLevelShadower, virtual_submitter
@@ -97,10 +98,11 @@ class RequestLevelFeeder:
             self.shadower = RequestLevelShadower(virtual_submitter(engines, lambda: self.shadower),
                                                  lambda i: len(engines[i].scheduler.waiting))
         for instance, engine in engines.items():  # calls seen on an instance drop that session's pending shadow
-            for rid in engine.requests:
-                if "#" in rid and not rid.startswith("shadow-") and rid not in self._calls_seen:
-                    self._calls_seen.add(rid)
+            seen = self._num_requests_seen.get(instance, 0)
+            for rid in itertools.islice(engine.requests, seen, None):  # only those added since the last call
+                if "#" in rid and not rid.startswith("shadow-"):
                     self.shadower.on_call_arrival(rid.split("#")[0], instance)
+            self._num_requests_seen[instance] = len(engine.requests)
         for call in run.calls[self._num_calls_seen:]:
             handle = run.cluster.by_model[call.model][0].requests[f"{call.session_id}#{call.call_index}"]
             others = [Destination(engine.name, model) for model, engines_of in run.cluster.by_model.items()

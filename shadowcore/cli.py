@@ -77,14 +77,15 @@ def policy_ref(text: str) -> PluginRef:
     """``--policy``'s value: ``NAME`` or ``NAME:{JSON object of arguments}``,
     e.g. ``harvest-slo:{"eviction_order": "lru"}``."""
     name, sep, rest = text.partition(":{")
+    name = name.strip()
     if not sep:
-        return PluginRef(name.strip())
+        return PluginRef(name)
     try:
         args = json.loads("{" + rest)
     except json.JSONDecodeError as e:
         raise ConfigError(f"--policy {name}", "{" + rest, f"arguments are not JSON: {e.msg} (column {e.colno})") \
             from None
-    return PluginRef.parse(f"--policy {name}", {"name": name.strip(), "args": args})
+    return PluginRef.parse(f"--policy {name}", {"name": name, "args": args})
 
 
 def _simulate(args: argparse.Namespace) -> int:

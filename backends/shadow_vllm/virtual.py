@@ -295,9 +295,13 @@ class OffloadTransferWorker:
     _inflight: list[tuple[float, int, str | None, int]] = attrs.Factory(list)  # (done s, job, load's request, blocks)
     _link_free_s: dict[bool, float] = attrs.Factory(lambda: {True: 0.0, False: 0.0})  # per direction (is_load)
 
+    def transfer_s(self, num_blocks: int) -> float:
+        """Seconds one job of ``num_blocks`` takes on the link (0.0 without a bandwidth)."""
+        return 0.0 if self.bytes_per_s is None else num_blocks * self.bytes_per_block / self.bytes_per_s
+
     def _submit(self, job_id: int, num_blocks: int, request_id: str | None, now_s: float) -> float:
         is_load = request_id is not None
-        duration = 0.0 if self.bytes_per_s is None else num_blocks * self.bytes_per_block / self.bytes_per_s
+        duration = self.transfer_s(num_blocks)
         start = max(now_s, self._link_free_s[is_load])
         done = start + duration
         self._link_free_s[is_load] = done
@@ -353,8 +357,7 @@ class OffloadTransferWorker:
         for _, job_id, request_id, num_blocks in done:
             worker_meta.mark_completed(job_id)
             stats = worker_meta.transfer_stats.store if request_id is None else worker_meta.transfer_stats.load
-            duration = 0.0 if self.bytes_per_s is None else num_blocks * self.bytes_per_block / self.bytes_per_s
-            stats.record(num_blocks * self.bytes_per_block, duration)
+            stats.record(num_blocks * self.bytes_per_block, self.transfer_s(num_blocks))
             if request_id is None:
                 self.num_stored_blocks += num_blocks
             else:
