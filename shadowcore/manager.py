@@ -16,11 +16,15 @@ Invariants:
 * Jobs are handed to an instance in non-increasing switch probability (ties:
   older job first), and only jobs with missing tokens are handed out.
 * Per session, at most one job per target model; a job lives on one instance.
+* The manager owns its sessions: drivers read them through :meth:`ShadowManager.session`
+  (a frozen :class:`SessionInfo`) and :meth:`ShadowManager.history`, never by
+  reaching into its state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -61,6 +65,20 @@ class SessionState:
     num_calls: int = 0
 
 
+@attrs.frozen
+class SessionInfo:
+    """What a driver may read of one session: a snapshot, except ``history``,
+    which is the live history the session's jobs share (read it, never append:
+    the manager's ``on_*`` methods are the only writers)."""
+
+    session_id: str
+    task: str
+    current_model: str | None
+    sticky: Mapping[str, str]  # model -> instance id
+    num_calls: int
+    history: SessionHistory
+
+
 @attrs.define(eq=False)
 class ShadowManager:
     """Router-side owner of sessions and shadow jobs (one per deployment)."""
@@ -71,7 +89,7 @@ class ShadowManager:
     targeting: Targeting
     shadow_instances: dict[str, str] = attrs.Factory(dict)  # model -> dedicated instance
     oracle: bool = False
-    sessions: dict[str, SessionState] = attrs.field(init=False, factory=dict)
+    _sessions: dict[str, SessionState] = attrs.field(init=False, factory=dict)
     _jobs: dict[JobKey, ShadowJob] = attrs.field(init=False, factory=dict)
     _by_instance: dict[str, dict[JobKey, ShadowJob]] = attrs.field(init=False, factory=dict)
     _next_sequence: int = attrs.field(init=False, default=0)
@@ -103,16 +121,39 @@ class ShadowManager:
 
     def on_output_tokens(self, session_id: str, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         """Streamed output of the session's current call extends every job."""
-        self.sessions[session_id].history.append(num_tokens, token_ids)
+        self._known(session_id).history.append(num_tokens, token_ids)
 
     def on_tool_result(self, session_id: str, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         """Tokens appended between calls (a tool result known before the next call)."""
-        self.sessions[session_id].history.append(num_tokens, token_ids)
+        self._known(session_id).history.append(num_tokens, token_ids)
 
     def on_session_end(self, session_id: str) -> None:
         for model in self.models:
             self._close(JobKey(session_id, model))
-        self.sessions.pop(session_id, None)
+        self._sessions.pop(session_id, None)
+
+    # -- reading sessions -----------------------------------------------------------
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def session_ids(self) -> Iterator[str]:
+        return iter(self._sessions)
+
+    def session(self, session_id: str) -> SessionInfo | None:
+        """The session as it stands now, or ``None`` when the manager has none by that id."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            return None
+        return SessionInfo(s.session_id, s.task, s.current_model, MappingProxyType(dict(s.sticky)), s.num_calls,
+                           s.history)
+
+    def history(self, session_id: str) -> SessionHistory:
+        """The session's live history (read only); ``KeyError`` naming the id when unknown."""
+        return self._known(session_id).history
 
     # -- engine side ----------------------------------------------------------------
     def pending_jobs(self, instance_id: str) -> list[ShadowJob]:
@@ -128,11 +169,17 @@ class ShadowManager:
         return iter(self._jobs.values())
 
     # -- internals ------------------------------------------------------------------
+    def _known(self, session_id: str) -> SessionState:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise KeyError(f"no session {session_id!r} in the shadow manager")
+        return s
+
     def _session(self, call: CallArrival) -> SessionState:
-        s = self.sessions.get(call.session_id)
+        s = self._sessions.get(call.session_id)
         if s is None:
             s = SessionState(call.session_id, call.task, SessionHistory(call.session_id))
-            self.sessions[call.session_id] = s
+            self._sessions[call.session_id] = s
         return s
 
     def _place(self, s: SessionState, model: str) -> str:

@@ -22,9 +22,9 @@ def test_compaction_resets_history_and_jobs() -> None:
     manager.on_output_tokens("s", 200)
     job = manager.job(JobKey("s", "B"))
     assert job is not None and job.num_target_tokens == 3200 // 16 * 16
-    old_hashes = manager.sessions["s"].history.block_hashes(16)
+    old_hashes = manager.history("s").block_hashes(16)
     manager.on_call_arrival(CallArrival("s", "A", 500, 1.0, compact_to_tokens=1000))
-    history = manager.sessions["s"].history
+    history = manager.history("s")
     assert history.num_tokens == 1500 and history.epoch == 1
     assert not set(history.block_hashes(16)) & set(old_hashes)  # the summary shares no block
     job = manager.job(JobKey("s", "B"))

@@ -37,7 +37,7 @@ class GrantLog:
         inst = self.run.cluster.by_id[snapshot.instance_id]
         for g in plan.grants:
             self.grants.append((snapshot.instance_id, snapshot.iteration, snapshot.now_s, g))
-            history = self.run.runtime.manager.sessions[g.job.session_id].history
+            history = self.run.runtime.manager.history(g.job.session_id)
             held = inst.cached_prefix_tokens(history)
             if g.start_token != held:
                 self.misaligned.append(f"{snapshot.instance_id}: grant at {g.start_token}, instance holds {held}")

@@ -192,13 +192,13 @@ class Gateway:
         return p.input_per_mtok, p.cached_input_per_mtok, p.output_per_mtok
 
     def current_model(self, session_id: str) -> str | None:
-        s = self.manager.sessions.get(session_id)
+        s = self.manager.session(session_id)
         return s.current_model if s else None
 
     def warmth(self, session_id: str, model: str, prompt_ids: list[int] | None = None) -> Warmth:
         """Tokens of the session's context (or of ``prompt_ids``, the next
         prompt) expected cached on the instance the next call would use."""
-        s = self.manager.sessions.get(session_id)
+        s = self.manager.session(session_id)
         if model not in self.models:
             raise RouteError(f"model {model!r} is not served here (models: {', '.join(self.models)})")
         if s is None:
@@ -228,7 +228,7 @@ class Gateway:
         return sid, headers.get(cfg.task_header, "")
 
     def choose_model(self, endpoint: str, body: dict[str, Any], session_id: str | None) -> str:
-        s = self.manager.sessions.get(session_id) if session_id else None
+        s = self.manager.session(session_id) if session_id else None
         call = RouteRequest(session_id, body.get("model"), endpoint, body, s.num_calls if s else 0)
         model = self.router.choose(call, self)
         if model not in self.models:
@@ -258,7 +258,7 @@ class Gateway:
 
     def end_routed(self, ctx: CallContext, ok: bool) -> None:
         self.busy.discard(ctx.session_id)
-        s = self.manager.sessions.get(ctx.session_id)
+        s = self.manager.session(ctx.session_id)
         if ok and s is not None and ctx.instance is not None and s.history.token_ids is not None:
             # the instance holds the prompt and all output but the last token
             self.cluster.record_routed(ctx.instance.id, ctx.session_id, s.history.token_ids,
@@ -272,7 +272,7 @@ class Gateway:
     # -- token ids from the upstream's responses ------------------------------------------
     def on_prompt_ids(self, ctx: CallContext, ids: list[int], num_cached: int | None) -> None:
         ctx.prompt_seen = True
-        s = self.manager.sessions.get(ctx.session_id)
+        s = self.manager.session(ctx.session_id)
         if s is None:
             return
         h = s.history
@@ -304,7 +304,7 @@ class Gateway:
     def on_output_ids(self, ctx: CallContext, ids: list[int]) -> None:
         if not ctx.prompt_seen or not ids:
             return
-        if ctx.session_id in self.manager.sessions:
+        if ctx.session_id in self.manager:
             self.manager.on_output_tokens(ctx.session_id, len(ids), ids)
             self.shadows.wake_all()
 
@@ -404,7 +404,7 @@ class Gateway:
                 self._count_usage(ctx, usage)
                 cached = _cached(usage)
                 if cached is not None and ctx.prompt_seen:
-                    s = self.manager.sessions.get(ctx.session_id)
+                    s = self.manager.session(ctx.session_id)
                     if s is not None and s.history.token_ids is not None:
                         self._count_cached(ctx, s.history.token_ids, cached)
         except Exception:
@@ -501,7 +501,7 @@ class Gateway:
                     self.end_session(sid)
 
     def end_session(self, session_id: str) -> bool:
-        known = session_id in self.manager.sessions
+        known = session_id in self.manager
         self.manager.on_session_end(session_id)
         self.cluster.forget_session(session_id)
         self.last_seen_s.pop(session_id, None)

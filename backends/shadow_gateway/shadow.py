@@ -237,11 +237,11 @@ class ShadowDispatcher:
 
     def on_call_complete(self, session_id: str) -> None:
         """Queue the session's context for the stock instances that hold its jobs."""
-        if self.request_level is None or session_id not in self.manager.sessions:
+        if self.request_level is None or session_id not in self.manager:
             return
         from shadow_vllm.request_level import Destination
 
-        history = self.manager.sessions[session_id].history
+        history = self.manager.history(session_id)
         if history.token_ids is None or not history.num_tokens:
             return
         dests = []

@@ -378,8 +378,8 @@ class KVFabric:
         D's held prefix (else, or without room, they are dropped)."""
         link.busy = None
         d, now = link.decode, self.loop.now_s
-        session = self.manager.sessions.get(grant.job.session_id)
-        fresh = session is not None and session.history.epoch == epoch
+        sid = grant.job.session_id
+        fresh = sid in self.manager and self.manager.history(sid).epoch == epoch
         owner = f"push:{grant.job.session_id}:{grant.job.target_model}:{grant.start_token}"
         if fresh and _held_blocks(d.kv, hashes[:first]) == first and _insert(
                 d.kv, owner, hashes[first:], KVClass.SHADOW, now):

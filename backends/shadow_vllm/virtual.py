@@ -722,7 +722,7 @@ class VirtualScenarioRun:
         new = session_tokens(s.session_id, index, s.inputs[index], vocab)
         placement = manager.on_call_arrival(
             CallArrival(s.session_id, s.models[index], len(new), self.loop.now_s, new_token_ids=tuple(new)))
-        history = manager.sessions[s.session_id].history
+        history = manager.history(s.session_id)
         engine = self.cluster.by_id[placement.instance_id]
         if self.shadow_feeder is not None:  # jobs closed by this call go before the call starts
             self.shadow_feeder(self)

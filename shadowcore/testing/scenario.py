@@ -332,7 +332,7 @@ class ScenarioRun:
             CallArrival(s.session_id, s.models[index], s.inputs[index], now, compact_to_tokens=compact)
         )
         inst = self.cluster.by_id[placement.instance_id]
-        history = manager.sessions[s.session_id].history
+        history = manager.history(s.session_id)
         req = EngineRequest(
             f"{s.session_id}#{index}", RequestKind.ROUTED, history, history.num_tokens, s.outputs[index], now,
             self.scenario.slo.ttft_s, inst.tpot_slo_s, num_oracle_tokens=placement.num_oracle_prefix_tokens,

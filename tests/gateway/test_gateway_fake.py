@@ -119,7 +119,7 @@ def test_streaming_chat_passes_chunks_and_streams_output_into_the_history(upstre
     assert len(text) == 8
     assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c for c in chunks)
     assert all(c["choices"] for c in chunks)  # the usage chunk the gateway asked for is not forwarded
-    history = gw.gateway.manager.sessions["s1"].history
+    history = gw.gateway.manager.history("s1")
     from shadow_gateway.fake_upstream import chat_prompt
 
     assert history.token_ids == encode(chat_prompt(messages)) + encode(text)
@@ -142,7 +142,7 @@ def test_calls_without_a_session_are_proxied_plainly(upstreams, gateway, client)
     assert "prompt_token_ids" not in body
     sent = a.requests[-1][1]
     assert "return_token_ids" not in sent and "vllm_xargs" not in sent
-    assert gw.gateway.manager.sessions == {} and b.requests == []
+    assert gw.gateway.manager.num_sessions == 0 and b.requests == []
     assert gw.metric("shadowprefill_gateway_calls_total", model="a", kind="plain") == 1
 
 
