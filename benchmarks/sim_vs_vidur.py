@@ -15,7 +15,7 @@ is replayed through both simulators: arrival = TIMESTAMP minus the window's
 first TIMESTAMP, prompt = ContextTokens (capped at ``--prompt-cap``, 8192),
 output = GeneratedTokens (capped at ``--output-cap``, 1024).
 
-* Ours: one :class:`~shadowcore.testing.fake_engine.EngineInstance` built by
+* Ours: one :class:`~shadowcore.engine.instance.EngineInstance` built by
   :class:`shadow_sim.simulator.SimRun` (KV pool sized from HBM, token budget
   2048, 256 sequences, block 16) under the ``no-shadow`` policy, the requests
   injected as NORMAL traffic by :class:`TraceRun` (a :class:`SimRun` that

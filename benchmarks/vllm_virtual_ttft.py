@@ -65,7 +65,7 @@ TTFT_TARGET = 1.1
 
 
 def build_scenario(args: argparse.Namespace, seed: int) -> Any:
-    from shadowcore.testing.scenario import FakeScenario
+    from shadowcore.engine.scenario import FakeScenario
 
     return FakeScenario(
         models=tuple(args.models), latency_scale=(1.0,) * len(args.models), instances_per_model=1,

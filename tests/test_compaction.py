@@ -5,7 +5,7 @@ shadow job restarts from the new epoch, and the next switch finds the summary
 from __future__ import annotations
 
 from shadowcore.config import PluginRef, ShadowConfig
-from shadowcore.testing.scenario import FakeRun, FakeScenario
+from shadowcore.engine.scenario import FakeRun, FakeScenario
 from shadowcore.types import CallArrival, JobKey
 
 

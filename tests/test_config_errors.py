@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-import shadowcore.testing.scenario as scenario_mod
+import shadowcore.engine.scenario as scenario_mod
 from shadowcore.config import PluginRef, ShadowConfig, SloConfig, build_attrs
 from shadowcore.errors import ConfigError, ShadowError
 from shadowcore.policy import load_policy
-from shadowcore.testing.scenario import FakeBackend, FakeScenario
+from shadowcore.engine.scenario import FakeBackend, FakeScenario
 
 
 def raises_one(fn, field: str, value_text: str) -> ConfigError:

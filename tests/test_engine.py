@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shadowcore.config import PluginRef, ShadowConfig
-from shadowcore.testing.fake_engine import EngineInstance
-from shadowcore.testing.scenario import FakeRun, FakeScenario, draw_normal, draw_sessions
+from shadowcore.engine.instance import EngineInstance
+from shadowcore.engine.scenario import FakeRun, FakeScenario, draw_normal, draw_sessions
 
 POLICIES = ("no-shadow", "harvest", "harvest-slo-host", "eager")
 

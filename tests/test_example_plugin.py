@@ -21,7 +21,7 @@ from shadowcore.policy import PolicySpec, load_policy
 from shadowcore.registry import POLICY_GROUP, Registry, load_reference
 from shadowcore.slack import SloSlackController
 from shadowcore.switch import EmpiricalSwitchPredictor, Target, Targeting
-from shadowcore.testing.scenario import FakeBackend
+from shadowcore.engine.scenario import FakeBackend
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "third_party_policy"
 REF = "example_shadow_policy.policy:example_gated_top1"

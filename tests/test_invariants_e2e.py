@@ -13,7 +13,7 @@ import pytest
 
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.testing.conformance import SMALL_SCENARIO, check_policy
-from shadowcore.testing.scenario import FakeRun, FakeScenario, SessionPlan
+from shadowcore.engine.scenario import FakeRun, FakeScenario, SessionPlan
 from shadowcore.types import JobKey
 
 PAPER_POLICIES = (

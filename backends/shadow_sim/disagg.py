@@ -53,8 +53,8 @@ from shadowcore.slack import (
     SlackController,
     SloSlackController,
 )
-from shadowcore.testing.fake_engine import EngineInstance, EngineRequest
-from shadowcore.testing.scenario import STEP_END, EngineCluster, draw_normal
+from shadowcore.engine.instance import EngineInstance, EngineRequest
+from shadowcore.engine.scenario import STEP_END, EngineCluster, draw_normal
 from shadowcore.types import RequestKind
 
 __all__ = [

@@ -5,7 +5,7 @@ roofline model, and GPU energy.
 
 Registered as the ``sim`` backend. Same seed, same result: the workload is
 drawn from the scenario seed before the run; events are processed from one
-heap with the tie-break rule of :mod:`shadowcore.testing.scenario`.
+heap with the tie-break rule of :mod:`shadowcore.engine.scenario`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from shadowcore.config import ShadowConfig, SloConfig, build_attrs
 from shadowcore.errors import ConfigError
 from shadowcore.kv import KVClassManager, KVClassPolicy
 from shadowcore.latency import BatchShape
-from shadowcore.testing.fake_engine import EngineInstance, EngineLimits, pool_blocks
-from shadowcore.testing.scenario import EngineCluster, ScenarioResult, ScenarioRun, SessionPlan
+from shadowcore.engine.instance import EngineInstance, EngineLimits, pool_blocks
+from shadowcore.engine.scenario import EngineCluster, ScenarioResult, ScenarioRun, SessionPlan
 from shadowcore.workloads.sessions import SessionPreset, generate, get_preset
 
 

@@ -638,7 +638,7 @@ class VirtualScenarioRun:
     draws) through vLLM schedulers in virtual time, with the core's router
     side (:class:`~shadowcore.manager.ShadowManager`) placing calls.
 
-    The router side mirrors :class:`shadowcore.testing.scenario.ScenarioRun`
+    The router side mirrors :class:`shadowcore.engine.scenario.ScenarioRun`
     call for call (same request ids, arrival times, tool gaps, outputs), so
     the two runs can be compared step by step. Histories carry real token
     ids (new input from :func:`session_tokens`, output as vLLM samples it).
@@ -690,7 +690,7 @@ class VirtualScenarioRun:
         return attrs.evolve(config, additional_config=extra)
 
     def run(self) -> VirtualScenarioRun:
-        from shadowcore.testing.scenario import CALL, NORMAL, draw_normal, draw_sessions
+        from shadowcore.engine.scenario import CALL, NORMAL, draw_normal, draw_sessions
 
         sessions = self.sessions if self.sessions is not None else draw_sessions(self.scenario)
         for s in sessions:
@@ -741,7 +741,7 @@ class VirtualScenarioRun:
             self.shadow_feeder(self)
 
     def _call_done(self, s: Any, index: int, placement: Any, req: VirtualRequest) -> None:
-        from shadowcore.testing.scenario import CALL, CallRecord
+        from shadowcore.engine.scenario import CALL, CallRecord
 
         self.calls.append(CallRecord(
             s.session_id, index, placement.model, placement.is_switch, req.arrival_s, req.ttft_s,

@@ -85,7 +85,7 @@ def check_policy(
     policy: str | PluginRef, scenario: Mapping[str, Any] | None = None, seed: int = 0
 ) -> ConformanceReport:
     """Run ``policy`` on the fake engine and raise on any invariant violation."""
-    from shadowcore.testing.scenario import FakeRun, FakeScenario
+    from shadowcore.engine.scenario import FakeRun, FakeScenario
 
     ref = policy if isinstance(policy, PluginRef) else PluginRef(policy)
     run = FakeRun(FakeScenario.from_dict(dict(scenario or SMALL_SCENARIO)), ShadowConfig(ref, seed=seed))

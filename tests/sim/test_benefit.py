@@ -109,7 +109,7 @@ def _targets_per_retarget(policy: PluginRef, scenario: dict, monkeypatch: pytest
     """Open shadow jobs of the session after each of its calls, on the fake engine."""
     from shadowcore.config import ShadowConfig
     from shadowcore.manager import ShadowManager
-    from shadowcore.testing.scenario import FakeRun, FakeScenario
+    from shadowcore.engine.scenario import FakeRun, FakeScenario
 
     counts: list[int] = []
     retarget = ShadowManager._retarget

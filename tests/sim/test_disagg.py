@@ -18,7 +18,7 @@ from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
 from shadowcore.slack import EagerController, NoShadowController, PrefillInstanceController, SloSlackController
 from shadowcore.testing.conformance import InvariantObserver
-from shadowcore.testing.scenario import SessionPlan, draw_sessions
+from shadowcore.engine.scenario import SessionPlan, draw_sessions
 from shadowcore.types import BudgetReason
 
 MODELS = ("Qwen2.5-7B", "Llama-3.1-8B")

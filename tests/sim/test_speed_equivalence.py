@@ -40,7 +40,7 @@ from shadow_sim.disagg import PDRun
 from shadow_sim.simulator import SimRun, SimScenario
 
 from shadowcore.config import PluginRef, ShadowConfig
-from shadowcore.testing.scenario import FakeRun, FakeScenario
+from shadowcore.engine.scenario import FakeRun, FakeScenario
 
 GOLDEN = Path(__file__).parent / "golden" / "speed_equivalence.json"
 

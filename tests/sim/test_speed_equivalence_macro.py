@@ -23,7 +23,7 @@ from shadow_sim.simulator import SimRun, SimScenario
 
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.kv import KVClass
-from shadowcore.testing.scenario import FakeRun, FakeScenario
+from shadowcore.engine.scenario import FakeRun, FakeScenario
 
 from .test_speed_equivalence import _same
 

@@ -1,5 +1,5 @@
 """Agreement: one seeded call sequence through the simulator's engine
-(``shadowcore.testing.fake_engine.EngineInstance``, fake backend) and through
+(``shadowcore.engine.instance.EngineInstance``, fake backend) and through
 vLLM's real scheduler in virtual time (``shadow_vllm.virtual``) with the
 shadow scheduler, the same policy and the same H100 latency model (the
 simulator's roofline of each model).
@@ -30,8 +30,8 @@ from shadow_vllm import virtual  # vLLM itself is imported lazily; conftest guar
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.kv import KVClassManager
 from shadowcore.latency import BatchShape
-from shadowcore.testing.fake_engine import EngineInstance, EngineLimits
-from shadowcore.testing.scenario import FakeRun, FakeScenario
+from shadowcore.engine.instance import EngineInstance, EngineLimits
+from shadowcore.engine.scenario import FakeRun, FakeScenario
 
 MODELS = ("Qwen2.5-7B", "Llama-3.1-70B")
 SCENARIO = FakeScenario(

@@ -34,8 +34,8 @@ from shadow_sim.simulator import SimRun, SimScenario
 from shadowcore._validators import non_negative, positive, positive_int
 from shadowcore.config import build_attrs
 from shadowcore.errors import ConfigError
-from shadowcore.testing.fake_engine import EngineInstance
-from shadowcore.testing.scenario import EngineCluster, SessionPlan
+from shadowcore.engine.instance import EngineInstance
+from shadowcore.engine.scenario import EngineCluster, SessionPlan
 from shadowcore.workloads.sessions import PRESETS, SessionPreset, SyntheticScores, generate, get_preset
 
 #: Model pairs by name: the paper's figure labels of Table 3 (and a few of ours).

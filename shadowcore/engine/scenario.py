@@ -24,7 +24,7 @@ from shadowcore.kv import KVClassManager, KVClassPolicy
 from shadowcore.latency import BatchShape, LinearLatencyModel, chunked_prefill_s
 from shadowcore.pipeline import ShadowRuntime, build_runtime
 from shadowcore.policy import PolicySpec, load_policy
-from shadowcore.testing.fake_engine import EngineInstance, EngineLimits, EngineRequest, append_output_to_history
+from shadowcore.engine.instance import EngineInstance, EngineLimits, EngineRequest, append_output_to_history
 from shadowcore.types import CallArrival, RequestKind
 
 # Event kinds: at equal times an iteration end frees its slots before new work
