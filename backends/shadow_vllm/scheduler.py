@@ -39,10 +39,10 @@ Invariants (``tests/vllm/``):
   (session, target) finishes the older one (:data:`STOP_SUPERSEDED`).
 * With no shadow request the subclass schedules exactly as stock vLLM, and
   nearly as cheaply: while the engine holds no shadow request and the hook
-  can skip (``EngineHook.can_skip``), ``schedule()`` takes the quiet path
+  can skip (``_fastpath.can_skip``, the engines' private fast path), ``schedule()`` takes the quiet path
   (one flag, kept where shadows come and go, and the observer list): no
   snapshot, no plan, no step record; the step goes to
-  ``EngineHook.skip_step`` (same controller state as planning it), and
+  ``_fastpath.skip_step`` (same controller state as planning it), and
   vLLM's per-request ``_update_request_with_output`` runs unwrapped.
 * A KV connector (offloading, P/D) sees shadow chunks like any request's: in
   a step that may admit them, vLLM's connector metadata is built once over
@@ -91,6 +91,7 @@ from vllm.v1.request import Request, RequestStatus
 from shadow_vllm.engine_config import CONFIG_KEY, EngineShadowConfig
 from shadow_vllm.jobs import EngineJobs, ShadowEntry
 from shadow_vllm.kvpool import ShadowKVBridge
+from shadowcore.engine import _fastpath
 from shadowcore.errors import ConfigError
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
@@ -148,7 +149,7 @@ class _OpenStep(NamedTuple):
     end_of_schedule_s: float
     predicted_s: float  # a skipped step's only under async scheduling (else measured)
     results: tuple[ChunkResult, ...]
-    decode_only: bool | None  # None: planned by the hook; else skipped (EngineHook.can_skip)
+    decode_only: bool | None  # None: planned by the hook; else skipped (_fastpath.can_skip)
 
 
 class _ShadowLoad(NamedTuple):
@@ -309,7 +310,7 @@ class ShadowSchedulerMixin:
     # -- one step ----------------------------------------------------------------------
     # Quiet path: while the engine holds no shadow request (none parked, running or
     # to finish), no planned step is open and the hook can skip with no job
-    # (EngineHook.can_skip: no observer, a skippable controller), begin_step would
+    # (_fastpath.can_skip: no observer, a skippable controller), begin_step would
     # plan nothing and change nothing but what skip_step does. ``_shadow_quiet``
     # says so (kept up to date where shadows come and go and where a planned step
     # ends; the observer list is read every step, as observers may be added any
@@ -317,7 +318,7 @@ class ShadowSchedulerMixin:
     # credit), two clock reads and skip_step: no snapshot, no plan, no step record.
     def _shadow_quiet_now(self) -> bool:
         return not (self._shadow_by_request or self.shadow_parked or self.shadow_to_finish or self.shadow_running
-                    or self._shadow_step is not None) and self.shadow_hook.can_skip()
+                    or self._shadow_step is not None) and _fastpath.can_skip(self.shadow_hook)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         if self._shadow_quiet and not self._shadow_observers:
@@ -364,7 +365,7 @@ class ShadowSchedulerMixin:
         """Plan (or skip) the step vLLM has scheduled as ``out`` and admit the plan's chunks into it."""
         iteration = self._shadow_iteration
         self._shadow_iteration = iteration + 1
-        if not self._shadow_by_request and self.shadow_hook.can_skip():
+        if not self._shadow_by_request and _fastpath.can_skip(self.shadow_hook):
             predicted_s, decode_only = self._shadow_skip_shape(out)
             self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), predicted_s, (), decode_only)
             return out
@@ -380,7 +381,7 @@ class ShadowSchedulerMixin:
         skipped = self._shadow_skipped
         if skipped is not None and skipped[0] is scheduler_output:  # _shadow_close_skipped(measured=True), inline
             self._shadow_skipped = None
-            self.shadow_hook.skip_step(max(0.0, self.shadow_clock() - skipped[1]), skipped[3])
+            _fastpath.skip_step(self.shadow_hook, max(0.0, self.shadow_clock() - skipped[1]), skipped[3])
         else:
             step = self._shadow_step
             if step is not None and step.output is scheduler_output:
@@ -491,7 +492,7 @@ class ShadowSchedulerMixin:
         _, end_of_schedule_s, predicted_s, decode_only = self._shadow_skipped
         self._shadow_skipped = None
         duration_s = self.shadow_clock() - end_of_schedule_s if measured else predicted_s
-        self.shadow_hook.skip_step(max(0.0, duration_s), decode_only)
+        _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), decode_only)
 
     def _shadow_close_step(self, measured: bool) -> None:
         step = self._shadow_step
@@ -499,7 +500,7 @@ class ShadowSchedulerMixin:
         self._shadow_step = None
         duration_s = self.shadow_clock() - step.end_of_schedule_s if measured else step.predicted_s
         if step.decode_only is not None:
-            self.shadow_hook.skip_step(max(0.0, duration_s), step.decode_only)
+            _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), step.decode_only)
             return
         self.shadow_hook.end_step(StepOutcome(self.shadow_config.instance_id, step.iteration,
                                               max(0.0, duration_s), step.results))

@@ -17,7 +17,7 @@ import numpy as np
 from shadowcore._validators import non_negative, non_negative_int, positive, positive_int, probability
 from shadowcore.config import ShadowConfig, SloConfig, build_attrs
 from shadowcore.errors import ConfigError
-from shadowcore.events import EventLoop
+from shadowcore.engine._fastpath import InlineEventLoop
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClassManager, KVClassPolicy
@@ -106,7 +106,7 @@ class EngineCluster:
     the model's window (which a table-based latency model refuses).
     """
 
-    loop: EventLoop
+    loop: InlineEventLoop
     by_model: dict[str, list[EngineInstance]]
     by_id: dict[str, EngineInstance]
     window_tokens: int = 0
@@ -148,7 +148,7 @@ class EngineCluster:
     def _on_step_end(self, inst: EngineInstance) -> None:
         """End ``inst``'s iteration and start its next; while that one ends
         before any other queued event, run its end inline (what the loop
-        would pop next anyway: ``EventLoop.advance_to``); runs of steady
+        would pop next anyway: ``InlineEventLoop.advance_to``); runs of steady
         iterations with nothing to do at their ends go through
         ``EngineInstance.run_steady`` in one call."""
         loop = self.loop
@@ -237,7 +237,7 @@ class ScenarioRun:
     shadow: ShadowConfig
     observers: tuple = ()
     sessions: tuple[SessionPlan, ...] | None = None  # scripted sessions instead of drawn ones
-    loop: EventLoop = attrs.field(init=False, factory=EventLoop)
+    loop: InlineEventLoop = attrs.field(init=False, factory=InlineEventLoop)
     policy: PolicySpec = attrs.field(init=False)
     cluster: EngineCluster = attrs.field(init=False)
     runtime: ShadowRuntime = attrs.field(init=False)
