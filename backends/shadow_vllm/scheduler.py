@@ -91,6 +91,7 @@ from vllm.v1.request import Request, RequestStatus
 from shadow_vllm.engine_config import CONFIG_KEY, EngineShadowConfig
 from shadow_vllm.jobs import EngineJobs, ShadowEntry
 from shadow_vllm.kvpool import ShadowKVBridge
+from shadowcore.backend import BatchEntry, BatchReport
 from shadowcore.engine import _fastpath
 from shadowcore.errors import ConfigError
 from shadowcore.hook import EngineHook
@@ -375,7 +376,22 @@ class ShadowSchedulerMixin:
         stats = self.shadow_stats
         stats.max_shadow_blocks = max(stats.max_shadow_blocks, self.shadow_bridge.num_shadow_blocks)
         self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), plan.predicted_s, results, None)
+        if self._shadow_observers:  # the backend contract's on_batch
+            self.shadow_hook.observers.emit("on_batch", self._shadow_batch_report(out, iteration))
         return out
+
+    def _shadow_batch_report(self, out: SchedulerOutput, iteration: int) -> BatchReport:
+        """The step as vLLM's output schedules it, in its order (shadow chunks were admitted last)."""
+        entries = []
+        for rid, n in out.num_scheduled_tokens.items():
+            if rid in self.shadow_running:
+                entry = self.shadow_jobs.entry(rid)
+                entries.append(BatchEntry(rid, "shadow", n, None if entry is None else entry.job.key))
+            else:
+                entries.append(BatchEntry(rid, "routed" if rid in self.shadow_routed else "normal", n))
+        bridge = self.shadow_bridge
+        return BatchReport(self.shadow_config.instance_id, iteration, tuple(entries), bridge.num_shadow_blocks,
+                           bridge.cap_blocks)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
         skipped = self._shadow_skipped

@@ -54,6 +54,7 @@ from collections.abc import Callable
 
 import attrs
 
+from shadowcore.backend import BatchEntry, BatchReport
 from shadowcore.engine import _fastpath
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
@@ -218,6 +219,8 @@ class EngineInstance:
             )
         plan = self.hook.begin_step(snapshot) if self.hook is not None else None
         results, chunks, reload_s = self._run_shadow(plan, now_s)
+        if plan is not None and self.hook.observers.observers:  # the backend contract's on_batch
+            self.hook.observers.emit("on_batch", self._batch_report(batch, results))
         if not batch and not chunks:
             if self.hook is not None:
                 self.hook.end_step(StepOutcome(self.instance_id, self.iteration, 0.0, results))
@@ -720,6 +723,14 @@ class EngineInstance:
             req.on_finish(req, now_s)
 
     # -- shadow chunks --------------------------------------------------------------
+    def _batch_report(self, batch: list[tuple[EngineRequest, int]], results: list[ChunkResult]) -> BatchReport:
+        """The iteration as it runs: the scheduled requests in batch order, then the shadow chunks."""
+        entries = [BatchEntry(r.request_id, r.kind.value, n) for r, n in batch]
+        entries += [BatchEntry(_shadow_owner(c.grant), "shadow", c.num_computed_tokens, c.grant.job)
+                    for c in results if c.num_computed_tokens]
+        return BatchReport(self.instance_id, self.iteration, tuple(entries), self.kv.num_shadow_blocks,
+                           self.kv.cap_blocks)
+
     def _run_shadow(self, plan: StepPlan | None, now_s: float) -> tuple[list[ChunkResult], tuple, float]:
         results: list[ChunkResult] = []
         chunks: list[PrefillChunk] = []
