@@ -9,7 +9,8 @@ as tagged shadow requests, and each engine's hook plans its shadow chunks.
 Instances of a model share the fake backend's linear latency model (scaled by
 ``latency_scale``), so the two backends run the same workload on the same
 timeline model. It is what ``shadowcore.testing.check_backend`` holds to the
-backend contract on vLLM.
+backend contract on vLLM. :func:`virtual_submitter` plugs virtual engines into
+the router side's request-level shadower (stock vLLM, Appendix D.1).
 
 Invariants: the observers given to :meth:`VirtualBackend.run` are registered
 with the router side and with every engine's hook before anything runs; no
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from shadow_gateway.request_level import RequestLevelShadower, ShadowSubmission
 
 from shadow_vllm import virtual
 from shadowcore.config import ShadowConfig
@@ -82,4 +85,20 @@ class VirtualBackend:
         return ScenarioResult(run.runtime.policy.name, calls, metrics)
 
 
-__all__ = ["VirtualBackend"]
+def virtual_submitter(engines: Mapping[str, Any], shadower_ref: Callable[[], RequestLevelShadower]) -> Callable:
+    """A request-level ``submit`` (:class:`~shadow_gateway.request_level.RequestLevelShadower`)
+    for :class:`~shadow_vllm.virtual.VirtualEngine` instances (by instance id): adds the
+    shadow at the lowest priority and reports its end to the shadower ``shadower_ref()`` returns."""
+
+    def submit(shadow: ShadowSubmission) -> None:
+        engine = engines[shadow.destination.instance_id]
+        engine.add_request(
+            shadow.submission_id, shadow.prompt_token_ids, shadow.max_tokens, priority=shadow.priority,
+            extra_args=shadow.extra_args,
+            on_finish=lambda r: shadower_ref().on_shadow_finished(r.request_id, r.finish_reason != "abort"),
+        )
+
+    return submit
+
+
+__all__ = ["VirtualBackend", "virtual_submitter"]

@@ -82,17 +82,24 @@ from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
-from vllm.v1.request import Request, RequestStatus
 
+from shadow_vllm import vllm_internals
 from shadow_vllm.engine_config import CONFIG_KEY, EngineShadowConfig
-from shadow_vllm.jobs import EngineJobs, ShadowEntry
 from shadow_vllm.kvpool import ShadowKVBridge
+from shadow_vllm.vllm_internals import (
+    AsyncScheduler,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    NewRequestData,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerOutput,
+)
 from shadowcore.backend import BatchEntry, BatchReport
 from shadowcore.engine import _fastpath
+from shadowcore.engine_jobs import EngineJobs, ShadowEntry
 from shadowcore.errors import ConfigError
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
@@ -116,6 +123,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+vllm_internals.check()  # one clear error when the installed vLLM lacks what this module overrides or calls
 _IS_PREFILL_CHUNK = operator.attrgetter("is_prefill_chunk")
 
 # A shadow's stop_reason is a shadowcore.wire.ShadowStop; ends that leave part
@@ -188,6 +196,7 @@ class ShadowSchedulerMixin:
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
+        vllm_internals.check_scheduler(self)
         config = EngineShadowConfig.from_vllm(vllm_config)
         if not self.cache_config.enable_prefix_caching:
             raise ConfigError("enable_prefix_caching", False, "the shadow scheduler needs vLLM's prefix cache")

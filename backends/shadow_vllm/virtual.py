@@ -151,9 +151,14 @@ def build_scheduler(scheduler_cls: type | None = None, config: VirtualEngineConf
     vLLM's engine core builds it, minus the model."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
+
+    from shadow_vllm.vllm_internals import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        Scheduler,
+        StructuredOutputManager,
+    )
 
     config = config or VirtualEngineConfig()
     cls = scheduler_cls or Scheduler
@@ -194,7 +199,7 @@ def _offloading_config(config: VirtualEngineConfig) -> Any:
 
 
 def _is_async(cls: type) -> bool:
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from shadow_vllm.vllm_internals import AsyncScheduler
 
     return issubclass(cls, AsyncScheduler)
 
@@ -203,7 +208,8 @@ def block_hasher(block_size: int) -> Callable:
     """vLLM's request block hasher (the engine core's, with its hash seed)."""
     from vllm.config import CacheConfig
     from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    from shadow_vllm.vllm_internals import get_request_block_hasher, init_none_hash
 
     hash_fn = get_hash_fn_by_name(CacheConfig().prefix_caching_hash_algo)
     init_none_hash(hash_fn)
@@ -342,8 +348,9 @@ class OffloadTransferWorker:
 
     def end_step(self, meta: Any, now_s: float) -> Any:
         """What the worker reports after the step (``get_finished`` and the worker metadata)."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-        from vllm.v1.outputs import KVConnectorOutput
+        from shadow_vllm.vllm_internals import KVConnectorOutput, offloading
+
+        _, OffloadingWorkerMetadata = offloading()
 
         if meta is not None:
             for job_id, job in meta.store_jobs.items():
@@ -369,7 +376,9 @@ class OffloadTransferWorker:
     @classmethod
     def for_scheduler(cls, scheduler: Any, bytes_per_s: float | None = None) -> OffloadTransferWorker | None:
         """The fake worker of ``scheduler``'s ``OffloadingConnector``; None without one."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+        from shadow_vllm.vllm_internals import offloading
+
+        OffloadingConnector, _ = offloading()
 
         if not isinstance(getattr(scheduler, "connector", None), OffloadingConnector):
             return None
@@ -431,7 +440,8 @@ class VirtualEngine:
         """Add a request now (the loop's time is its ``arrival_time``); with
         ``kick``, an idle engine starts an iteration at once."""
         from vllm import SamplingParams
-        from vllm.v1.request import Request
+
+        from shadow_vllm.vllm_internals import Request
 
         if request_id in self.requests:
             raise ValueError(f"request_id = {request_id!r}: already added to {self.name}")
@@ -458,7 +468,7 @@ class VirtualEngine:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests as the engine core does for a client (no output follows)."""
-        from vllm.v1.request import RequestStatus
+        from shadow_vllm.vllm_internals import RequestStatus
 
         now = self._sync_clock()
         for request in self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED):
@@ -506,7 +516,7 @@ class VirtualEngine:
         """An empty iteration: the engine core still passes it through
         ``update_from_output``; no time passes and nothing restarts it
         (the next arrival or iteration end does)."""
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+        from shadow_vllm.vllm_internals import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
         runner_output = EMPTY_MODEL_RUNNER_OUTPUT
         if self.offload is not None:
@@ -526,7 +536,7 @@ class VirtualEngine:
         return tuple(out)
 
     def _end(self, output: Any) -> None:
-        from vllm.v1.outputs import ModelRunnerOutput
+        from shadow_vllm.vllm_internals import ModelRunnerOutput
 
         now = self._sync_clock()
         ids = list(output.num_scheduled_tokens)
@@ -580,7 +590,8 @@ class VirtualEngine:
         ``get_computed_blocks`` (one extra token appended, so that its
         ``num_tokens - 1`` limit does not hide the last full block)."""
         from vllm import SamplingParams
-        from vllm.v1.request import Request
+
+        from shadow_vllm.vllm_internals import Request
 
         if not token_ids:
             return 0
