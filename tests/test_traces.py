@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trace_sample import SAMPLES, sample_path, sample_text
 
 from shadowcore.errors import ConfigError, ShadowError
 from shadowcore.workloads import (
@@ -31,8 +32,6 @@ from shadowcore.workloads import (
     load_mooncake,
     load_trace,
 )
-
-from trace_sample import SAMPLES, sample_path, sample_text
 
 AZURE_SET = "azure-llm-2023"
 CODE = "AzureLLMInferenceTrace_code.csv"
