@@ -3,7 +3,8 @@
 ``shadowprefill simulate`` runs one scenario under several policies (same
 workload seed for all) and prints a comparison table; with no arguments it
 runs the embedded default on the default backend (``--policy
-'NAME:{json}'``, repeated, gives policies with arguments). ``shadowprefill plugins``
+'NAME:{json}'``, repeated, or ``--policies a,b:{json}`` give the policies; see
+:func:`add_policy_options`, shared by every command). ``shadowprefill plugins``
 lists registered policies and backends and whether each loads.
 
 Other subcommands (``sweep``, ``reproduce``, ``serve``, ``vllm-serve``...) are
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.config import PluginRef, ShadowConfig, parse_refs
 from shadowcore.errors import ConfigError, PluginError
 from shadowcore.policy import load_policy
 from shadowcore.registry import Registry, backends, commands, policies
@@ -73,34 +74,47 @@ def _load_scenario(path: str | None) -> dict[str, Any]:
     return data
 
 
-def policy_ref(text: str) -> PluginRef:
-    """``--policy``'s value: ``NAME`` or ``NAME:{JSON object of arguments}``,
-    e.g. ``harvest-slo:{"eviction_order": "lru"}``."""
-    name, sep, rest = text.partition(":{")
-    name = name.strip()
-    if not sep:
-        return PluginRef(name)
-    try:
-        args = json.loads("{" + rest)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--policy {name}", "{" + rest, f"arguments are not JSON: {e.msg} (column {e.colno})") \
-            from None
-    return PluginRef.parse(f"--policy {name}", {"name": name, "args": args})
+class _PolicyText(argparse.Action):
+    """``--policy``/``--policies``: keeps ``(flag, text)`` in command-line order (parsed later, so an
+    error is one line naming the flag rather than argparse's "invalid value")."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest, []), (option_string, values)])
+
+
+def add_policy_options(parser: argparse.ArgumentParser, default: Sequence[str] = ()) -> None:
+    """The policy options every command shares: ``--policy 'NAME:{json}'`` (repeatable) and
+    ``--policies a,b`` (a comma list, entries may carry ``:{json}`` too); both may be given and
+    mixed, and keep their order. Read them with :func:`policies_from_args`."""
+    shown = f" (default: {','.join(default)})" if default else ""
+    parser.add_argument("--policy", dest="policy_texts", action=_PolicyText, default=argparse.SUPPRESS,
+                        metavar="NAME[:JSON]",
+                        help='one policy, with JSON arguments if any, e.g. \'harvest-slo:{"beta": 0.3, '
+                             '"delta": 0.1}\'; repeat it' + shown)
+    parser.add_argument("--policies", dest="policy_texts", action=_PolicyText, default=argparse.SUPPRESS,
+                        metavar="A,B,...",
+                        help="comma-separated policies, each NAME or NAME:{JSON} (commas inside the JSON do "
+                             "not split)" + shown)
+
+
+def policies_from_args(args: argparse.Namespace, default: Sequence[str] = ()) -> list[PluginRef]:
+    """The policies of ``--policy``/``--policies`` (``default`` when neither is given), each
+    loaded once so that a bad name or argument is one error naming the flag and the
+    policy before anything runs."""
+    given = getattr(args, "policy_texts", None) or ([("--policies", ",".join(default))] if default else [])
+    refs = []
+    for flag, text in given:
+        for ref in parse_refs(text, flag):
+            load_policy(ref, field=f"{flag} {ref.name}")
+            refs.append(ref)
+    return refs
 
 
 def _simulate(args: argparse.Namespace) -> int:
     scenario = _load_scenario(args.scenario)
     if args.duration is not None:
         scenario["duration_s"] = args.duration
-    if args.policy and args.policies is not None:
-        raise ConfigError("--policy", args.policy, "give --policies or --policy, not both")
-    if args.policy:
-        refs = [policy_ref(p) for p in args.policy]
-    else:
-        names = args.policies if args.policies is not None else ",".join(DEFAULT_POLICIES)
-        refs = [PluginRef(n.strip()) for n in names.split(",") if n.strip()]
-    for i, ref in enumerate(refs):  # every policy loads before anything runs (a bad argument costs no run)
-        load_policy(ref, field=f"--policy {ref.name}" if args.policy else f"--policies[{i}]")
+    refs = policies_from_args(args, DEFAULT_POLICIES)  # every policy loads before anything runs
     configs = [ShadowConfig(ref, seed=args.seed) for ref in refs]
     backend = backends.load(args.backend)()
     compare = getattr(backend, "compare", None)  # a backend's own runner (sim: matched calls, reductions, +-SE)
@@ -150,11 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     sim = sub.add_parser("simulate", help="run one scenario under several policies")
     sim.add_argument("--backend", default=DEFAULT_BACKEND, help="registered backend name")
-    sim.add_argument("--policies", default=None,
-                     help=f"comma-separated policy names (default: {','.join(DEFAULT_POLICIES)})")
-    sim.add_argument("--policy", action="append", metavar="NAME[:JSON]",
-                     help='one policy, with arguments if any, e.g. \'harvest-slo:{"eviction_order": "lru"}\' '
-                          "(repeat it; instead of --policies)")
+    add_policy_options(sim, DEFAULT_POLICIES)
     sim.add_argument("--scenario", help="JSON file with scenario fields (default: the embedded scenario)")
     sim.add_argument("--duration", type=float, help="simulated seconds of arrivals")
     sim.add_argument("--seed", type=int, default=0, help="policy seed")

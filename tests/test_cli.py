@@ -84,7 +84,8 @@ def test_policy_flag_takes_arguments_as_json(capsys) -> None:
 
 
 @pytest.mark.parametrize(("value", "where"), [
-    ('harvest-slo:{"eviction_order": lru}', "--policy harvest-slo"),  # not JSON: the flag, the policy, the column
+    ('harvest-slo:{"eviction_order": lru}', ("--policy = 'harvest-slo:{\"eviction_order\": lru}': harvest-slo: "
+                                             "arguments are not JSON: Expecting value at column 32")),  # the flag, the policy, the column
     ('harvest-slo:{"eviction_ordr": "lru"}', "eviction_ordr"),  # unknown argument
     ('harvest-slo:{"eviction_order": "fifo"}', "eviction_order = 'fifo'"),  # bad value
 ])
@@ -92,8 +93,3 @@ def test_bad_policy_flag_is_one_error_line_naming_it(capsys, value: str, where: 
     assert main(["simulate", "--backend", "fake", "--duration", "5", "--policy", value]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and where in err, err
-
-
-def test_policy_and_policies_exclude_each_other(capsys) -> None:
-    assert main(["simulate", "--backend", "fake", "--policies", "no-shadow", "--policy", "harvest-slo"]) == 2
-    assert "not both" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from shadow_sim.experiments.paper_numbers import PAPER
 from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, tasks_for, with_progress
 from shadow_sim.experiments.spec import PAIRS, Experiment
 from shadow_sim.experiments.sweep import _no_nan, rows, summary_json, write_rows
+from shadowcore.cli import add_policy_options, policies_from_args
 from shadowcore.config import PluginRef
 from shadowcore.errors import ConfigError, PluginError
 
@@ -40,11 +41,12 @@ FULL = {"instances_per_model": 4, "duration_s": 600.0, "warmup_s": 120.0, "drain
         "session_rate_per_s": 0.05}
 
 
-def studies(quick: bool, override: Mapping[str, Any] | None = None,
+def studies(quick: bool, override: Mapping[str, Any] | None = None, extra: Sequence[PluginRef] = (),
             ) -> list[tuple[str, str, dict[str, Any], tuple[PluginRef, ...]]]:
-    """(study, label, experiment fields, policies); ``override`` replaces base fields everywhere."""
+    """(study, label, experiment fields, policies); ``override`` replaces base fields everywhere;
+    ``extra`` policies (``--policy``/``--policies``) are added to every study, after its own."""
     base = {**(QUICK if quick else FULL), **(override or {})}
-    refs = lambda names: tuple(PluginRef(n) for n in names)
+    refs = lambda names: tuple(PluginRef(n) for n in names) + tuple(extra)
     pairs = ("Q7/L70", "L8/L70") if quick else ("Q7/L70", "L8/L70", "M7/L70", "L8/Nemo12")
     out = [("main", p, {**base, "models": list(PAIRS[p])}, refs(MAIN_POLICIES)) for p in pairs]
     for rho in ((0.3, 0.9) if quick else (0.2, 0.5, 0.8, 0.9)):
@@ -56,17 +58,17 @@ def studies(quick: bool, override: Mapping[str, Any] | None = None,
                                                       "input_tokens_median": 1000}}, refs(SHORT)))
     nm = {**base, "instances_per_model": base.get("instances_per_model", 2) // 2 or 1}
     n_policies = (PluginRef("no-shadow"), PluginRef("harvest-slo-host"), PluginRef("harvest-slo-host", {"top_k": 1}),
-                  PluginRef("adaptive-host"), PluginRef("benefit-host"), PluginRef("oracle-host"))
+                  PluginRef("adaptive-host"), PluginRef("benefit-host"), PluginRef("oracle-host"), *extra)
     for n in ((2, 5) if quick else (2, 3, 4, 5)):
         out.append(("nmodels", f"N={n}", {**nm, "models": list(N_MODELS[:n])}, n_policies))
     return out
 
 
 def run_all(quick: bool, jobs: int, progress: bool = True, override: Mapping[str, Any] | None = None,
-            ) -> dict[str, tuple[str, Comparison]]:
+            extra: Sequence[PluginRef] = ()) -> dict[str, tuple[str, Comparison]]:
     tasks: list[Task] = []
     study_of: dict[str, str] = {}
-    for study, label, fields, policies in studies(quick, override):
+    for study, label, fields, policies in studies(quick, override, extra):
         ex = Experiment.from_dict(fields)
         caps = {m: c.capacity_per_s for m, c in capacities(ex, progress=progress).items()}
         key = f"{study}:{label}"
@@ -302,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="local worker processes")
     p.add_argument("--set", dest="override", default="{}",
                    help='JSON object of Experiment fields for every study, e.g. \'{"latency": "roofline"}\'')
+    add_policy_options(p)  # extra policies, added to every study
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -313,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--set", args.override, f"not JSON: {e.msg} at column {e.colno}") from None
         if not isinstance(override, dict):
             raise ConfigError("--set", args.override, "must be a JSON object")
-        results = run_all(args.quick, args.jobs, override=override)
+        extra = policies_from_args(args)
+        results = run_all(args.quick, args.jobs, override=override, extra=extra)
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill reproduce: error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from shadow_sim.experiments.runner import (
     tasks_for,
 )
 from shadow_sim.experiments.spec import PAIRS, Experiment, get_pair
+from shadowcore.cli import add_policy_options, policies_from_args
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError, PluginError
 
@@ -73,31 +74,15 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
 # -- sweep -----------------------------------------------------------------------------
 
 
-def _csv_list(text: str) -> list[str]:
+def csv_list(text: str) -> list[str]:
+    """A plain comma list (pairs, seeds, windows); policies use :func:`shadowcore.config.parse_refs`."""
     return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def _policy_refs(names: Sequence[str]) -> list[PluginRef]:
-    """``name`` or ``name:{json args}``."""
-    out = []
-    for n in names:
-        name, _, args = n.partition(":")
-        try:
-            out.append(PluginRef(name, json.loads(args) if args else {}))
-        except json.JSONDecodeError as e:
-            raise ConfigError("--policies", n, f"arguments must be a JSON object: {e.msg}") from None
-    from shadowcore.policy import load_policy
-
-    for i, r in enumerate(out):
-        load_policy(r, field=f"--policies[{i}]")  # unknown names list the registered ones
-    return out
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shadowprefill sweep", description=__doc__.splitlines()[0])
     p.add_argument("--pairs", default="Q7/L70", help=f"comma-separated pairs ({', '.join(PAIRS)})")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help="comma-separated policy names; name:{json} passes arguments")
+    add_policy_options(p, DEFAULT_POLICIES)
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--windows", default="peak", help=f"comma-separated windows ({', '.join(WINDOWS)})")
     p.add_argument("--experiment", help="JSON file with Experiment fields (pair/models are set per grid point)")
@@ -141,7 +126,7 @@ def _capacity(text: str | None) -> dict[str, float] | None:
     if text is None:
         return None
     out = {}
-    for item in _csv_list(text):
+    for item in csv_list(text):
         model, sep, rate = item.partition("=")
         try:
             value = float(rate)
@@ -219,18 +204,18 @@ def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[Plugi
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        pairs = _csv_list(args.pairs)
+        pairs = csv_list(args.pairs)
         for p in pairs:
             get_pair(p)
-        windows = _csv_list(args.windows)
+        windows = csv_list(args.windows)
         for w in windows:
             if w not in WINDOWS:
                 raise ConfigError("--windows", w, f"unknown window (valid: {', '.join(WINDOWS)})")
         try:
-            seeds = [int(s) for s in _csv_list(args.seeds)]
+            seeds = [int(s) for s in csv_list(args.seeds)]
         except ValueError:
             raise ConfigError("--seeds", args.seeds, "must be comma-separated integers") from None
-        refs = _policy_refs(_csv_list(args.policies))
+        refs = policies_from_args(args, DEFAULT_POLICIES)
         comparisons = run_grid(experiment_from_args(args), pairs, refs, seeds, windows, jobs=args.jobs,
                                ray_address=args.ray, capacity=_capacity(args.capacity))
     except (ConfigError, PluginError) as e:
@@ -257,4 +242,4 @@ def _no_nan(x: Any) -> Any:
     return x
 
 
-__all__ = ["SIMULATE_DEFAULT", "main", "run_grid", "simulate_table"]
+__all__ = ["SIMULATE_DEFAULT", "csv_list", "main", "run_grid", "simulate_table"]
