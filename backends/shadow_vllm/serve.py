@@ -28,6 +28,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from shadowcore.cli import HelpFormatter, describe
 from shadowcore.config import PluginRef, parse_ref
 from shadowcore.errors import ConfigError, PluginError
 
@@ -36,9 +37,9 @@ RESERVED = ("--scheduler-cls", "--additional-config")
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="shadowprefill vllm-serve",
-        description="Start vLLM's OpenAI-compatible server with the shadow scheduler. "
-        "Unknown arguments (--model, --port, --block-size, ...) go to vLLM.",
+        prog="shadowprefill vllm-serve", formatter_class=HelpFormatter,
+        description=describe(main.__doc__) + " Unknown arguments (--model, --port, --block-size, ...) go to vLLM "
+        "unchanged; the policy and its arguments are validated before vLLM starts (docs/vllm.md).",
     )
     p.add_argument("--policy", default="harvest-slo", metavar="NAME[:JSON]",
                    help="the policy: a registered name or package.module:factory, with JSON arguments if any, "
@@ -113,6 +114,7 @@ def _gpu_vllm() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Start vLLM's OpenAI-compatible server with the shadow scheduler running a policy."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         command = build_command(argv)

@@ -25,18 +25,19 @@ from shadow_sim.experiments.reproduce import studies
 from shadow_sim.experiments.runner import compare, format_table, summary_json, tasks_for, with_progress
 from shadow_sim.experiments.spec import Experiment
 from shadow_sim.experiments.sweep import _no_nan, csv_list
-from shadowcore.cli import add_policy_options, policies_from_args
+from shadowcore.cli import HelpFormatter, add_policy_options, describe, exit_on_sigterm, policies_from_args
 from shadowcore.errors import ConfigError, PluginError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shadow_sim.experiments.nmodels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m shadow_sim.experiments.nmodels", description=describe(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--n", type=int, default=5, help="models per router (2-5)")
     p.add_argument("--quick", action=argparse.BooleanOptionalAction, default=True,
                    help="the --quick measurement settings of reproduce (default) or the full ones")
     add_policy_options(p)
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--jobs", type=int, default=2, help="local worker processes")
     p.add_argument("--out", help="write summary.json here")
     args = p.parse_args(argv)
     try:
@@ -79,4 +80,5 @@ def wasted_tokens(m: dict[str, float]) -> float:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

@@ -26,7 +26,7 @@ from shadow_sim.experiments.paper_numbers import PAPER
 from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, tasks_for, with_progress
 from shadow_sim.experiments.spec import PAIRS, Experiment
 from shadow_sim.experiments.sweep import _no_nan, rows, summary_json, write_rows
-from shadowcore.cli import add_policy_options, policies_from_args
+from shadowcore.cli import HelpFormatter, add_policy_options, describe, policies_from_args
 from shadowcore.config import PluginRef
 from shadowcore.errors import ConfigError, PluginError
 
@@ -298,13 +298,15 @@ def markdown(results: Mapping[str, tuple[str, Comparison]], quick: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="shadowprefill reproduce", description=__doc__.splitlines()[0])
+    """Reproduce the paper's figure types on the simulator: PNG figures and a Markdown table next to the paper's numbers."""
+    p = argparse.ArgumentParser(prog="shadowprefill reproduce", description=describe(__doc__),
+                                epilog=describe(__doc__.split("\n\n", 1)[1]), formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="reduced grid (< 30 minutes on 2 cores)")
     p.add_argument("--out", default="reproduce-out", help="output folder")
     p.add_argument("--jobs", type=int, default=2, help="local worker processes")
     p.add_argument("--set", dest="override", default="{}",
                    help='JSON object of Experiment fields for every study, e.g. \'{"latency": "roofline"}\'')
-    add_policy_options(p)  # extra policies, added to every study
+    add_policy_options(p, note="added to every study, after its own policies")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,9 @@ runner can execute them in any order, in this process or in worker processes
 from __future__ import annotations
 
 import math
+import multiprocessing
+import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 import attrs
@@ -78,22 +79,41 @@ def tasks_for(ex: Experiment, policies: Sequence[PluginRef], seeds: Iterable[int
 
 def execute(tasks: Sequence[Task], jobs: int = 1, on_done: Callable[[Task, RunRecord], None] | None = None,
             ) -> list[RunRecord]:
-    """Run ``tasks`` (in worker processes when ``jobs > 1``); results in task order."""
+    """Run ``tasks`` (in worker processes when ``jobs > 1``); results in task order.
+
+    Workers ignore SIGINT (Ctrl-C reaches the whole process group; the parent
+    answers it). However this process stops -- Ctrl-C, SIGTERM turned into
+    ``SystemExit`` (:func:`shadowcore.cli.exit_on_sigterm`), a failed run -- the
+    pool is terminated and joined: no worker outlives it."""
     results: list[RunRecord | None] = [None] * len(tasks)
     if jobs <= 1:
         for i, t in enumerate(tasks):
             results[i] = run_task(t)
             if on_done:
                 on_done(t, results[i])
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(run_task, t): i for i, t in enumerate(tasks)}
-            for f in as_completed(futures):
-                i = futures[f]
-                results[i] = f.result()
-                if on_done:
-                    on_done(tasks[i], results[i])
+        return [r for r in results if r is not None]
+    pool = multiprocessing.Pool(min(jobs, max(1, len(tasks))), initializer=_worker_signals)
+    try:
+        for i, record in pool.imap_unordered(_run_indexed, list(enumerate(tasks))):
+            results[i] = record
+            if on_done:
+                on_done(tasks[i], record)
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
     return [r for r in results if r is not None]
+
+
+def _run_indexed(item: tuple[int, Task]) -> tuple[int, RunRecord]:
+    return item[0], run_task(item[1])
+
+
+def _worker_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # terminate() ends a worker at once, whatever the parent set
 
 
 def group(records: Sequence[RunRecord], tasks: Sequence[Task]) -> dict[tuple[str, int, str], list[RunRecord]]:

@@ -33,7 +33,7 @@ from shadow_sim.experiments.runner import (
     tasks_for,
 )
 from shadow_sim.experiments.spec import PAIRS, Experiment, get_pair
-from shadowcore.cli import add_policy_options, policies_from_args
+from shadowcore.cli import HelpFormatter, add_policy_options, describe, policies_from_args
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError, PluginError
 
@@ -80,7 +80,8 @@ def csv_list(text: str) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shadowprefill sweep", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="shadowprefill sweep", description=describe(main.__doc__) + " " + _DETAIL,
+                                formatter_class=HelpFormatter)
     p.add_argument("--pairs", default="Q7/L70", help=f"comma-separated pairs ({', '.join(PAIRS)})")
     add_policy_options(p, DEFAULT_POLICIES)
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
@@ -201,7 +202,13 @@ def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[Plugi
     return compare(records, tasks)
 
 
+_DETAIL = ("Calibration first (cached), then every run in local worker processes (--jobs) or on a Ray cluster "
+           "(--ray). Writes one row per (pair, seed, window, policy) run to runs.parquet or runs.csv, and "
+           "summary.json with mean and standard error per pair and policy.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a grid of pairs x policies x seeds x windows on the simulator and write every run plus a summary."""
     args = parser().parse_args(argv)
     try:
         pairs = csv_list(args.pairs)
