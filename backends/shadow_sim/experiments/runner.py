@@ -9,9 +9,9 @@ runner can execute them in any order, in this process or in worker processes
 from __future__ import annotations
 
 import math
-import multiprocessing
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 import attrs
@@ -92,23 +92,33 @@ def execute(tasks: Sequence[Task], jobs: int = 1, on_done: Callable[[Task, RunRe
             if on_done:
                 on_done(t, results[i])
         return [r for r in results if r is not None]
-    pool = multiprocessing.Pool(min(jobs, max(1, len(tasks))), initializer=_worker_signals)
+    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_worker_signals)
     try:
-        for i, record in pool.imap_unordered(_run_indexed, list(enumerate(tasks))):
-            results[i] = record
+        futures = {pool.submit(run_task, t): i for i, t in enumerate(tasks)}
+        for f in as_completed(futures):
+            i = futures[f]
+            results[i] = f.result()
             if on_done:
-                on_done(tasks[i], record)
-        pool.close()
+                on_done(tasks[i], results[i])
     except BaseException:
-        pool.terminate()
+        _stop_workers(pool)
         raise
     finally:
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
     return [r for r in results if r is not None]
 
 
-def _run_indexed(item: tuple[int, Task]) -> tuple[int, RunRecord]:
-    return item[0], run_task(item[1])
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Terminate the pool's workers now (their runs in flight are abandoned) and shut it down."""
+    terminate = getattr(pool, "terminate_workers", None)  # public from Python 3.14
+    if terminate is not None:
+        terminate()
+        return
+    workers = list((getattr(pool, "_processes", None) or {}).values())  # Python 3.11-3.13; None after shutdown
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        if proc.is_alive():
+            proc.terminate()
 
 
 def _worker_signals() -> None:
