@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -116,17 +115,6 @@ class Registry:
         return f"{name!r} in group {self.group}{where}"
 
 
-def _binds(factory: Any, args: Any) -> bool:
-    """Whether ``factory(**args)`` matches its signature (a TypeError then came from inside it)."""
-    try:
-        inspect.signature(factory).bind(**args)
-    except TypeError:
-        return False
-    except ValueError:  # no signature to check: count the TypeError as the arguments'
-        return False
-    return True
-
-
 policies = Registry(POLICY_GROUP)
 backends = Registry(BACKEND_GROUP)
 commands = Registry(COMMAND_GROUP)
@@ -136,10 +124,10 @@ routers = Registry(ROUTER_GROUP)  # the gateway's per-step routers (shadow_gatew
 def build_plugin(registry: Registry, name: str, args: Any, field: str, kind: type) -> Any:
     """Call the factory registered as ``name`` with ``args`` and check it built a
     ``kind``; every failure is one :class:`ConfigError` naming ``field``
-    (``field.name`` for the plugin, ``field.args...`` for its arguments). An
-    exception from inside the factory (a bug, not an argument that does not fit its
-    signature) is reported on ``field.name`` naming the plugin, its target and the
-    exception, with the original chained as ``__cause__``."""
+    (``field.name`` for the plugin, ``field.args...`` for its arguments; a
+    TypeError counts as the arguments'). Any other exception from inside the factory
+    (a bug) is reported on ``field.name`` naming the plugin, its target and the
+    exception, with the original chained as ``__cause__`` for a debugger."""
     try:
         factory = registry.load(name)
     except PluginError as e:
@@ -148,9 +136,9 @@ def build_plugin(registry: Registry, name: str, args: Any, field: str, kind: typ
         built = factory(**args)
     except ConfigError as e:
         raise ConfigError(f"{field}.args.{e.field}", e.value, e.problem) from None
+    except TypeError as e:  # arguments that do not fit (also a factory's own "give a or b, not both")
+        raise ConfigError(f"{field}.args", dict(args), str(e)) from None
     except Exception as e:
-        if isinstance(e, TypeError) and not _binds(factory, args):
-            raise ConfigError(f"{field}.args", dict(args), str(e)) from None
         # A bug inside the factory: one line naming the plugin; the traceback stays chained.
         raise ConfigError(f"{field}.name", name, f"plugin {registry.describe_target(name)} failed while "
                                                  f"building: {type(e).__name__}: {e}") from e
