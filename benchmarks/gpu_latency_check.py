@@ -69,10 +69,10 @@ def shape_key(s: dict) -> str:
 # ----------------------------------------------------------------------------- predictions
 def predict(models: list[str], latency: str, dry: bool) -> dict:
     """Predicted seconds per shape, model and device (needs shadow_sim)."""
-    from shadow_sim.hardware import tensor_parallel_degree
-    from shadow_sim.hardware import get_device
+    from shadow_sim.hardware import get_device, tensor_parallel_degree
     from shadow_sim.latency import latency_model
     from shadow_sim.models import get_model
+
     from shadowcore.latency import BatchShape, PrefillChunk
 
     out: dict = {"latency": latency, "dry": dry, "models": {}}
@@ -100,7 +100,7 @@ def predict(models: list[str], latency: str, dry: bool) -> dict:
 # ----------------------------------------------------------------------------- measurement
 def _layer_weights(torch, dims: dict, device, dtype):
     h, nh, kvh, d, f = dims["hidden_size"], dims["num_heads"], dims["num_kv_heads"], dims["head_dim"], dims["inter"]
-    w = lambda *shape: torch.randn(*shape, device=device, dtype=dtype) * 0.02  # noqa: E731
+    w = lambda *shape: torch.randn(*shape, device=device, dtype=dtype) * 0.02
     return {"qkv": w(h, (nh + 2 * kvh) * d), "o": w(nh * d, h), "up": w(h, 2 * f), "down": w(f, h),
             "n1": torch.ones(h, device=device, dtype=dtype), "n2": torch.ones(h, device=device, dtype=dtype)}
 
@@ -158,7 +158,7 @@ def measure(entry: dict, tp: int, dry: bool, layers: int, repeats: int) -> dict[
         if c and t > 1:  # causal with an offset: row i sees the context and new tokens <= i
             mask = torch.ones(t, c + t, device=device, dtype=torch.bool).tril(diagonal=c)
 
-        def run():
+        def run(x=x, cache=cache, mask=mask):
             y = x
             for wt in weights:
                 y = _layer(torch, F, y, wt, dims, cache, mask)

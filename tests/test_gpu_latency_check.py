@@ -29,7 +29,7 @@ def test_dry_run_measures_every_shape_of_every_model(check, tmp_path, capsys):
     report = json.loads(out.read_text())
     keys = {check.shape_key(s) for s in check.shapes(dry=True)}
     assert set(report["models"]) == {"Qwen2.5-7B", "Llama-3.1-70B"}
-    for name, r in report["models"].items():
+    for r in report["models"].values():
         assert set(r["measured_s"]) == keys
         assert all(v > 0 and math.isfinite(v) for v in r["measured_s"].values())
         assert all(math.isfinite(e) for e in r["error_iter"].values())
