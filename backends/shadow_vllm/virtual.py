@@ -58,9 +58,14 @@ from typing import Any
 import attrs
 
 from shadowcore._validators import non_negative, positive_int
+from shadowcore.engine.driver import CallOutcome, SessionDriver
+from shadowcore.engine.records import CallRecord
+from shadowcore.engine.workload import draw_workload
 from shadowcore.errors import ConfigError
 from shadowcore.events import EventLoop
-from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
+from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk, chunked_prefill_s
+from shadowcore.pipeline import build_runtime
+from shadowcore.wire import ShadowTag, TagKind
 
 #: Event kinds on the shared loop: an iteration ends (and frees its slots)
 #: before work arriving at the same time is added; idle engines wake last.
@@ -614,8 +619,6 @@ class VirtualCluster:
         return self.by_id[instance_id].cached_prefix_tokens(history.token_ids)
 
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
-        from shadowcore.latency import chunked_prefill_s
-
         engine = self.by_id[instance_id]
         sched = engine.scheduler
         queued = sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in [*sched.waiting, *sched.running])
@@ -638,34 +641,33 @@ class VirtualScenarioRun:
     draws) through vLLM schedulers in virtual time, with the core's router
     side (:class:`~shadowcore.manager.ShadowManager`) placing calls.
 
-    The router side mirrors :class:`shadowcore.engine.scenario.ScenarioRun`
-    call for call (same request ids, arrival times, tool gaps, outputs), so
-    the two runs can be compared step by step. Histories carry real token
+    The router side is the simulator's own
+    (:class:`~shadowcore.engine.driver.SessionDriver`, same request ids,
+    arrival times, tool gaps, outputs), so the two runs can be compared step
+    by step; this run is the driver's serving port for vLLM engines. Histories carry real token
     ids (new input from :func:`session_tokens`, output as vLLM samples it).
     ``latency`` maps each model to its latency model; ``engine_config`` gives
     the vLLM limits; ``shadow_feeder`` (optional) is called after every
     router-side event to turn the manager's jobs into shadow requests.
     """
 
-    scenario: Any  # FakeScenario-like: sessions, normal traffic, SLOs, instances_per_model
+    scenario: Any  # a ScenarioSpec: models, instances_per_model, SLOs, the synthetic workload's fields
     shadow: Any  # ShadowConfig
     latency: Mapping[str, LatencyModel]
     engine_config: Mapping[str, VirtualEngineConfig]  # per model
     scheduler_cls: type | None = None
-    sessions: Sequence[Any] | None = None  # scripted SessionPlans instead of drawn ones
+    sessions: Sequence[Any] | None = None  # scripted SessionPlans in place of the workload's
     shadow_feeder: Callable[[VirtualScenarioRun], None] | None = None
     observers: tuple = ()
+    workload: Any = None  # a Workload; None: drawn from the scenario (the fake backend's draws)
     loop: EventLoop = attrs.field(init=False, factory=EventLoop)
     clock: VirtualClock = attrs.field(init=False, factory=VirtualClock)
     cluster: VirtualCluster = attrs.field(init=False)
     runtime: Any = attrs.field(init=False)
-    calls: list[Any] = attrs.field(init=False, factory=list)
+    driver: SessionDriver = attrs.field(init=False)
     normal: list[VirtualRequest] = attrs.field(init=False, factory=list)
-    _num_normal: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        from shadowcore.pipeline import build_runtime
-
         sc = self.scenario
         by_model = {
             m: [
@@ -680,6 +682,11 @@ class VirtualScenarioRun:
         self.runtime = build_runtime(self.shadow, self.cluster, sc.models)
         for obs in self.observers:
             self.runtime.observers.add(obs)
+        workload = self.workload if self.workload is not None else draw_workload(sc, list(self.cluster.by_id))
+        if self.sessions is not None:
+            workload = attrs.evolve(workload, sessions=tuple(self.sessions))
+        self.workload = workload
+        self.driver = SessionDriver(self.loop, self.runtime.manager, self)
 
     def _config(self, model: str, instance_id: str) -> VirtualEngineConfig:
         """The model's engine config; a shadow scheduler section gets this instance's id."""
@@ -689,70 +696,50 @@ class VirtualScenarioRun:
             extra["shadowprefill"] = {**extra["shadowprefill"], "instance_id": instance_id}
         return attrs.evolve(config, additional_config=extra)
 
-    def run(self) -> VirtualScenarioRun:
-        from shadowcore.engine.scenario import CALL, NORMAL, draw_normal, draw_sessions
+    @property
+    def calls(self) -> list[CallRecord]:
+        return self.driver.calls
 
-        sessions = self.sessions if self.sessions is not None else draw_sessions(self.scenario)
-        for s in sessions:
-            self.loop.at(s.arrival_s, CALL, lambda t, s=s: self._call(s, 0))
-        engines = list(self.cluster.by_id.values())
-        for k, engine in enumerate(engines):
-            for arrival, prompt, output in draw_normal(self.scenario, k):
-                self.loop.at(arrival, NORMAL, lambda t, e=engine, p=prompt, o=output: self._normal(e, p, o))
+    def run(self) -> VirtualScenarioRun:
+        self.driver.schedule(self.workload, list(self.cluster.by_id))
         self.loop.run()
         return self
 
-    def _feed(self) -> None:
-        if self.shadow_feeder is not None:
-            self.shadow_feeder(self)
-        self.cluster.kick_all()
+    # -- the driver's serving port ---------------------------------------------------
+    def input_token_ids(self, session_id: str, call_index: int, model: str, num_tokens: int) -> tuple[int, ...]:
+        vocab = self.cluster.by_model[model][0].scheduler.vllm_config.model_config.get_vocab_size()
+        return tuple(session_tokens(session_id, call_index, num_tokens, vocab))
 
-    def _normal(self, engine: VirtualEngine, prompt: int, output: int) -> None:
-        self._num_normal += 1
-        rid = f"n{self._num_normal}:{engine.name}"
-        vocab = engine.scheduler.vllm_config.model_config.get_vocab_size()
-        self.normal.append(engine.add_request(rid, [hashed_token(rid, i, vocab) for i in range(prompt)], output))
-
-    def _call(self, s: Any, index: int) -> None:
-        from shadowcore.types import CallArrival
-        from shadowcore.wire import ShadowTag, TagKind
-
-        manager = self.runtime.manager
-        vocab = self.cluster.by_model[s.models[index]][0].scheduler.vllm_config.model_config.get_vocab_size()
-        new = session_tokens(s.session_id, index, s.inputs[index], vocab)
-        placement = manager.on_call_arrival(
-            CallArrival(s.session_id, s.models[index], len(new), self.loop.now_s, new_token_ids=tuple(new)))
-        history = manager.history(s.session_id)
+    def start_call(self, request_id: str, placement: Any, history: Any, num_output_tokens: int,
+                   on_tokens: Callable, on_finish: Callable[[CallOutcome], None]) -> None:
         engine = self.cluster.by_id[placement.instance_id]
         if self.shadow_feeder is not None:  # jobs closed by this call go before the call starts
             self.shadow_feeder(self)
         engine.add_request(
-            f"{s.session_id}#{index}", list(history.token_ids), s.outputs[index],
-            extra_args=ShadowTag(TagKind.ROUTED, s.session_id).to_extra_args(),
-            on_token=lambda r, tok, sid=s.session_id: self._token(sid, tok),
-            on_finish=lambda r, s=s, i=index, p=placement: self._call_done(s, i, p, r),
+            request_id, list(history.token_ids), num_output_tokens,
+            extra_args=ShadowTag(TagKind.ROUTED, history.session_id).to_extra_args(),
+            on_token=lambda r, tok, f=on_tokens: self._token(f, tok),
+            on_finish=lambda r, f=on_finish: f(CallOutcome(
+                False, r.arrival_s, r.first_token_s, r.finish_s, len(r.prompt_token_ids), r.num_cached_tokens or 0)),
         )
-        self.cluster.kick_all()
 
-    def _token(self, session_id: str, token: int) -> None:
-        """Streamed output extends the session (and so every job on other models)."""
-        self.runtime.manager.on_output_tokens(session_id, 1, [token])
+    def start_normal(self, request_id: str, instance_id: str, num_prompt_tokens: int,
+                     num_output_tokens: int) -> None:
+        engine = self.cluster.by_id[instance_id]
+        vocab = engine.scheduler.vllm_config.model_config.get_vocab_size()
+        prompt = [hashed_token(request_id, i, vocab) for i in range(num_prompt_tokens)]
+        self.normal.append(engine.add_request(request_id, prompt, num_output_tokens))
+
+    def settle(self) -> None:
         if self.shadow_feeder is not None:
             self.shadow_feeder(self)
+        self.cluster.kick_all()
 
-    def _call_done(self, s: Any, index: int, placement: Any, req: VirtualRequest) -> None:
-        from shadowcore.engine.scenario import CALL, CallRecord
-
-        self.calls.append(CallRecord(
-            s.session_id, index, placement.model, placement.is_switch, req.arrival_s, req.ttft_s,
-            req.finish_s - req.arrival_s, len(req.prompt_token_ids), req.num_cached_tokens or 0,
-        ))
-        if index + 1 < len(s.models):
-            gap = s.gaps_s[index] if s.gaps_s else self.scenario.tool_gap_s
-            self.loop.at(self.loop.now_s + gap, CALL, lambda t: self._call(s, index + 1))
-        else:
-            self.runtime.manager.on_session_end(s.session_id)
-        self._feed()
+    def _token(self, on_tokens: Callable, token: int) -> None:
+        """Streamed output extends the session (and so every job on other models)."""
+        on_tokens(1, [token])
+        if self.shadow_feeder is not None:
+            self.shadow_feeder(self)
 
 
 @attrs.define(eq=False)
@@ -776,8 +763,6 @@ class TaggedShadowFeeder:
     num_aborted: int = 0
 
     def __call__(self, run: VirtualScenarioRun) -> None:
-        from shadowcore.wire import ShadowTag, TagKind
-
         live = {job.key: job for job in run.runtime.manager.jobs()}
         for key, (instance, rid, *_) in list(self.submitted.items()):
             job = live.get(key)
