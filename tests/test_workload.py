@@ -46,6 +46,11 @@ def test_normal_request_on_an_unknown_instance_is_one_error() -> None:
     with pytest.raises(ConfigError) as info:
         run.run()
     assert info.value.field == "workload.normal.instance_id" and info.value.value == "nowhere/0"
+    run = FakeRun(sc, _config(), sessions=(session("x", 0.0, ("small", "huge"), (10, 10), (5, 5)),))
+    with pytest.raises(ConfigError) as info:
+        run.run()
+    assert info.value.field == "workload.sessions[x].calls[1].model" and info.value.value == "huge"
+    assert not run.calls and run.loop.now_s == 0.0  # nothing ran
 
 
 def test_workload_values_are_checked() -> None:

@@ -96,12 +96,20 @@ class SessionDriver:
 
     def schedule(self, workload: Workload, instances: Sequence[str]) -> None:
         """Put every session's first call and every normal request on the
-        loop; ``instances`` are the ids normal requests may name."""
+        loop; ``instances`` are the ids normal requests may name. A request
+        on another instance, or a call to a model the manager does not route
+        to, is one :class:`ConfigError` before anything runs."""
         known = set(instances)
         for r in workload.normal:
             if r.instance_id not in known:
                 raise ConfigError("workload.normal.instance_id", r.instance_id,
                                   f"is not a serving instance of this cluster ({', '.join(instances)})")
+        models = tuple(self.manager.models)
+        for s in workload.sessions:
+            for i, call in enumerate(s.calls):
+                if call.model not in models:
+                    raise ConfigError(f"workload.sessions[{s.session_id}].calls[{i}].model", call.model,
+                                      f"is not a model of this cluster ({', '.join(models)})")
         for s in workload.sessions:
             self.loop.at(s.arrival_s, CALL, lambda t, s=s: self._call(s, 0))
         for r in workload.normal:

@@ -141,9 +141,6 @@ class Workload:
     sessions: tuple[SessionPlan, ...] = attrs.field(default=(), converter=_tuple, validator=_unique_sessions)
     normal: tuple[NormalRequest, ...] = attrs.field(default=(), converter=_tuple)
 
-    def normal_of(self, instance_id: str) -> list[NormalRequest]:
-        return [r for r in self.normal if r.instance_id == instance_id]
-
 
 def defaults(**values: Any) -> Callable[[type, list], list]:
     """A ``field_transformer`` giving inherited fields new defaults: a
