@@ -41,7 +41,7 @@ def one_run(policy: str, instances: int, rho: float, duration_s: float, seed: in
     """Run in this process; return the figures."""
     from shadow_sim.experiments.calibrate import capacities
     from shadow_sim.experiments.spec import Experiment, ExperimentRun
-    from shadow_sim.experiments.sweep import SIMULATE_DEFAULT
+    from shadow_sim.experiments.spec import SIMULATE_DEFAULT
 
     from shadowcore.config import PluginRef, ShadowConfig
 

@@ -26,7 +26,7 @@ from shadow_sim.experiments.distributed import ResultStore, execute_grid
 from shadow_sim.experiments.paper_numbers import PAPER
 from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, tasks_for
 from shadow_sim.experiments.spec import PAIRS, Experiment
-from shadow_sim.experiments.sweep import _no_nan, rows, summary_json, write_rows
+from shadow_sim.experiments.sweep import no_nan, rows, summary_json, write_rows
 from shadowcore.config import PluginRef
 from shadowcore.errors import ConfigError, PluginError
 
@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     figs = figures(results, out)
     (out / "reproduction.md").write_text(markdown(results, args.quick))
     write_rows(rows({k: c for k, (_s, c) in results.items()}), out, "csv")
-    (out / "summary.json").write_text(json.dumps(_no_nan({k: summary_json(c) for k, (_s, c) in results.items()}),
+    (out / "summary.json").write_text(json.dumps(no_nan({k: summary_json(c) for k, (_s, c) in results.items()}),
                                                  indent=1))
     print(f"wrote {len(figs)} figures, reproduction.md, runs.csv and summary.json to {out} "
           f"in {time.time() - start:.0f} s")

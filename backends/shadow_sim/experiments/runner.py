@@ -55,8 +55,9 @@ def run_task(task: Task) -> RunRecord:
     run = ExperimentRun(ex.sim_scenario(task.seed), ShadowConfig(task.policy, seed=task.seed), experiment=ex,
                         capacity=dict(task.capacity))
     result = run.run()
-    outputs = {(p.session_id, i): o for p in run.plans for i, o in enumerate(p.outputs)}
-    measured = frozenset(p.session_id for p in run.plans if ex.warmup_s <= p.arrival_s < ex.end_s)
+    workload = run.workload
+    outputs = {(p.session_id, i): c.num_output_tokens for p in workload.sessions for i, c in enumerate(p.calls)}
+    measured = frozenset(p.session_id for p in workload.sessions if ex.warmup_s <= p.arrival_s < ex.end_s)
     calls = tuple(
         Call(c.session_id, c.call_index, c.model, c.is_switch, c.ttft_s, c.latency_s, c.num_prompt_tokens,
              c.num_cached_tokens, outputs[(c.session_id, c.call_index)])
@@ -66,7 +67,7 @@ def run_task(task: Task) -> RunRecord:
     m = result.metrics
     return RunRecord(
         task.name, task.seed, task.window, calls, measured, normal_met,
-        sum(p for _, _, p, _ in run.normal_requests), m["shadow_tokens"], m["shadow_tokens_used"], m["energy_j"],
+        sum(r.num_prompt_tokens for r in workload.normal), m["shadow_tokens"], m["shadow_tokens_used"], m["energy_j"],
         m["energy_per_good_request_j"], run.loop.now_s, dict(m),
     )
 

@@ -32,19 +32,10 @@ from shadow_sim.experiments.runner import (
     summary_json,
     tasks_for,
 )
-from shadow_sim.experiments.spec import PAIRS, Experiment, get_pair
+from shadow_sim.experiments.spec import PAIRS, SIMULATE_DEFAULT, Experiment, get_pair
+from shadowcore.cli import load_scenario
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError, PluginError
-
-#: The embedded default of ``shadowprefill simulate`` (issue 4): a FusionBench-like
-#: Qwen2.5-7B / Llama-3.1-70B pair, 4 instances per model, Azure-conversation-like
-#: normal traffic at rho = 0.7. Shorter measurement than the paper's 600 s (and a
-#: higher session rate so that enough calls are measured) to finish in minutes.
-SIMULATE_DEFAULT: dict[str, Any] = {
-    "models": list(PAIRS["Q7/L70"]), "preset": "fusionbench", "instances_per_model": 4,
-    "duration_s": 240.0, "warmup_s": 60.0, "drain_s": 60.0, "session_rate_per_s": 0.1,
-    "normal": {"kind": "poisson", "source": "azure-conv", "rho": 0.7, "window": "peak"},
-}
 
 
 def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig], *,
@@ -124,9 +115,7 @@ def parser() -> argparse.ArgumentParser:
 def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = {}
     if args.experiment:
-        from shadowcore.cli import _load_scenario
-
-        data = _load_scenario(args.experiment)
+        data = load_scenario(args.experiment)
     for flag, key in (("preset", "preset"), ("duration", "duration_s"), ("warmup", "warmup_s"),
                       ("latency", "latency"), ("instances", "instances_per_model")):
         if getattr(args, flag) is not None:
@@ -237,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     path = write_rows(rows(comparisons), out, args.format)
     summary = {label: summary_json(c) for label, c in comparisons.items()}
-    (out / "summary.json").write_text(json.dumps(_no_nan(summary), indent=1))
+    (out / "summary.json").write_text(json.dumps(no_nan(summary), indent=1))
     for label, c in comparisons.items():
         print(f"== {label}")
         print(format_table(c))
@@ -245,14 +234,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _no_nan(x: Any) -> Any:
+def no_nan(x: Any) -> Any:
+    """``x`` with every NaN float replaced by None (for JSON), through dicts, lists and tuples."""
     if isinstance(x, float) and math.isnan(x):
         return None
     if isinstance(x, dict):
-        return {k: _no_nan(v) for k, v in x.items()}
+        return {k: no_nan(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_no_nan(v) for v in x]
+        return [no_nan(v) for v in x]
     return x
 
 
-__all__ = ["SIMULATE_DEFAULT", "main", "run_grid", "simulate_table"]
+__all__ = ["main", "no_nan", "run_grid", "simulate_table"]
