@@ -129,7 +129,8 @@ def _check_plugin(registry: Registry, name: str) -> tuple[str, str]:
     return "ok", spec.description or summary(obj)
 
 
-def _load_scenario(path: str | None) -> dict[str, Any]:
+def load_scenario(path: str | None) -> dict[str, Any]:
+    """The JSON object in ``path`` ({} for None); a bad file is one ConfigError naming file:line:column."""
     if path is None:
         return {}
     try:
@@ -186,7 +187,7 @@ def _simulate(args: argparse.Namespace) -> int:
     """Run one scenario under several policies, same workload seed for all, and print a
     comparison table. Without --scenario: the embedded default experiment on the chosen
     backend (see README); --policy/--policies pick the policies."""
-    scenario = _load_scenario(args.scenario)
+    scenario = load_scenario(args.scenario)
     if args.duration is not None:
         scenario["duration_s"] = args.duration
     refs = policies_from_args(args, DEFAULT_POLICIES)  # every policy loads before anything runs
