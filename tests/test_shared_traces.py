@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 REAL_TRACE_TEST = "tests/test_traces.py::test_azure_code_trace_loads"
 
