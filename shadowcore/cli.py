@@ -190,6 +190,8 @@ def _simulate(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     if args.duration is not None:
         scenario["duration_s"] = args.duration
+    if args.latency_profile:
+        scenario["latency_profile"] = args.latency_profile
     refs = policies_from_args(args, DEFAULT_POLICIES)  # every policy loads before anything runs
     configs = [ShadowConfig(ref, seed=args.seed) for ref in refs]
     backend = backends.load(args.backend)()
@@ -275,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_policy_options(sim, DEFAULT_POLICIES)
     sim.add_argument("--scenario", help="JSON file with scenario fields (default: the embedded scenario)")
     sim.add_argument("--duration", type=float, help="simulated seconds of arrivals")
+    sim.add_argument("--latency-profile", metavar="NAME|FILE",
+                     help="calibrate the latency model: a shipped profile or a JSON file (shadowprefill latency)")
     sim.add_argument("--seed", type=int, default=0, help="policy seed")
     sim.set_defaults(func=_simulate)
     plug = sub.add_parser("plugins", help="list registered policies, backends, routers and commands",
