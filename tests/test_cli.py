@@ -112,6 +112,7 @@ def _help(capsys, argv: list[str]) -> str:
      "(default: reproduce-out)"),
     ("serve", "Run the session gateway", "(default: info)"),
     ("vllm-serve", "Start vLLM's OpenAI-compatible server with the shadow scheduler", "(default: harvest-slo)"),
+    ("latency", "Fit a latency profile (or a linear model) to an engine's measured iterations", None),
 ])
 def test_every_command_has_a_description_and_shows_defaults(capsys, command, description, default) -> None:
     out = _help(capsys, [command])
@@ -125,7 +126,8 @@ def test_top_level_help_describes_every_command(capsys) -> None:
     out = _help(capsys, [])
     for line in ("simulate run one scenario", "plugins list registered policies, backends, routers and commands",
                  "sweep Run a grid of pairs", "reproduce Reproduce the paper's figure types",
-                 "serve Run the session gateway", "vllm-serve Start vLLM's OpenAI-compatible server"):
+                 "serve Run the session gateway", "vllm-serve Start vLLM's OpenAI-compatible server",
+                 "latency Fit a latency profile"):
         assert line in out, out
 
 
