@@ -15,11 +15,12 @@ from typing import Any
 
 import attrs
 import pytest
-from shadow_sim.simulator import SimBackend
+from shadow_sim.backend import SimBackend
 
 from shadowcore.backend import Backend, BatchReport
 from shadowcore.engine.instance import EngineInstance
-from shadowcore.engine.scenario import FakeBackend, FakeRun, FakeScenario, ScenarioResult
+from shadowcore.engine.records import ScenarioResult
+from shadowcore.engine.scenario import FakeBackend, FakeRun, FakeScenario
 from shadowcore.testing import BackendContractError, check_backend
 from shadowcore.types import ChunkResult, StepPlan
 

@@ -28,7 +28,8 @@ from shadow_gateway.request_level import RequestLevelShadower, ShadowSubmission
 
 from shadow_vllm import virtual
 from shadowcore.config import ShadowConfig
-from shadowcore.engine.scenario import FakeScenario, ScenarioResult
+from shadowcore.engine.records import ScenarioResult
+from shadowcore.engine.scenario import FakeScenario
 from shadowcore.latency import BatchShape, LinearLatencyModel
 
 

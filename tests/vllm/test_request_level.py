@@ -8,6 +8,7 @@ from shadow_gateway import request_level as rl
 from shadow_vllm.backend import virtual_submitter
 from shadow_vllm import virtual  # vLLM itself is imported lazily; conftest guards the folder
 
+from shadowcore.events import EventLoop
 from shadowcore.latency import LinearLatencyModel
 from shadowcore.wire import parse_tag
 
@@ -90,7 +91,7 @@ def test_metrics_parsing_and_http_body() -> None:
 
 def _pair():
     config = virtual.VirtualEngineConfig(num_blocks=512, max_num_batched_tokens=256, scheduling_policy="priority")
-    loop = virtual.EventLoop()
+    loop = EventLoop()
     clock = virtual.VirtualClock()
     engines = {i: virtual.VirtualEngine(virtual.build_scheduler(None, config), LinearLatencyModel(), loop, clock,
                                         name=i) for i in ("A", "B")}

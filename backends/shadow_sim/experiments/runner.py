@@ -9,6 +9,7 @@ runner can execute them in any order, in this process or in worker processes
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
@@ -55,8 +56,9 @@ def run_task(task: Task) -> RunRecord:
     run = ExperimentRun(ex.sim_scenario(task.seed), ShadowConfig(task.policy, seed=task.seed), experiment=ex,
                         capacity=dict(task.capacity))
     result = run.run()
-    outputs = {(p.session_id, i): o for p in run.plans for i, o in enumerate(p.outputs)}
-    measured = frozenset(p.session_id for p in run.plans if ex.warmup_s <= p.arrival_s < ex.end_s)
+    workload = run.workload
+    outputs = {(p.session_id, i): c.num_output_tokens for p in workload.sessions for i, c in enumerate(p.calls)}
+    measured = frozenset(p.session_id for p in workload.sessions if ex.warmup_s <= p.arrival_s < ex.end_s)
     calls = tuple(
         Call(c.session_id, c.call_index, c.model, c.is_switch, c.ttft_s, c.latency_s, c.num_prompt_tokens,
              c.num_cached_tokens, outputs[(c.session_id, c.call_index)])
@@ -66,7 +68,7 @@ def run_task(task: Task) -> RunRecord:
     m = result.metrics
     return RunRecord(
         task.name, task.seed, task.window, calls, measured, normal_met,
-        sum(p for _, _, p, _ in run.normal_requests), m["shadow_tokens"], m["shadow_tokens_used"], m["energy_j"],
+        sum(r.num_prompt_tokens for r in workload.normal), m["shadow_tokens"], m["shadow_tokens_used"], m["energy_j"],
         m["energy_per_good_request_j"], run.loop.now_s, dict(m),
     )
 
@@ -78,22 +80,51 @@ def tasks_for(ex: Experiment, policies: Sequence[PluginRef], seeds: Iterable[int
 
 def execute(tasks: Sequence[Task], jobs: int = 1, on_done: Callable[[Task, RunRecord], None] | None = None,
             ) -> list[RunRecord]:
-    """Run ``tasks`` (in worker processes when ``jobs > 1``); results in task order."""
+    """Run ``tasks`` (in worker processes when ``jobs > 1``); results in task order.
+
+    Workers ignore SIGINT (Ctrl-C reaches the whole process group; the parent
+    answers it). However this process stops -- Ctrl-C, SIGTERM turned into
+    ``SystemExit`` (:func:`shadowcore.cli.exit_on_sigterm`), a failed run -- the
+    pool is terminated and joined: no worker outlives it."""
     results: list[RunRecord | None] = [None] * len(tasks)
     if jobs <= 1:
         for i, t in enumerate(tasks):
             results[i] = run_task(t)
             if on_done:
                 on_done(t, results[i])
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(run_task, t): i for i, t in enumerate(tasks)}
-            for f in as_completed(futures):
-                i = futures[f]
-                results[i] = f.result()
-                if on_done:
-                    on_done(tasks[i], results[i])
+        return [r for r in results if r is not None]
+    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_worker_signals)
+    try:
+        futures = {pool.submit(run_task, t): i for i, t in enumerate(tasks)}
+        for f in as_completed(futures):
+            i = futures[f]
+            results[i] = f.result()
+            if on_done:
+                on_done(tasks[i], results[i])
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return [r for r in results if r is not None]
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Terminate the pool's workers now (their runs in flight are abandoned) and shut it down."""
+    terminate = getattr(pool, "terminate_workers", None)  # public from Python 3.14
+    if terminate is not None:
+        terminate()
+        return
+    workers = list((getattr(pool, "_processes", None) or {}).values())  # Python 3.11-3.13; None after shutdown
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        if proc.is_alive():
+            proc.terminate()
+
+
+def _worker_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # terminate() ends a worker at once, whatever the parent set
 
 
 def group(records: Sequence[RunRecord], tasks: Sequence[Task]) -> dict[tuple[str, int, str], list[RunRecord]]:
@@ -151,9 +182,18 @@ def run_comparison(ex: Experiment, policies: Sequence[PluginRef | str], seeds: S
     return compare(records, tasks)[label]
 
 
-def with_progress(tasks: Sequence[Task], jobs: int, progress: bool) -> list[RunRecord]:
+Executor = Callable[..., list[RunRecord]]  # (tasks, on_done) -> records in task order
+
+
+def with_progress(tasks: Sequence[Task], jobs: int, progress: bool, *,
+                  on_done: Callable[[Task, RunRecord], None] | None = None,
+                  executor: Executor | None = None) -> list[RunRecord]:
+    """Run ``tasks`` with a progress bar over tasks as they finish. ``executor(tasks,
+    on_done)`` runs them (default: :func:`execute` with ``jobs`` local processes);
+    ``on_done`` is called for each finished task, before the bar moves."""
+    run = executor or (lambda ts, cb: execute(ts, jobs, cb))
     if not progress:
-        return execute(tasks, jobs)
+        return run(tasks, on_done)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -161,11 +201,13 @@ def with_progress(tasks: Sequence[Task], jobs: int, progress: bool) -> list[RunR
         job = bar.add_task("simulating", total=len(tasks))
 
         def done(t: Task, r: RunRecord) -> None:
+            if on_done:
+                on_done(t, r)
             bar.update(job, advance=1, description=f"{t.label or 'run'} seed {t.seed} {t.window} {t.name}")
 
         if jobs <= 1:
             bar.update(job, description=f"{tasks[0].name} ..." if tasks else "")
-        return execute(tasks, jobs, done)
+        return run(tasks, done)
 
 
 
