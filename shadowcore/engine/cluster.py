@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import attrs
 
+from shadowcore.engine._fastpath import InlineEventLoop
 from shadowcore.engine.instance import EngineInstance
 from shadowcore.engine.kinds import STEP_END, WAKE
-from shadowcore.engine._fastpath import InlineEventLoop
 from shadowcore.job import SessionHistory
 from shadowcore.latency import chunked_prefill_s
 

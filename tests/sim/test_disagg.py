@@ -18,6 +18,8 @@ from shadow_sim.disagg import DecodeInstance, KVFabric, PDRun, PrefillInstance, 
 from shadow_sim.simulator import PDConfig, SimScenario
 
 from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.engine.workload import SessionPlan, draw_sessions
+from shadowcore.engine.workload import session as scripted_session
 from shadowcore.errors import ConfigError
 from shadowcore.pd import ShadowPushPolicy
 from shadowcore.policy import Component
@@ -29,8 +31,6 @@ from shadowcore.slack import (
     SloSlackController,
 )
 from shadowcore.testing.conformance import InvariantObserver
-from shadowcore.engine.workload import SessionPlan, draw_sessions
-from shadowcore.engine.workload import session as scripted_session
 from shadowcore.types import BudgetReason
 
 MODELS = ("Qwen2.5-7B", "Llama-3.1-8B")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 from shadow_gateway import request_level as rl
-from shadow_vllm.backend import virtual_submitter
 from shadow_vllm import virtual  # vLLM itself is imported lazily; conftest guards the folder
+from shadow_vllm.backend import virtual_submitter
 
 from shadowcore.events import EventLoop
 from shadowcore.latency import LinearLatencyModel
