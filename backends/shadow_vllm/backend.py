@@ -22,15 +22,16 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
-from shadow_gateway.request_level import RequestLevelShadower, ShadowSubmission
+from typing import TYPE_CHECKING, Any
 
 from shadow_vllm import virtual
 from shadowcore.config import ShadowConfig
 from shadowcore.engine.records import ScenarioResult
 from shadowcore.engine.scenario import FakeScenario
 from shadowcore.latency import BatchShape, LinearLatencyModel
+
+if TYPE_CHECKING:  # the router side's types, for annotations only (no import of the gateway package)
+    from shadow_gateway.request_level import RequestLevelShadower, ShadowSubmission
 
 
 def _latency(scale: float) -> LinearLatencyModel:
