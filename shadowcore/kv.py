@@ -92,7 +92,7 @@ class KVClassPolicy:
         """A shadow chunk may take an idle block only once it is cold."""
         return now_s - idle_since_s > self.cold_age_s
 
-    def victims(self, idle: Mapping[KVClass, Mapping[_B, float]], requester: KVClass, now_s: float,
+    def victims(self, idle: Mapping[KVClass, Mapping[_B, float]], requester: KVClass, now_s: float | None = None,
                 protect: Container[_B] = ()) -> Iterator[tuple[_B, KVClass]]:
         """The idle blocks an allocation by ``requester`` may evict, in the
         order it evicts them, as ``(block, class)``: the one owner of the
@@ -106,10 +106,13 @@ class KVClassPolicy:
         classes (equal times: the shadow block first). A shadow requester gets
         cold blocks only (:meth:`shadow_may_displace`): a class's first young
         block ends that class (under ``"lru"``, the whole order), since every
-        later one is younger. The caller takes as many as it needs and must
-        not change ``idle`` while it iterates.
+        later one is younger (``now_s``, needed for a shadow requester only,
+        is the time of that check). The caller takes as many as it needs and
+        must not change ``idle`` while it iterates.
         """
         shadow_requester = requester is KVClass.SHADOW
+        if shadow_requester and now_s is None:
+            raise ValueError("a shadow requester's victims need now_s (the cold-age rule)")
         if self.eviction_order == "lru":
             return self._lru_victims(idle, shadow_requester, now_s, protect)
         if not shadow_requester and not protect:  # nothing skipped, nothing cold-checked: the classes' orders, in C

@@ -192,16 +192,16 @@ class ShadowKVBridge:
         first = queue.fake_free_list_head.next_free_block
         if first is not None and first is not queue.fake_free_list_tail and first.block_hash is None:
             return None  # never-used blocks go first
-        now_s = self._shadow_now_s
-        requester = KVClass.NORMAL if now_s is None else KVClass.SHADOW
-        if requester is KVClass.NORMAL and not self.idle[KVClass.SHADOW] and self.policy.eviction_order == "shadow-first":
-            return None  # the policy's order is then vLLM's own LRU: the queue's front
-        victim = next(self.policy.victims(self.idle, requester, now_s or 0.0), None)
-        if victim is None:
-            if requester is KVClass.SHADOW:
+        now_s = self._shadow_now_s  # set: a shadow allocation (cold blocks only); None: a normal one
+        if now_s is None:
+            if not self.idle[KVClass.SHADOW] and self.policy.eviction_order == "shadow-first":
+                return None  # the policy's order is then vLLM's own LRU: the queue's front
+            victim = next(self.policy.victims(self.idle, KVClass.NORMAL), None)
+        else:
+            victim = next(self.policy.victims(self.idle, KVClass.SHADOW, now_s), None)
+            if victim is None:
                 raise AssertionError("shadow allocation beyond its room (get_num_free_blocks was checked)")
-            return None
-        return self.pool.blocks[victim[0]]
+        return None if victim is None else self.pool.blocks[victim[0]]
 
 
 def _subclass(base: type, hooks: type) -> type:
