@@ -93,6 +93,7 @@ class ScenarioResult:
     policy: str
     calls: tuple[CallRecord, ...]
     metrics: Mapping[str, float]
+    notices: tuple[str, ...] = ()  # warnings about the policy on these engines (ShadowRuntime.notices)
 
 
 @attrs.define(eq=False)
@@ -259,6 +260,8 @@ class ScenarioRun:
             self.runtime.observers.add(obs)
         for inst in self.cluster.by_id.values():  # fixed order: attach draws from the runtime's generator
             inst.hook = self.attach_hook(inst)
+            if inst.hook is not None:
+                self.runtime.check_reach(inst.hook, inst.tpot_slo_s)
         self._dedicated.update(dedicated.values())
 
     def build_instance(self, instance_id: str, model: str, kv_policy: KVClassPolicy) -> EngineInstance:
@@ -298,7 +301,7 @@ class ScenarioRun:
             for arrival, prompt, output in arrivals:
                 self.loop.at(arrival, NORMAL, lambda t, i=inst, p=prompt, o=output: self._normal(i, t, p, o))
         self.loop.run()
-        return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary())
+        return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary(), tuple(self.runtime.notices))
 
     def _enqueue(self, inst: EngineInstance, req: EngineRequest) -> None:
         inst.enqueue(req)
@@ -380,6 +383,7 @@ class ScenarioRun:
             "shadow_tokens": float(shadow_tokens),
             "shadow_tokens_used": float(used),
             "rejected_requests": float(len(self.rejected)),
+            **{f"steps_{why}": float(n) for why, n in self.runtime.step_counts().items()},
         }
 
 
