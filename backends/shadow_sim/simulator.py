@@ -217,10 +217,11 @@ class SimBackend:
             return PDRun(sc, shadow, observers).run()
         return SimRun(sc, shadow, observers).run()
 
-    def compare(self, scenario: Mapping[str, Any], configs: Any) -> str | None:
+    def compare(self, scenario: Mapping[str, Any], configs: Any, out: Any = None, wide: bool = False) -> str | None:
         """``shadowprefill simulate`` on this backend: an experiment (the embedded
         default for an empty scenario, or ``{"experiment": {...}}``) through the
-        experiment runner; None for a plain scenario (run policy by policy)."""
+        experiment runner, writing the result folder ``out`` when given; None
+        for a plain scenario (run policy by policy)."""
         from shadow_sim.experiments.sweep import simulate_table  # the runner imports this module
 
-        return simulate_table(scenario, configs)
+        return simulate_table(scenario, configs, out=out, wide=wide)

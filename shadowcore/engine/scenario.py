@@ -94,6 +94,7 @@ class ScenarioResult:
     calls: tuple[CallRecord, ...]
     metrics: Mapping[str, float]
     notices: tuple[str, ...] = ()  # warnings about the policy on these engines (ShadowRuntime.notices)
+    warmup_s: float = 0.0  # calls arriving earlier are not in the metrics
 
 
 @attrs.define(eq=False)
@@ -301,7 +302,8 @@ class ScenarioRun:
             for arrival, prompt, output in arrivals:
                 self.loop.at(arrival, NORMAL, lambda t, i=inst, p=prompt, o=output: self._normal(i, t, p, o))
         self.loop.run()
-        return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary(), tuple(self.runtime.notices))
+        return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary(), tuple(self.runtime.notices),
+                              self.scenario.warmup_s)
 
     def _enqueue(self, inst: EngineInstance, req: EngineRequest) -> None:
         inst.enqueue(req)

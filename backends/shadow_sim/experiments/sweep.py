@@ -4,7 +4,9 @@
 (cached), then every run in local worker processes (``--jobs``) or on a Ray
 cluster (``--ray [ADDRESS]``; Ray is imported only then). It writes one row per
 (pair, seed, window, policy) run to ``runs.parquet`` (pyarrow) or ``runs.csv``,
-and ``summary.json`` with mean and standard error per pair and policy.
+and the result folder of :mod:`shadow_sim.experiments.output` (per-call
+``calls.parquet``, ``summary.json`` with mean and standard error per pair and
+policy, ``table.txt``, PNG plots).
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ from shadow_sim.experiments.runner import (
     Task,
     compare,
     format_table,
-    run_comparison,
-    summary_json,
+    run_comparison_records,
     tasks_for,
 )
 from shadow_sim.experiments.spec import PAIRS, Experiment, get_pair
@@ -48,12 +49,14 @@ SIMULATE_DEFAULT: dict[str, Any] = {
 
 
 def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig], *,
-                   jobs: int | None = None) -> str | None:
-    """The ``simulate`` table for an experiment, or None for a plain SimScenario
-    (the caller runs it the plain way). Empty ``scenario`` (or only
-    ``duration_s``): the embedded default; ``{"experiment": {...}}``: that experiment.
-    ``jobs`` (default: one process per run, at most one more than the CPUs; three
-    runs on two cores finish in 1.5 run-times instead of 2)."""
+                   jobs: int | None = None, out: Path | None = None, wide: bool = False) -> str | None:
+    """The ``simulate`` table for an experiment (its runs' warnings first), or
+    None for a plain SimScenario (the caller runs it the plain way). Empty
+    ``scenario`` (or only ``duration_s``): the embedded default;
+    ``{"experiment": {...}}``: that experiment. ``jobs`` (default: one process
+    per run, at most one more than the CPUs; three runs on two cores finish in
+    1.5 run-times instead of 2). ``out``: also write the result folder there
+    (:mod:`shadow_sim.experiments.output`); ``wide``: every column."""
     data = dict(scenario)
     if set(data) <= {"duration_s"}:
         ex = Experiment.from_dict({**SIMULATE_DEFAULT, **data})
@@ -66,8 +69,14 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
     seeds = sorted({c.seed for c in configs})
     if jobs is None:
         jobs = max(1, min(len(refs) * len(seeds), (os.cpu_count() or 1) + 1))
-    c = run_comparison(ex, refs, seeds=seeds, jobs=jobs, progress=True)
-    return format_table(c)
+    c, tasks, records = run_comparison_records(ex, refs, seeds=seeds, jobs=jobs, progress=True)
+    text = "\n".join([f"warning: {n}" for n in c.notices] + [format_table(c, wide=wide)])
+    if out is not None:
+        from shadow_sim.experiments.output import write_comparisons
+
+        paths = write_comparisons(out, tasks, records, {"": c})
+        text += f"\nwrote {', '.join(p.name for p in paths)} to {out}"
+    return text
 
 
 # -- sweep -----------------------------------------------------------------------------
@@ -113,7 +122,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                    help="run on a Ray cluster (default address: auto)")
     p.add_argument("--out", default="sweep-out", help="output folder")
-    p.add_argument("--format", choices=("parquet", "csv"), default="parquet")
+    p.add_argument("--format", choices=("parquet", "csv"), default="parquet", help="format of the per-run rows")
+    p.add_argument("--wide", action="store_true", help="print every column (default: the key ones, < 120 chars)")
     return p
 
 
@@ -195,6 +205,15 @@ def write_rows(table: list[dict[str, Any]], out: Path, fmt: str) -> Path:
 def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[PluginRef], seeds: Sequence[int],
              windows: Sequence[str], *, jobs: int = 2, ray_address: str | None = None,
              progress: bool = True, capacity: Mapping[str, float] | None = None) -> dict[str, Comparison]:
+    return run_grid_records(base, pairs, refs, seeds, windows, jobs=jobs, ray_address=ray_address,
+                            progress=progress, capacity=capacity)[0]
+
+
+def run_grid_records(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[PluginRef],
+                     seeds: Sequence[int], windows: Sequence[str], *, jobs: int = 2, ray_address: str | None = None,
+                     progress: bool = True, capacity: Mapping[str, float] | None = None,
+                     ) -> tuple[dict[str, Comparison], list[Task], list[RunRecord]]:
+    """:func:`run_grid`, with the tasks and their records (the per-call data)."""
     tasks: list[Task] = []
     for pair in pairs:
         data = {k: v for k, v in base.items() if k not in ("models", "pair")}
@@ -213,7 +232,7 @@ def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[Plugi
         from shadow_sim.experiments.runner import with_progress
 
         records = with_progress(tasks, jobs, progress)
-    return compare(records, tasks)
+    return compare(records, tasks), tasks, records
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -231,19 +250,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError:
             raise ConfigError("--seeds", args.seeds, "must be comma-separated integers") from None
         refs = _policy_refs(_csv_list(args.policies))
-        comparisons = run_grid(experiment_from_args(args), pairs, refs, seeds, windows, jobs=args.jobs,
-                               ray_address=args.ray, capacity=_capacity(args.capacity))
+        comparisons, tasks, records = run_grid_records(
+            experiment_from_args(args), pairs, refs, seeds, windows, jobs=args.jobs, ray_address=args.ray,
+            capacity=_capacity(args.capacity))
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill sweep: error: {e}", file=sys.stderr)
         return 2
+    from shadow_sim.experiments.output import write_comparisons
+
     out = Path(args.out)
     path = write_rows(rows(comparisons), out, args.format)
-    summary = {label: summary_json(c) for label, c in comparisons.items()}
-    (out / "summary.json").write_text(json.dumps(_no_nan(summary), indent=1))
+    written = write_comparisons(out, tasks, records, comparisons)
+    for notice in dict.fromkeys(n for c in comparisons.values() for n in c.notices):
+        print(f"warning: {notice}")
     for label, c in comparisons.items():
         print(f"== {label}")
-        print(format_table(c))
-    print(f"wrote {path} and {out / 'summary.json'}")
+        print(format_table(c, wide=args.wide))
+    print(f"wrote {path.name}, {', '.join(p.name for p in written)} to {out}")
     return 0
 
 
