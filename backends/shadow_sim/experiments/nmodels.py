@@ -25,6 +25,7 @@ from shadow_sim.experiments.reproduce import N_MODELS, studies
 from shadow_sim.experiments.runner import compare, format_table, summary_json, tasks_for, with_progress
 from shadow_sim.experiments.spec import Experiment
 from shadow_sim.experiments.sweep import _csv_list, _policy_refs, no_nan
+from shadow_sim.experiments.sweep import split_policies as _split
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,22 +68,6 @@ def wasted_tokens(m: dict[str, float]) -> float:
     """Shadow tokens never used by a switch call: shadow tokens x unused share (0 without shadow work)."""
     u = m.get("shadow_unused_share", math.nan)
     return 0.0 if math.isnan(u) else m["shadow_tokens"] * u
-
-
-def _split(text: str) -> list[str]:
-    """Comma-separated policies; commas inside a {json} argument do not split."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch == "{"
-        depth -= ch == "}"
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
 
 
 if __name__ == "__main__":

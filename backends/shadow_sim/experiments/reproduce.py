@@ -26,7 +26,7 @@ from shadow_sim.experiments.distributed import ResultStore, execute_grid
 from shadow_sim.experiments.paper_numbers import PAPER
 from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, summary_json, tasks_for
 from shadow_sim.experiments.spec import PAIRS, Experiment
-from shadow_sim.experiments.sweep import _policy_refs, no_nan, rows, write_rows
+from shadow_sim.experiments.sweep import _policy_refs, no_nan, rows, split_policies, write_rows
 from shadowcore.config import PluginRef, policy_label
 from shadowcore.errors import ConfigError, PluginError
 
@@ -331,9 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--set", args.override, f"not JSON: {e.msg} at column {e.colno}") from None
         if not isinstance(override, dict):
             raise ConfigError("--set", args.override, "must be a JSON object")
-        from shadow_sim.experiments.nmodels import _split  # commas inside {json} do not split (nmodels imports us)
-
-        extra = _policy_refs(_split(args.policies))
+        extra = _policy_refs(split_policies(args.policies))
         results = run_all(args.quick, args.jobs, override=override, store=ResultStore(out / "parts"),
                           ray_address=args.ray, extra=extra)
     except (ConfigError, PluginError) as e:

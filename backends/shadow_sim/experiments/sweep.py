@@ -78,6 +78,22 @@ def _csv_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def split_policies(text: str) -> list[str]:
+    """Comma-separated policies; commas inside a {json} argument do not split."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "{"
+        depth -= ch == "}"
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
 def _policy_refs(names: Sequence[str]) -> list[PluginRef]:
     """``name`` or ``name:{json args}``."""
     out = []
