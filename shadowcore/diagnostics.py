@@ -38,9 +38,11 @@ from shadowcore.types import (
 #: ``waiting`` / ``blocked``: the gate (Algorithm 1 line 1); ``zero_budget``:
 #: the controller gave no time for another reason (no credit, no slack,
 #: disabled); ``no_jobs``: a budget but no job with missing tokens here;
-#: ``no_room``: a budget and jobs but less than one block of token budget or
-#: shadow KV room; ``below_n_min``: a budget, jobs and room, but nothing from
-#: ``n_min`` tokens up fits the budget (or the jobs miss fewer tokens);
+#: ``no_room``: a budget and jobs but less token budget or shadow KV room than
+#: the smallest grant (``n_min`` tokens, at least one block; shadow chunks
+#: take only free blocks and blocks idle longer than ``cold_age_s``);
+#: ``below_n_min``: a budget, jobs and room, but nothing from the smallest
+#: grant up fits the budget (or the jobs miss fewer tokens than it);
 #: ``granted``: shadow chunks planned.
 STEP_REASONS = ("waiting", "blocked", "zero_budget", "no_jobs", "no_room", "below_n_min", "granted")
 

@@ -92,8 +92,7 @@ class EngineHook:
             jobs = self._refreshed_jobs()
             limit = min(snapshot.num_free_token_budget, snapshot.num_shadow_room_tokens)
             grants, predicted = self._size(jobs, base, base_s, budget, limit)
-            why = "granted" if grants else "no_jobs" if not jobs else "no_room" if limit < self.port.block_size \
-                else "below_n_min"
+            why = "granted" if grants else "no_jobs" if not jobs else self._empty_reason(limit)
         else:
             why = _ZERO_BUDGET.get(budget.reason, "zero_budget")
         self.step_counts[why] = self.step_counts.get(why, 0) + 1
@@ -231,6 +230,13 @@ class EngineHook:
         if n == 0 or n < self.slack.n_min:
             return (), base_s
         return _grants(jobs, n), lo_s
+
+    def _empty_reason(self, limit: int) -> str:
+        """Why a positive budget with pending jobs planned nothing: less token
+        budget or shadow KV room than the smallest grant (``n_min``, at least
+        one block), or else what fits the budget and the jobs is below it."""
+        block = self.port.block_size
+        return "no_room" if limit < max(block, -(-self.slack.n_min // block) * block) else "below_n_min"
 
     def _reserve(self, plan: StepPlan) -> None:
         for g in plan.grants:

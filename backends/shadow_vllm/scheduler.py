@@ -209,6 +209,9 @@ class ShadowSchedulerMixin:
         why = unreachable_grant(slack, self.shadow_hook.latency, self.block_size, config.slo.tpot_s)
         if why is not None:  # the policy would silently do nothing here: say so, with the numbers
             logger.warning("policy %r on %s: %s", runtime.policy.name, config.instance_id, why)
+        #: The online latency refit (config ``refit``), an observer of the hook: every step is planned and measured.
+        self.shadow_refit = None if self._shadow_no_cache else config.attach_refit(
+            self.shadow_hook, isinstance(self, AsyncScheduler))
         self.shadow_stats = ShadowStats()
         self.shadow_parked: dict[str, Request] = {}  # shadow requests outside vLLM's queues
         self.shadow_to_finish: dict[str, tuple[RequestStatus, str]] = {}

@@ -4,7 +4,9 @@
   exactly as vLLM's own scheduler, plans no shadow work, ends shadow requests
   at once, and logs one warning saying so;
 * a policy whose smallest grant can never fit a budget under the engine's
-  latency model is named at start, with the numbers.
+  latency model is named at start, with the numbers;
+* refitted online from the engine's measured steps (``refit``), the latency
+  model fits the engine, and the same policy then plans.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import pytest
 from shadow_vllm.engine_config import engine_args
 from shadow_vllm.scheduler import STOP_NO_SHADOW
@@ -129,3 +132,62 @@ def test_http_server_without_prefix_caching_starts_and_serves(tiny_model_dir, tm
         server.terminate()
         server.wait(timeout=60)
     assert "prefix caching is off" in (tmp_path / "server.log").read_text()
+
+
+def test_online_refit_fits_the_cpu_engine_and_then_plans(engines, caplog) -> None:
+    """beta 0.25 never plans under the default linear model (9.4 ms for 256
+    tokens); refitted from the engine's own steps (the tiny model prefills far
+    faster than that), the smallest grant fits, and a shadow is computed."""
+    from shadowcore.calibration import prediction_errors
+    from shadowcore.latency import LinearLatencyModel
+
+    policy = {"name": "harvest-slo", "args": {"beta": 0.25, "cold_age_s": 0.0}}  # cold at once: the pool is small
+    with caplog.at_level(logging.INFO, logger="shadowcore.latency_fit"):
+        llm = engines.start(**engine_args(policy, slo={"ttft_s": 1.0, "tpot_s": 0.025},
+                                          refit={"min_steps": 16, "every": 16, "window": 256}))
+        sched = engines.scheduler(llm)
+        fit = sched.shadow_refit
+        warmup = [(f"n{i}", _tokens(i, 32 * (1 + (i * 7) % 30)), _params(3 + i % 4)) for i in range(32)]
+        _steps_and_outputs(engines, llm, warmup)
+    steps = list(fit.steps)
+    assert len(steps) >= 32 and fit.num_refits >= 1
+    assert isinstance(sched.shadow_hook.latency, LinearLatencyModel) and sched.shadow_hook.latency != LinearLatencyModel()
+    before = float(np.median(np.abs(prediction_errors(LinearLatencyModel(), steps))))
+    after = float(np.median(np.abs(prediction_errors(sched.shadow_hook.latency, steps))))
+    assert after < before, (before, after)
+    lines = [r.getMessage() for r in caplog.records if r.name == "shadowcore.latency_fit"]
+    assert any("latency refit on" in line and "(taken)" in line for line in lines), lines
+    assert any("shadow work can be planned" in line for line in lines), lines
+    tag = ShadowTag(TagKind.SHADOW, "s9", "tiny", 0, 0.9).to_extra_args()
+    _steps_and_outputs(engines, llm, [("sh", _tokens(99, 640), _params(1, tag))])
+    assert sched.shadow_stats.num_shadow_tokens >= 256 and sched.shadow_hook.step_counts.get("granted", 0) >= 1
+    engines.stop(llm)
+
+
+def test_refit_settings_are_checked_and_need_the_synchronous_scheduler() -> None:
+    from shadow_vllm.engine_config import EngineShadowConfig
+
+    from shadowcore.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        EngineShadowConfig.from_dict({"refit": {"min_steps": 2}})
+    assert str(info.value).startswith("additional_config.shadowprefill.refit.min_steps = 2")
+    with pytest.raises(ConfigError) as info:
+        EngineShadowConfig.from_dict({"refit": {"evry": 3}})
+    assert "refit.evry" in str(info.value)
+    config = EngineShadowConfig.from_dict({"refit": {"every": 8}})
+    assert EngineShadowConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ConfigError, match="synchronous"):
+        config.attach_refit(object(), asynchronous=True)
+
+
+def test_vllm_serve_latency_refit_reaches_the_engine_config() -> None:
+    import json
+
+    from shadowcore.errors import ConfigError
+
+    cmd = build_command(["--model", "/m", "--scheduler", "sync", "--latency-refit", '{"every": 16}'])
+    config = json.loads(cmd[cmd.index("--additional-config") + 1])["shadowprefill"]
+    assert config["refit"] == {"every": 16}
+    with pytest.raises(ConfigError, match="--scheduler sync"):
+        build_command(["--model", "/m", "--scheduler", "async", "--latency-refit", "{}"])
