@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("pyarrow")
 pytest.importorskip("matplotlib")
 
-import pyarrow.parquet as pq  # noqa: E402
+import pyarrow.parquet as pq
 
-from shadowcore.cli import main  # noqa: E402
+from shadowcore.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("cdf_switch_ttft.png", "cdf_switch_latency.png", "reductions.png")
@@ -78,3 +78,23 @@ def test_plot_of_a_folder_that_is_not_a_result_is_one_error_line(tmp_path, capsy
     assert main(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a result folder: no calls.parquet" in err
+
+
+def test_the_table_says_when_the_oracle_does_not_bound_a_policy() -> None:
+    pytest.importorskip("shadow_sim")
+    from shadow_sim.experiments.runner import Comparison, format_table, oracle_notes
+
+    def run(hs: float, oracle: float) -> dict:
+        base = {"switch_latency_red": 0.0, "calls": 10.0}
+        return {"no-shadow": base, "harvest-slo-host": {**base, "switch_latency_red": hs},
+                "oracle-host": {**base, "switch_latency_red": oracle}}
+
+    per = ((0, "peak", run(0.02, -0.01)), (1, "peak", run(0.04, 0.03)))
+    c = Comparison("", ("no-shadow", "harvest-slo-host", "oracle-host"), "no-shadow", "oracle-host", per,
+                   {p: {"calls": (10.0, 0.0), "switch_ttft_s": (0.1, 0.01)} for p in per[0][2]})
+    (line,) = oracle_notes(c)
+    assert line.startswith("oracle-host does not bound harvest-slo-host: switch_latency_red +2.0 pp above it")
+    assert "±1.0 (1 SE, 2 runs)" in line and len(line) <= 120
+    assert line in format_table(c, columns=(("switch_ttft_s", "sw TTFT (s)", "abs"),))
+    bounded = Comparison("", c.policies, "no-shadow", "oracle-host", ((0, "peak", run(0.01, 0.03)),), c.summary)
+    assert oracle_notes(bounded) == []
