@@ -26,7 +26,8 @@ from shadow_sim.experiments.distributed import ResultStore, execute_grid
 from shadow_sim.experiments.paper_numbers import PAPER
 from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, summary_json, tasks_for
 from shadow_sim.experiments.spec import PAIRS, Experiment
-from shadow_sim.experiments.sweep import _policy_refs, no_nan, rows, split_policies, write_rows
+from shadow_sim.experiments.sweep import no_nan, rows, write_rows
+from shadowcore.cli import HelpFormatter, add_policy_options, describe, policies_from_args
 from shadowcore.config import PluginRef, policy_label
 from shadowcore.errors import ConfigError, PluginError
 
@@ -44,7 +45,8 @@ FULL = {"instances_per_model": 4, "duration_s": 600.0, "warmup_s": 120.0, "drain
 def studies(quick: bool, override: Mapping[str, Any] | None = None, extra: Sequence[PluginRef] = (),
             ) -> list[tuple[str, str, dict[str, Any], tuple[PluginRef, ...]]]:
     """(study, label, experiment fields, policies); ``override`` replaces base fields everywhere;
-    ``extra`` (the user's ``--policies``) joins every study's policies."""
+    ``extra`` policies (``--policy``/``--policies``) are added to every study, after its own
+    (those it has already are not added twice)."""
     base = {**(QUICK if quick else FULL), **(override or {})}
     added = tuple(extra)
     refs = lambda names: _joined(tuple(PluginRef(n) for n in names), added)
@@ -310,7 +312,9 @@ def markdown(results: Mapping[str, tuple[str, Comparison]], quick: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="shadowprefill reproduce", description=__doc__.splitlines()[0])
+    """Reproduce the paper's figure types on the simulator: PNG figures and a Markdown table next to the paper's numbers."""
+    p = argparse.ArgumentParser(prog="shadowprefill reproduce", description=describe(__doc__),
+                                epilog=describe(__doc__.split("\n\n", 1)[1]), formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="reduced grid (< 30 minutes on 2 cores)")
     p.add_argument("--out", default="reproduce-out", help="output folder")
     p.add_argument("--jobs", type=int, default=2, help="local worker processes")
@@ -318,8 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="run on a Ray cluster (auto, local, HOST:PORT); finished runs are kept in OUT/parts")
     p.add_argument("--set", dest="override", default="{}",
                    help='JSON object of Experiment fields for every study, e.g. \'{"latency": "roofline"}\'')
-    p.add_argument("--policies", default="",
-                   help="your policies, comma-separated (name or name:{json}): added to every study, table and figure")
+    add_policy_options(p, note="added to every study, table and figure, after its own policies")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -331,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--set", args.override, f"not JSON: {e.msg} at column {e.colno}") from None
         if not isinstance(override, dict):
             raise ConfigError("--set", args.override, "must be a JSON object")
-        extra = _policy_refs(split_policies(args.policies))
+        extra = policies_from_args(args)
         results = run_all(args.quick, args.jobs, override=override, store=ResultStore(out / "parts"),
                           ray_address=args.ray, extra=extra)
     except (ConfigError, PluginError) as e:
