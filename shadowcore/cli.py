@@ -61,6 +61,7 @@ KEY_COLUMNS = ("switch_ttft_s", "call_latency_red", "switch_latency_red", "switc
 REDUCED = {"call_latency_red": "call_latency_s", "switch_latency_red": "switch_latency_s",
            "switch_ttft_red": "switch_ttft_s"}
 SILENT_MARK = "!"
+TABLE_WIDTH = 120  # the default table's width limit (characters)
 
 
 #: The entry-point groups ``shadowprefill plugins`` lists, with what each holds.
@@ -297,16 +298,21 @@ def format_table(comparison: Mapping[str, Any], wide: bool = False) -> str:
     """A plain comparison's table (:func:`plain_comparison`): the key columns
     (every one with ``wide``), a note on the baseline, and a legend line per
     column. A policy that can shadow but planned no shadow token is marked."""
-    columns = COLUMNS if wide else tuple(c for c in COLUMNS if c[0] in KEY_COLUMNS)
-    header = ["policy"] + [title for _, title, _, _ in columns]
-    rows = []
-    for label, m in comparison["policies"].items():
-        cells = [label + (SILENT_MARK if label in comparison["silent"] else "")]
-        for key, _, fmt, _ in columns:
-            v = m.get(key, {}).get("mean")
-            cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))
-        rows.append(cells)
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    columns = list(COLUMNS if wide else (c for c in COLUMNS if c[0] in KEY_COLUMNS))
+    left_out: list[str] = []
+    while True:
+        header = ["policy"] + [title for _, title, _, _ in columns]
+        rows = []
+        for label, m in comparison["policies"].items():
+            cells = [label + (SILENT_MARK if label in comparison["silent"] else "")]
+            for key, _, fmt, _ in columns:
+                v = m.get(key, {}).get("mean")
+                cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))
+            rows.append(cells)
+        widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+        if wide or len(columns) <= 1 or sum(widths) + 2 * (len(widths) - 1) <= TABLE_WIDTH:
+            break
+        left_out.insert(0, columns.pop()[1])  # long policy names: the last key columns make room
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     base = comparison["baseline"]
     note = f"one run per policy; reductions against {base}; no standard error (sim experiments: over seeds x windows)"
@@ -314,6 +320,8 @@ def format_table(comparison: Mapping[str, Any], wide: bool = False) -> str:
     if comparison["silent"]:
         notes.append(f"{SILENT_MARK} planned no shadow token although it can shadow "
                      f"({', '.join(comparison['silent'])}): see the warnings above")
+    if left_out:
+        notes.append(f"left out to fit {TABLE_WIDTH} columns: {', '.join(left_out)} (--wide shows every column)")
     width = max(len(title) for _, title, _, _ in columns)
     notes += [f"  {title.ljust(width)}  {text.format(base=base)}" for _, title, _, text in columns]
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows] + notes)

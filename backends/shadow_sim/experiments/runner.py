@@ -295,6 +295,8 @@ LEGEND: dict[str, str] = {
     "oracle_gain_switch": "share of {oracle}'s switch-latency reduction this policy gets: (base - policy) / (base - oracle)",
 }
 SILENT_MARK = "!"
+#: The default table's width limit (characters).
+TABLE_WIDTH = 120
 
 
 def _cell(mean: float, se: float, kind: str) -> str:
@@ -338,10 +340,16 @@ def format_table(c: Comparison, columns: Sequence[tuple[str, str, str]] | None =
     """A text table, one row per policy, then a legend of its columns; ± is
     one standard error over seeds x windows. ``columns`` (default:
     :data:`KEY_COLUMNS`, or every one of :data:`COLUMNS` when ``wide``)."""
-    columns = (COLUMNS if wide else KEY_COLUMNS) if columns is None else columns
-    header = ["policy"] + [title for _, title, _ in columns]
-    rows = [[p + (SILENT_MARK if p in c.silent else "")] + [_cell(*c.summary[p][key], kind) for key, _, kind in columns]
-            for p in c.policies]
+    fit = columns is None and not wide
+    columns = list((COLUMNS if wide else KEY_COLUMNS) if columns is None else columns)
+    left_out: list[str] = []
+    while True:
+        header = ["policy"] + [title for _, title, _ in columns]
+        rows = [[p + (SILENT_MARK if p in c.silent else "")] + [_cell(*c.summary[p][key], kind)
+                                                                 for key, _, kind in columns] for p in c.policies]
+        if not fit or len(columns) <= 1 or max(map(len, aligned(header, rows))) <= TABLE_WIDTH:
+            break
+        left_out.insert(0, columns.pop()[1])  # long policy names: the last key columns make room
     n = len(c.per_run)
     calls = c.summary[c.baseline]["calls"][0]
     se = ("± is one standard error over the runs" if n > 1 else "one run: no standard error (give more seeds)")
@@ -351,6 +359,8 @@ def format_table(c: Comparison, columns: Sequence[tuple[str, str, str]] | None =
         note.append(f"{SILENT_MARK} planned no shadow token in any run although it can shadow "
                     f"({', '.join(c.silent)}): see the warnings above")
     note += oracle_notes(c)
+    if left_out:
+        note.append(f"left out to fit {TABLE_WIDTH} columns: {', '.join(left_out)} (--wide shows every column)")
     return "\n".join(aligned(header, rows) + note + legend(columns, c.baseline, c.oracle))
 
 
