@@ -17,13 +17,17 @@ Invariants of a job (property-tested in ``tests/test_invariants.py``):
 * Sticky: a job is bound to one instance for its whole life.
 * Superseded, never stale: a result whose epoch or start position no longer
   matches the job is ignored.
+* A job's owner learns when its held prefix is lowered (``on_held_lowered``,
+  called by :meth:`ShadowJob.refresh`): with held >= target and nothing in
+  flight, that and the history growing are the only ways tokens go missing
+  again (the manager's index of pending jobs relies on it).
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -122,6 +126,8 @@ class ShadowJob:
     num_inflight_tokens: int = 0
     num_computed_tokens: int = 0  # lifetime shadow tokens this job computed
     validated_at: int | None = None  # the port's eviction count when held was last checked
+    #: Called with the job when :meth:`refresh` lowers its held prefix (the manager's index).
+    on_held_lowered: Callable[[ShadowJob], None] | None = attrs.field(default=None, repr=False)
 
     @property
     def num_target_tokens(self) -> int:
@@ -149,10 +155,13 @@ class ShadowJob:
 
     def refresh(self, num_cached_tokens: int, eviction_count: int) -> None:
         """Adopt what the instance reports as cached (block-aligned)."""
+        before = self.num_held_tokens if self.epoch == self.history.epoch else 0
         self.sync_epoch()
         aligned = num_cached_tokens - num_cached_tokens % self.block_size
         self.num_held_tokens = min(aligned, self.num_target_tokens)
         self.validated_at = eviction_count
+        if self.num_held_tokens < before and self.on_held_lowered is not None:
+            self.on_held_lowered(self)
 
     def reserve(self, num_tokens: int) -> int:
         """Mark ``num_tokens`` as in flight; returns the first token position."""

@@ -282,7 +282,7 @@ class Gateway:
             self.manager.on_tool_result(ctx.session_id, len(ids) - n, ids[n:])
         else:  # the prompt does not extend the history: a new epoch (jobs restart, caches still hit)
             self.metrics.fallbacks.labels("history-diverged").inc()
-            h.compact(len(ids), ids)
+            self.manager.on_new_epoch(ctx.session_id, len(ids), ids)
         if num_cached is not None and ctx.instance is not None:
             self._count_cached(ctx, ids, num_cached)
         self.shadows.wake_all()
