@@ -130,6 +130,12 @@ class SwitchPredictor(ABC):
         from it, e.g. P(another call | task). Default: nothing kept, nothing
         learned."""
 
+    def limit_tasks(self, max_tasks: int) -> None:
+        """Keep live state of at most ``max_tasks`` tasks (least recently
+        observed dropped first): a serving front door names tasks after what
+        clients send. An implementer that keeps state per task must honour it.
+        Default: nothing is kept per task."""
+
 
 @attrs.define
 class EmpiricalSwitchPredictor(SwitchPredictor):
@@ -176,6 +182,9 @@ class EmpiricalSwitchPredictor(SwitchPredictor):
     def observe_session_end(self, session_id: str, task: str) -> None:
         for key in self._task_memory.observe(task, None, ended=True):
             self._counts.pop(key, None)
+
+    def limit_tasks(self, max_tasks: int) -> None:
+        self.max_tasks = self._task_memory.max_tasks = max_tasks
 
     def another_call_probability(self, task: str) -> float:
         """P(a call of ``task`` is followed by another one), from the live

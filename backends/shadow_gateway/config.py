@@ -89,6 +89,10 @@ class SessionConfig:
     field: str = attrs.field(default="session_id", validator=non_empty_str)
     task_header: str = attrs.field(default="X-Session-Task", validator=non_empty_str)
     idle_timeout_s: float = attrs.field(default=3600.0, validator=positive)
+    #: Most sessions kept; a new session beyond it ends the least recently seen idle one (LRU).
+    max_sessions: int = attrs.field(default=100_000, validator=positive_int)
+    #: Most tasks (X-Session-Task values) whose counts the switch predictor keeps, LRU.
+    max_tasks: int = attrs.field(default=10_000, validator=positive_int)
 
 
 @attrs.frozen

@@ -37,6 +37,7 @@ rewritten chunks of one read go out in one write.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -116,6 +117,7 @@ class Gateway:
         runtime = build_runtime(self.config.shadow, self.cluster, self.config.model_names,
                                 self.cluster.shadow_instances())
         self.manager = runtime.manager
+        self.manager.predictor.limit_tasks(self.config.session.max_tasks)
         self.router = load_router(self.config.router)
         self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics)
         self._epoch0_s = self.clock()
@@ -240,6 +242,8 @@ class Gateway:
         if session_id in self.busy:
             self.metrics.fallbacks.labels("session-busy").inc()
             return None
+        if session_id not in self.manager:
+            self._make_room()
         try:
             placement = self.manager.on_call_arrival(
                 CallArrival(session_id, model, 0, max(0.0, self.clock() - self._epoch0_s), task, new_token_ids=())
@@ -249,7 +253,7 @@ class Gateway:
             self.metrics.fallbacks.labels("manager-error").inc()
             return None
         self.busy.add(session_id)
-        self.last_seen_s[session_id] = self.clock()
+        self._seen(session_id)
         ctx = CallContext(session_id, model, placement.is_switch, self.cluster.by_id[placement.instance_id],
                           client_wants_ids=bool(body.get("return_token_ids")), started_s=self.clock())
         self.shadows.on_call_arrival(session_id, placement.instance_id)
@@ -264,7 +268,8 @@ class Gateway:
             self.cluster.record_routed(ctx.instance.id, ctx.session_id, s.history.token_ids,
                                        max(0, s.history.num_tokens - 1))
         self.metrics.call_seconds.labels(ctx.model).observe(self.clock() - ctx.started_s)
-        self.last_seen_s[ctx.session_id] = self.clock()
+        if ctx.session_id in self.last_seen_s:
+            self._seen(ctx.session_id)
         if ok:
             self.shadows.on_call_complete(ctx.session_id)
         self.shadows.wake_all()
@@ -491,19 +496,43 @@ class Gateway:
             log.warning("instance %s is now %s", inst.id, "healthy" if ok else "unhealthy")
             self.shadows.wake_all()
 
+    # -- session lifetime: idle timeout and LRU cap (last_seen_s is in last-seen order) ----------
+    def _seen(self, session_id: str) -> None:
+        self.last_seen_s.pop(session_id, None)
+        self.last_seen_s[session_id] = self.clock()
+
+    def _make_room(self) -> None:
+        """Before a new session: end least recently seen idle sessions beyond ``session.max_sessions``."""
+        over = self.manager.num_sessions - self.config.session.max_sessions + 1
+        if over > 0:
+            for sid in [s for s in itertools.islice(self.last_seen_s, over + len(self.busy)) if s not in self.busy
+                        ][:over]:
+                self.end_session(sid)
+                self.metrics.fallbacks.labels("session-evicted-lru").inc()
+
     async def _expiry_loop(self) -> None:
         timeout = self.config.session.idle_timeout_s
         while True:
             await asyncio.sleep(min(60.0, timeout / 4))
-            now = self.clock()
-            for sid, seen in list(self.last_seen_s.items()):
-                if now - seen > timeout and sid not in self.busy:
-                    self.end_session(sid)
+            self.expire_idle()
+
+    def expire_idle(self) -> int:
+        """End sessions idle longer than ``session.idle_timeout_s`` (oldest first; stops at the first recent one)."""
+        cutoff, ended = self.clock() - self.config.session.idle_timeout_s, []
+        for sid, seen in self.last_seen_s.items():
+            if seen >= cutoff:
+                break
+            if sid not in self.busy:
+                ended.append(sid)
+        for sid in ended:
+            self.end_session(sid)
+        return len(ended)
 
     def end_session(self, session_id: str) -> bool:
         known = session_id in self.manager
         self.manager.on_session_end(session_id)
         self.cluster.forget_session(session_id)
+        self.shadows.forget_session(session_id)
         self.last_seen_s.pop(session_id, None)
         return known
 

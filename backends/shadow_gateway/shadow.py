@@ -230,6 +230,21 @@ class ShadowDispatcher:
             self.metrics.errors.labels("shadow", inst.id).inc()
             inst.shadow_blocked_until_s = time.monotonic() + self.config.backoff_s
 
+    def forget_session(self, session_id: str) -> None:
+        """Drop everything kept for the session (it ended): its request-level
+        context and pending request-level shadows, its lanes' declines."""
+        for inst in self.cluster.by_id.values():
+            if self._rl_context.pop((inst.id, session_id), None) is not None and self.request_level is not None:
+                self.request_level.on_call_arrival(session_id, inst.id)  # drops a pending shadow there
+        for lane in self.lanes.values():
+            if lane.declined:
+                for model in self.manager.models:
+                    lane.declined.pop(JobKey(session_id, model), None)
+
+    def num_session_entries(self) -> int:
+        """Per-session entries kept (request-level contexts, declines): 0 once every session ended."""
+        return len(self._rl_context) + sum(len(lane.declined) for lane in self.lanes.values())
+
     # -- request-level mode (stock instances) ------------------------------------------------
     def on_call_arrival(self, session_id: str, instance_id: str) -> None:
         if self.request_level is not None:

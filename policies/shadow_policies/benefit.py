@@ -122,6 +122,9 @@ class PopulationBackoffPredictor(SwitchPredictor):
         for key in self._task_memory.observe(task, None, ended=True):
             self._task.pop(key, None)
 
+    def limit_tasks(self, max_tasks: int) -> None:
+        self.max_tasks = self._task_memory.max_tasks = max_tasks
+
     def another_call_probability(self, task: str) -> float:
         """P(a call of ``task`` is followed by another one) (see :class:`~shadowcore.switch.TaskMemory`)."""
         return self._task_memory.another_call_probability(task, self.pseudo_count)
