@@ -20,11 +20,17 @@ Invariants:
 * An unhealthy instance is never placed while a healthy one serves the model
   (its estimated completion is pushed beyond any healthy one's), and gets no
   shadow work.
+* An ejected instance (outlier: a routed call that timed out or got no first
+  byte within ``upstream.first_byte_bound_s``) is treated as unhealthy for
+  placement and shadow work until its ejection ends, whatever ``/health``
+  says; a passing health check does not end an ejection.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import time
 
 import attrs
 
@@ -91,7 +97,17 @@ class InstanceState:
     num_routed_inflight: int = 0
     num_inflight_uncached_tokens: int = 0
     shadow_blocked_until_s: float = 0.0
+    ejected_until_s: float = 0.0  # time.monotonic() before which the instance is ejected (an outlier)
     known: dict[str, KnownPrefix] = attrs.Factory(dict)
+
+    @property
+    def ejected(self) -> bool:
+        return self.ejected_until_s > 0.0 and time.monotonic() < self.ejected_until_s
+
+    @property
+    def available(self) -> bool:
+        """Healthy and not ejected: may get new placements and shadow work."""
+        return self.healthy and not self.ejected
 
     @property
     def id(self) -> str:
@@ -146,11 +162,19 @@ class GatewayCluster:
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
         inst = self.by_id[instance_id]
         t = (inst.num_inflight_uncached_tokens + num_uncached_tokens) / inst.model.prefill_tokens_per_s
-        return t + (0.0 if inst.healthy else UNHEALTHY_PENALTY_S)
+        return t + (0.0 if inst.available else UNHEALTHY_PENALTY_S)
 
     # -- gateway bookkeeping ---------------------------------------------------------
     def healthy_instances(self, model: str) -> list[InstanceState]:
-        return [self.by_id[i] for i in self.instances(model) if self.by_id[i].healthy]
+        """Instances of the model that may take new work (healthy and not ejected)."""
+        return [self.by_id[i] for i in self.instances(model) if self.by_id[i].available]
+
+    def eject(self, instance_id: str, for_s: float) -> bool:
+        """Take the instance out of placement and shadow work for ``for_s``; True when it was not ejected."""
+        inst = self.by_id[instance_id]
+        was = inst.ejected
+        inst.ejected_until_s = max(inst.ejected_until_s, time.monotonic() + for_s)
+        return not was
 
     def record_routed(self, instance_id: str, session_id: str, ids: list[int], num_tokens: int) -> None:
         inst = self.by_id[instance_id]

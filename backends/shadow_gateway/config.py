@@ -115,6 +115,11 @@ class UpstreamConfig:
     #: attempt fails before any byte reached the client (connection error, 5xx, timeout).
     retries: int = attrs.field(default=1, validator=non_negative_int)
     max_connections: int = attrs.field(default=512, validator=positive_int)
+    #: Outlier ejection: a routed call with no response after this long (a hung instance whose
+    #: /health may still answer), or one that timed out, takes its instance out of placement and
+    #: shadow work for ``eject_s`` (the call itself waits on, up to ``read_timeout_s``).
+    first_byte_bound_s: float = attrs.field(default=30.0, validator=positive)
+    eject_s: float = attrs.field(default=30.0, validator=positive)
 
 
 @attrs.frozen

@@ -348,17 +348,23 @@ class Gateway:
         for inst in self.attempt_order(model, ctx.instance if ctx else None):
             payload = self.upstream_body(body, model, inst, ctx)
             inst.num_routed_inflight += 1
+            watchdog = asyncio.get_running_loop().call_later(
+                self.config.upstream.first_byte_bound_s, self.eject, inst, "first-byte-bound")
             try:
                 resp = await self.upstream.post(inst.url + path, data=json.dumps(payload).encode(),
                                                 headers={**headers, **JSON_HEADERS})
             except UPSTREAM_ERRORS as e:
                 inst.num_routed_inflight -= 1
+                if isinstance(e, TimeoutError):
+                    self.eject(inst, "timeout")
                 self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
                 if self.cluster.mark(inst.id, False):
                     self.shadows.wake_all()
                 last = UpstreamFailed(502, json.dumps({"error": {"message": f"instance {inst.id}: {e!r}",
                                                                  "type": "upstream_error"}}).encode())
                 continue
+            finally:
+                watchdog.cancel()
             if resp.status in RETRYABLE_STATUS:
                 try:
                     data = await resp.read()
@@ -467,6 +473,8 @@ class Gateway:
             ok = True  # the upstream closed the stream normally
         except UPSTREAM_ERRORS as e:
             self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
+            if isinstance(e, TimeoutError):
+                self.eject(inst, "timeout")
             err = {"error": {"message": f"instance {inst.id} failed mid-stream: {e!r}", "type": "upstream_error"}}
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
@@ -476,6 +484,13 @@ class Gateway:
             else:  # unfinished (failed, or the client went away): the connection is not reusable
                 resp.close()
             on_end(ok)
+
+    def eject(self, inst: InstanceState, reason: str) -> None:
+        """Outlier ejection (see ``upstream.first_byte_bound_s``): no new placement or shadow work there for
+        ``upstream.eject_s``, whatever its /health says."""
+        if self.cluster.eject(inst.id, self.config.upstream.eject_s):
+            log.warning("instance %s ejected for %.0f s (%s)", inst.id, self.config.upstream.eject_s, reason)
+            self.metrics.ejections.labels(inst.id, reason).inc()
 
     # -- background loops --------------------------------------------------------------------
     async def _health_loop(self) -> None:

@@ -31,7 +31,7 @@ Invariants:
   early (a tail below its ``n_min``, a policy that runs no shadows).
 * A job the instance ended early is not sent again until its context grows
   (or a new epoch starts): resending the same prefix would end the same way.
-* Unhealthy instances get no shadow work (dropped first).
+* Unhealthy and ejected instances get no shadow work (dropped first).
 * A lane fills at most once per ``fill_interval_s``, and wakes are coalesced
   per event-loop turn: per-token growth of a streaming call costs the routed
   path one scheduled callback, not a pass over every lane's jobs.
@@ -155,6 +155,9 @@ class ShadowDispatcher:
         if not inst.healthy:
             return  # the health checker wakes every lane when it comes back
         now = time.monotonic()
+        if inst.ejected:
+            self.wake_later(lane, inst.ejected_until_s - now)
+            return
         if now < inst.shadow_blocked_until_s:
             self.wake_later(lane, inst.shadow_blocked_until_s - now)
             return
@@ -263,7 +266,7 @@ class ShadowDispatcher:
         for model in self.manager.models:
             job = self.manager.job(JobKey(session_id, model))
             inst = self.cluster.by_id.get(job.instance_id) if job is not None else None
-            if inst is None or inst.scheduler is not SchedulerKind.STOCK or not inst.healthy:
+            if inst is None or inst.scheduler is not SchedulerKind.STOCK or not inst.available:
                 continue
             if time.monotonic() < inst.shadow_blocked_until_s:
                 self.metrics.fallbacks.labels("shadow-dropped-backoff").inc()
