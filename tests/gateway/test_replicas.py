@@ -136,7 +136,7 @@ def _known_context(gw_url: str, session: str) -> int | None:
 
 def test_sessions_stick_to_one_replica_and_survive_its_death(replicas):
     lb, gws = replicas
-    sessions = [f"agent-{i}" for i in range(24)]
+    sessions = [f"agent-{i}" for i in range(25)]  # odd: a round robin would move every session
     prompts = {s: f"{s}: you are an agent, read the repository and plan an edit. " for s in sessions}
     with httpx.Client(timeout=10) as c:
         def call(s: str, model: str) -> None:
