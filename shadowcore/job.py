@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
@@ -45,7 +46,10 @@ class SessionHistory:
     """Append-only token history of one session.
 
     With ``token_ids`` (real engines) block hashes chain over the real tokens,
-    as vLLM's prefix cache does. Without them (simulation) the ``i``-th block of
+    as vLLM's prefix cache does. The ids are kept in an ``array('q')`` (8
+    bytes a token, no object per token, nothing for the garbage collector to
+    walk: a gateway holds thousands of long histories); compare them with a
+    list through ``array('q', ids)`` or ``.tolist()``. Without them (simulation) the ``i``-th block of
     an epoch hashes ``(session, epoch, i)``: for an append-only stream this
     names exactly the same prefixes, at a fraction of the cost.
     """
@@ -53,7 +57,7 @@ class SessionHistory:
     session_id: str
     epoch: int = 0
     num_tokens: int = 0
-    token_ids: list[int] | None = None
+    token_ids: array | None = None  # array('q')
     _hash_cache: dict[int, list[int]] = attrs.field(factory=dict, repr=False)
 
     def append(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
@@ -64,11 +68,15 @@ class SessionHistory:
                 raise ValueError(
                     f"session {self.session_id}: {len(token_ids)} token ids for {num_tokens} tokens"
                 )
+            if self.token_ids is None and self.num_tokens:
+                raise ValueError(f"session {self.session_id}: token ids after counts only")
+            try:  # converted whole first: a bad id appends nothing
+                new = token_ids if isinstance(token_ids, array) and token_ids.typecode == "q" else array("q", token_ids)
+            except (TypeError, OverflowError) as e:
+                raise ValueError(f"session {self.session_id}: token ids must be 64-bit integers ({e})") from None
             if self.token_ids is None:
-                if self.num_tokens:
-                    raise ValueError(f"session {self.session_id}: token ids after counts only")
-                self.token_ids = []
-            self.token_ids.extend(int(t) for t in token_ids)
+                self.token_ids = array("q")
+            self.token_ids.extend(new)
         elif self.token_ids is not None and num_tokens:
             raise ValueError(f"session {self.session_id}: this history needs token ids")
         self.num_tokens += num_tokens

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import time
+from array import array
 
 import attrs
 
@@ -40,13 +41,19 @@ from shadowcore.job import SessionHistory
 UNHEALTHY_PENALTY_S = 1e9
 
 
+def _ids(x: Sequence[int], n: int) -> array:
+    """The first ``n`` ids as an ``array('q')`` (histories are; JSON gives lists)."""
+    return x[:n] if isinstance(x, array) and x.typecode == "q" else array("q", x[:n])
+
+
 def common_prefix(a: Sequence[int], a_len: int, b: Sequence[int], b_len: int) -> int:
-    """Length of the common prefix of ``a[:a_len]`` and ``b[:b_len]``."""
+    """Length of the common prefix of ``a[:a_len]`` and ``b[:b_len]`` (lists or ``array('q')`` alike)."""
     n = min(a_len, b_len)
     if a is b:
         return n
+    a, b = _ids(a, n), _ids(b, n)
     lo, hi = 0, n  # galloping would be faster; slices compare at C speed
-    if a[:n] == b[:n]:
+    if a == b:
         return n
     while lo < hi:  # binary search on prefix equality
         mid = (lo + hi + 1) // 2
@@ -61,9 +68,9 @@ def common_prefix(a: Sequence[int], a_len: int, b: Sequence[int], b_len: int) ->
 class KnownPrefix:
     """Tokens of one session expected cached on one instance, by source."""
 
-    routed_ids: list[int] | None = None
+    routed_ids: Sequence[int] | None = None
     routed_len: int = 0
-    shadow_ids: list[int] | None = None
+    shadow_ids: Sequence[int] | None = None
     shadow_len: int = 0
     #: (known list, its length, other list, final common prefix) per source.
     _settled: dict[str, tuple[object, int, object, int]] = attrs.field(factory=dict, repr=False)
@@ -176,12 +183,12 @@ class GatewayCluster:
         inst.ejected_until_s = max(inst.ejected_until_s, time.monotonic() + for_s)
         return not was
 
-    def record_routed(self, instance_id: str, session_id: str, ids: list[int], num_tokens: int) -> None:
+    def record_routed(self, instance_id: str, session_id: str, ids: Sequence[int], num_tokens: int) -> None:
         inst = self.by_id[instance_id]
         k = inst.known.setdefault(session_id, KnownPrefix())
         k.routed_ids, k.routed_len = ids, num_tokens - num_tokens % inst.model.block_size
 
-    def record_shadow(self, instance_id: str, session_id: str, ids: list[int], num_tokens: int) -> None:
+    def record_shadow(self, instance_id: str, session_id: str, ids: Sequence[int], num_tokens: int) -> None:
         inst = self.by_id[instance_id]
         k = inst.known.setdefault(session_id, KnownPrefix())
         k.shadow_ids, k.shadow_len = ids, num_tokens - num_tokens % inst.model.block_size

@@ -41,6 +41,7 @@ import itertools
 import json
 import logging
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -282,8 +283,7 @@ class Gateway:
             return
         h = s.history
         n = h.num_tokens
-        old = h.token_ids or []
-        if len(ids) >= n and old[:n] == ids[:n]:
+        if len(ids) >= n and (not n or h.token_ids == array("q", ids[:n])):
             self.manager.on_tool_result(ctx.session_id, len(ids) - n, ids[n:])
         else:  # the prompt does not extend the history: a new epoch (jobs restart, caches still hit)
             self.metrics.fallbacks.labels("history-diverged").inc()

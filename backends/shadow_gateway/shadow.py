@@ -45,6 +45,8 @@ import asyncio
 import json
 import logging
 import time
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -181,12 +183,12 @@ class ShadowDispatcher:
         ids, target, epoch = history.token_ids, job.num_target_tokens, history.epoch
         start = job.reserve(num_missing)
         tag = ShadowTag(TagKind.SHADOW, job.key.session_id, job.key.target_model, epoch, job.switch_probability)
-        body = {"model": inst.model.upstream_name, "prompt": ids[:target], "max_tokens": 1,
+        body = {"model": inst.model.upstream_name, "prompt": ids[:target].tolist(), "max_tokens": 1,
                 "vllm_xargs": tag.to_extra_args()}
         task = asyncio.create_task(self._send(lane, job, body, ids, target, epoch, start, num_missing))
         lane.inflight[job.key] = task
 
-    async def _send(self, lane: Lane, job: ShadowJob, body: dict, ids: list[int], target: int, epoch: int,
+    async def _send(self, lane: Lane, job: ShadowJob, body: dict, ids: Sequence[int], target: int, epoch: int,
                     start: int, num_missing: int) -> None:
         inst = lane.instance
         try:
@@ -224,7 +226,7 @@ class ShadowDispatcher:
         self.metrics.shadow_requests.labels(inst.model.name, mode, outcome).inc()
         return outcome, num_held
 
-    def _account(self, inst: InstanceState, mode: str, outcome: str, session_id: str, ids: list[int],
+    def _account(self, inst: InstanceState, mode: str, outcome: str, session_id: str, ids: Sequence[int],
                  num_context: int, num_tokens: int) -> None:
         if outcome in ("completed", "partial"):
             self.cluster.record_shadow(inst.id, session_id, ids, num_context)
@@ -331,7 +333,7 @@ class ShadowDispatcher:
         async def send() -> None:
             num_prompt = len(shadow.prompt_token_ids)
             outcome, num_held = await self._post(inst, body, num_prompt)
-            if ids is not None and ids[:num_prompt] == list(shadow.prompt_token_ids):
+            if ids is not None and ids[:num_prompt] == array("q", shadow.prompt_token_ids):
                 self._account(inst, "request-level", outcome, shadow.session_id, ids, num_held, num_held)
             self.request_level.on_shadow_finished(shadow.submission_id, outcome == "completed")
             self._schedule_rl_pump()

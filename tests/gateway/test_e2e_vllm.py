@@ -189,7 +189,7 @@ def test_streaming_chat_session_through_real_vllm(gw, vllm_servers):
     assert all("token_ids" not in ch["choices"][0] for ch in chunks if ch["choices"])
     history = gw.gateway.manager.history("chat")
     tokenized = httpx.post(vllm_servers["tiny-a"] + "/tokenize", json={"model": "tiny-a", "messages": messages}).json()
-    assert history.token_ids[: tokenized["count"]] == tokenized["tokens"]
+    assert history.token_ids[: tokenized["count"]].tolist() == tokenized["tokens"]
     assert history.num_tokens == tokenized["count"] + 8  # prompt + streamed output ids
 
 
