@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -355,7 +356,7 @@ def _targets(label: str, args: argparse.Namespace, cells: dict, rss: list[tuple[
             ok = p32 <= 2 * max(p8, 0.0)
             print(f"target: added p99 at concurrency 32 vs 8, {idle} idle: {p32:+.2f} ms vs {p8:+.2f} ms "
                   f"(target <= 2x: {'met' if ok else 'MISSED'})")
-    for (n0, r0), (n1, r1) in zip(rss, rss[1:]):
+    for (n0, r0), (n1, r1) in itertools.pairwise(rss):
         if n1 > n0:
             print(f"RSS per idle session, {n0} -> {n1} idle: {(r1 - r0) / (n1 - n0) / 1024:.2f} KiB "
                   f"(gateway RSS {r1 / 2**20:.0f} MiB)")

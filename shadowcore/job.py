@@ -41,15 +41,26 @@ def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+TOKEN_TYPECODE = "i"  # a C int: every tokenizer's ids fit in 31 bits
+
+
+def token_array(ids: Iterable[int]) -> array:
+    """Token ids as a history keeps them (an ``array('i')``; one already is, as is)."""
+    if isinstance(ids, array) and ids.typecode == TOKEN_TYPECODE:
+        return ids
+    return array(TOKEN_TYPECODE, ids)
+
+
 @attrs.define(eq=False)
 class SessionHistory:
     """Append-only token history of one session.
 
     With ``token_ids`` (real engines) block hashes chain over the real tokens,
-    as vLLM's prefix cache does. The ids are kept in an ``array('q')`` (8
-    bytes a token, no object per token, nothing for the garbage collector to
-    walk: a gateway holds thousands of long histories); compare them with a
-    list through ``array('q', ids)`` or ``.tolist()``. Without them (simulation) the ``i``-th block of
+    as vLLM's prefix cache does. The ids are kept in an ``array('i')``
+    (:func:`token_array`: 4 bytes a token, no object per token, nothing for
+    the garbage collector to walk: a gateway holds thousands of long
+    histories); compare them with a list through :func:`token_array` or
+    ``.tolist()``. Without them (simulation) the ``i``-th block of
     an epoch hashes ``(session, epoch, i)``: for an append-only stream this
     names exactly the same prefixes, at a fraction of the cost.
     """
@@ -57,7 +68,7 @@ class SessionHistory:
     session_id: str
     epoch: int = 0
     num_tokens: int = 0
-    token_ids: array | None = None  # array('q')
+    token_ids: array | None = None  # token_array()
     _hash_cache: dict[int, list[int]] = attrs.field(factory=dict, repr=False)
 
     def append(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
@@ -71,11 +82,12 @@ class SessionHistory:
             if self.token_ids is None and self.num_tokens:
                 raise ValueError(f"session {self.session_id}: token ids after counts only")
             try:  # converted whole first: a bad id appends nothing
-                new = token_ids if isinstance(token_ids, array) and token_ids.typecode == "q" else array("q", token_ids)
+                new = token_array(token_ids)
             except (TypeError, OverflowError) as e:
-                raise ValueError(f"session {self.session_id}: token ids must be 64-bit integers ({e})") from None
+                raise ValueError(f"session {self.session_id}: token ids must be integers in "
+                                 f"[-2**31, 2**31) ({e})") from None
             if self.token_ids is None:
-                self.token_ids = array("q")
+                self.token_ids = token_array(())
             self.token_ids.extend(new)
         elif self.token_ids is not None and num_tokens:
             raise ValueError(f"session {self.session_id}: this history needs token ids")

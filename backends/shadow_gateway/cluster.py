@@ -36,18 +36,18 @@ from array import array
 import attrs
 
 from shadow_gateway.config import GatewayConfig, InstanceConfig, ModelConfig, SchedulerKind
-from shadowcore.job import SessionHistory
+from shadowcore.job import SessionHistory, token_array
 
 UNHEALTHY_PENALTY_S = 1e9
 
 
 def _ids(x: Sequence[int], n: int) -> array:
-    """The first ``n`` ids as an ``array('q')`` (histories are; JSON gives lists)."""
-    return x[:n] if isinstance(x, array) and x.typecode == "q" else array("q", x[:n])
+    """The first ``n`` ids as a history keeps them (histories are arrays; JSON gives lists)."""
+    return token_array(x[:n])
 
 
 def common_prefix(a: Sequence[int], a_len: int, b: Sequence[int], b_len: int) -> int:
-    """Length of the common prefix of ``a[:a_len]`` and ``b[:b_len]`` (lists or ``array('q')`` alike)."""
+    """Length of the common prefix of ``a[:a_len]`` and ``b[:b_len]`` (lists or arrays alike)."""
     n = min(a_len, b_len)
     if a is b:
         return n

@@ -41,7 +41,6 @@ import itertools
 import json
 import logging
 import time
-from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -55,6 +54,7 @@ from shadow_gateway.metrics import GatewayMetrics
 from shadow_gateway.router import RouteError, Router, RouteRequest, Warmth, load_router
 from shadow_gateway.shadow import ShadowDispatcher
 from shadowcore.errors import ConfigError
+from shadowcore.job import token_array
 from shadowcore.manager import ShadowManager
 from shadowcore.pipeline import build_runtime
 from shadowcore.types import CallArrival, JobKey
@@ -283,7 +283,7 @@ class Gateway:
             return
         h = s.history
         n = h.num_tokens
-        if len(ids) >= n and (not n or h.token_ids == array("q", ids[:n])):
+        if len(ids) >= n and (not n or h.token_ids == token_array(ids[:n])):
             self.manager.on_tool_result(ctx.session_id, len(ids) - n, ids[n:])
         else:  # the prompt does not extend the history: a new epoch (jobs restart, caches still hit)
             self.metrics.fallbacks.labels("history-diverged").inc()

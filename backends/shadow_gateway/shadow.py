@@ -45,7 +45,6 @@ import asyncio
 import json
 import logging
 import time
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,7 +54,7 @@ import attrs
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import SchedulerKind, ShadowSubmitConfig
 from shadow_gateway.metrics import GatewayMetrics
-from shadowcore.job import ShadowJob
+from shadowcore.job import ShadowJob, token_array
 from shadowcore.manager import ShadowManager
 from shadowcore.types import JobKey
 from shadowcore.wire import ShadowEnd, ShadowTag, TagKind, parse_stop
@@ -333,7 +332,7 @@ class ShadowDispatcher:
         async def send() -> None:
             num_prompt = len(shadow.prompt_token_ids)
             outcome, num_held = await self._post(inst, body, num_prompt)
-            if ids is not None and ids[:num_prompt] == array("q", shadow.prompt_token_ids):
+            if ids is not None and ids[:num_prompt] == token_array(shadow.prompt_token_ids):
                 self._account(inst, "request-level", outcome, shadow.session_id, ids, num_held, num_held)
             self.request_level.on_shadow_finished(shadow.submission_id, outcome == "completed")
             self._schedule_rl_pump()

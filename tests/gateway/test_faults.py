@@ -196,5 +196,5 @@ def test_shadows_stop_going_to_an_ejected_instance(upstreams, gateway):
     time.sleep(0.3)  # lanes had many fill intervals to send the shadow
     assert b.shadow_requests() == []
     gw.gateway.cluster.by_id["b/0"].ejected_until_s = 0.0  # the ejection ends
-    status, out = _call(gw.url, "s", "a", PROMPT + " more")
+    assert _call(gw.url, "s", "a", PROMPT + " more")[0] == 200
     wait_for(lambda: len(b.shadow_requests()) >= 1, what="the shadow after the ejection")
