@@ -120,6 +120,9 @@ class UpstreamConfig:
     #: shadow work for ``eject_s`` (the call itself waits on, up to ``read_timeout_s``).
     first_byte_bound_s: float = attrs.field(default=30.0, validator=positive)
     eject_s: float = attrs.field(default=30.0, validator=positive)
+    #: Response bodies, stream lines and shadow bodies this large (bytes) are decoded and encoded
+    #: in a worker process, off the event loop (shadow_gateway.offload).
+    offload_min_bytes: int = attrs.field(default=1 << 20, validator=positive_int)
 
 
 @attrs.frozen

@@ -41,6 +41,7 @@ import itertools
 import json
 import logging
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -51,6 +52,7 @@ import httpx
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import GatewayConfig, SchedulerKind
 from shadow_gateway.metrics import GatewayMetrics
+from shadow_gateway.offload import Offloader
 from shadow_gateway.router import RouteError, Router, RouteRequest, Warmth, load_router
 from shadow_gateway.shadow import ShadowDispatcher
 from shadowcore.errors import ConfigError
@@ -65,6 +67,8 @@ RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 #: What a failed, dropped or timed-out upstream connection raises.
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 JSON_HEADERS = {"content-type": "application/json"}
+#: Token-id lists as responses carry them: JSON lists, or arrays when decoded off the loop (shadow_gateway.offload).
+TOKEN_LISTS = (list, array)
 #: Text every model's ``/tokenize`` must turn into the same ids (see ``tokenizer_check``).
 TOKENIZER_PROBE = "ShadowPrefill tokenizer probe: Grüße, 東京! def f(x):\n    return x ** 2  # 12345 <|tool|>"
 
@@ -109,6 +113,7 @@ class Gateway:
     client: httpx.AsyncClient = attrs.field(init=False)  # health checks, /tokenize
     upstream: aiohttp.ClientSession = attrs.field(init=False)  # routed and plain calls
     busy: set[str] = attrs.field(init=False, factory=set)
+    offload: Offloader = attrs.field(init=False)  # large JSON off the event loop
     last_seen_s: dict[str, float] = attrs.field(init=False, factory=dict)
     _epoch0_s: float = attrs.field(init=False, default=0.0)
     _tasks: list[asyncio.Task] = attrs.field(init=False, factory=list)
@@ -120,7 +125,9 @@ class Gateway:
         self.manager = runtime.manager
         self.manager.predictor.limit_tasks(self.config.session.max_tasks)
         self.router = load_router(self.config.router)
-        self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics)
+        self.offload = Offloader(self.config.upstream.offload_min_bytes)
+        self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics,
+                                        self.offload)
         self._epoch0_s = self.clock()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -137,6 +144,7 @@ class Gateway:
             connector=aiohttp.TCPConnector(limit=u.max_connections, force_close=False),
             skip_auto_headers=("User-Agent",),
         )
+        self.offload.start()
         self.shadows.start()
         self._tasks.append(asyncio.create_task(self._health_loop(), name="gateway-health"))
         self._tasks.append(asyncio.create_task(self._expiry_loop(), name="gateway-expiry"))
@@ -184,6 +192,7 @@ class Gateway:
         await self.shadows.close()
         await self.client.aclose()
         await self.upstream.close()
+        self.offload.close()
 
     # -- RouterView ----------------------------------------------------------------------
     @property
@@ -386,12 +395,12 @@ class Gateway:
         """A whole (non-streamed) response: feed ids, strip what we added."""
         try:
             ids = _prompt_ids(data)
-            if isinstance(ids, list):
+            if isinstance(ids, TOKEN_LISTS):
                 self.on_prompt_ids(ctx, ids, _cached(data.get("usage")))
             else:
                 self.metrics.fallbacks.labels("no-token-ids").inc()
             choices = data.get("choices") or []
-            if choices and isinstance(choices[0].get("token_ids"), list):
+            if choices and isinstance(choices[0].get("token_ids"), TOKEN_LISTS):
                 self.on_output_ids(ctx, choices[0]["token_ids"])
             self._count_usage(ctx, data.get("usage"))
         except Exception:
@@ -405,10 +414,10 @@ class Gateway:
         """One SSE chunk; None drops it (the usage chunk the client did not ask for)."""
         try:
             ids = _prompt_ids(data)
-            if isinstance(ids, list) and not ctx.prompt_seen:
+            if isinstance(ids, TOKEN_LISTS) and not ctx.prompt_seen:
                 self.on_prompt_ids(ctx, ids, None)
             for c in data.get("choices") or []:
-                if c.get("index", 0) == 0 and isinstance(c.get("token_ids"), list):
+                if c.get("index", 0) == 0 and isinstance(c.get("token_ids"), TOKEN_LISTS):
                     self.on_output_ids(ctx, c["token_ids"])
             usage = data.get("usage")
             if usage and not data.get("choices"):
@@ -450,6 +459,17 @@ class Gateway:
             return None
         return b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
 
+    async def _rewrite(self, ctx: CallContext, line: bytes) -> bytes | None:
+        """:meth:`rewrite_event_line`, with a long line decoded and encoded off the event loop."""
+        if len(line) < self.offload.min_bytes or not line.startswith(b"data:"):
+            return self.rewrite_event_line(ctx, line)
+        try:
+            data = await self.offload.decode(line[5:].strip())
+        except ValueError:
+            return line + b"\n\n"
+        out = self.process_chunk(ctx, data) if isinstance(data, dict) else data
+        return None if out is None else b"data: " + await self.offload.encode(out) + b"\n\n"
+
     async def stream_chunks(self, ctx: CallContext | None, resp: aiohttp.ClientResponse, inst: InstanceState,
                             on_end: Callable[[bool], None]) -> AsyncIterator[bytes]:
         ok = False
@@ -459,15 +479,19 @@ class Gateway:
                     yield raw
                 ok = True
                 return
-            pending = b""
+            pending = bytearray()  # a long line arrives in many reads: appended, split once it ends
             async for raw in resp.content.iter_any():
-                *lines, pending = (pending + raw).split(b"\n")
-                out = [self.rewrite_event_line(ctx, line.rstrip(b"\r")) for line in lines if line.strip()]
+                pending += raw
+                if b"\n" not in raw:
+                    continue
+                *lines, rest = bytes(pending).split(b"\n")
+                pending = bytearray(rest)
+                out = [await self._rewrite(ctx, line.rstrip(b"\r")) for line in lines if line.strip()]
                 batch = b"".join(x for x in out if x)
                 if batch:
                     yield batch
             if pending.strip():
-                last = self.rewrite_event_line(ctx, pending.rstrip(b"\r"))
+                last = await self._rewrite(ctx, bytes(pending).rstrip(b"\r"))
                 if last:
                     yield last
             ok = True  # the upstream closed the stream normally

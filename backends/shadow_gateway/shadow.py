@@ -54,6 +54,7 @@ import attrs
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import SchedulerKind, ShadowSubmitConfig
 from shadow_gateway.metrics import GatewayMetrics
+from shadow_gateway.offload import Offloader, encode
 from shadowcore.job import ShadowJob, token_array
 from shadowcore.manager import ShadowManager
 from shadowcore.types import JobKey
@@ -79,6 +80,7 @@ class ShadowDispatcher:
     cluster: GatewayCluster
     config: ShadowSubmitConfig
     metrics: GatewayMetrics
+    offload: Offloader | None = None  # large shadow bodies encoded off the event loop
     client: aiohttp.ClientSession = attrs.field(init=False)
     lanes: dict[str, Lane] = attrs.field(init=False, factory=dict)
     request_level: Any = attrs.field(init=False, default=None)  # RequestLevelShadower when stock instances exist
@@ -182,7 +184,7 @@ class ShadowDispatcher:
         ids, target, epoch = history.token_ids, job.num_target_tokens, history.epoch
         start = job.reserve(num_missing)
         tag = ShadowTag(TagKind.SHADOW, job.key.session_id, job.key.target_model, epoch, job.switch_probability)
-        body = {"model": inst.model.upstream_name, "prompt": ids[:target].tolist(), "max_tokens": 1,
+        body = {"model": inst.model.upstream_name, "prompt": ids[:target], "max_tokens": 1,
                 "vllm_xargs": tag.to_extra_args()}
         task = asyncio.create_task(self._send(lane, job, body, ids, target, epoch, start, num_missing))
         lane.inflight[job.key] = task
@@ -211,8 +213,8 @@ class ShadowDispatcher:
         mode = "request-level" if inst.scheduler is SchedulerKind.STOCK else "tagged"
         num_held = 0
         try:
-            async with self.client.post(f"{inst.url}/v1/completions", data=json.dumps(body).encode(),
-                                        headers=JSON_HEADERS) as r:
+            data = await self.offload.encode(body) if self.offload is not None else encode(body)
+            async with self.client.post(f"{inst.url}/v1/completions", data=data, headers=JSON_HEADERS) as r:
                 if r.status != 200:
                     outcome = f"http-{r.status // 100}xx"
                 else:

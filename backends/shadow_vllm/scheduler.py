@@ -422,6 +422,8 @@ class ShadowSchedulerMixin:
                 stopped = True
             if request.stop_reason is None:
                 request.stop_reason = STOP_PREFILLED
+            end, ended = _end_name(request.stop_reason), self.shadow_stats.num_ended
+            ended[end] = ended.get(end, 0) + 1
         return new_token_ids, stopped
 
     def _shadow_record_first_tokens(self, scheduled: dict[str, int]) -> None:
