@@ -66,3 +66,13 @@ def test_vllm_serve_environment():
     mine = {"PROMETHEUS_MULTIPROC_DIR": "/given", ENV: "0"}
     prepare_env(mine)
     assert mine == {"PROMETHEUS_MULTIPROC_DIR": "/given", ENV: "0"}  # the user's choice stands
+
+
+def test_a_declared_gauge_without_sample_is_zero_waiting():
+    from shadow_vllm.request_level import parse_num_waiting
+
+    declared = "# HELP vllm:num_requests_waiting Number.\n# TYPE vllm:num_requests_waiting gauge\n"
+    assert parse_num_waiting(declared) == 0
+    assert parse_num_waiting(declared + 'vllm:num_requests_waiting{engine="0"} 3.0\n') == 3
+    with pytest.raises(ValueError, match="no vllm:num_requests_waiting"):
+        parse_num_waiting("# TYPE vllm:other gauge\n")

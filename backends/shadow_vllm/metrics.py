@@ -10,7 +10,12 @@ step. ``shadowprefill vllm-serve`` turns them on
 at a fresh folder unless it is set: prometheus-client's multiprocess mode,
 which vLLM's ``/metrics`` reads (``get_prometheus_registry``), so counters
 of the engine-core process appear there beside vLLM's own; with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (one process) they appear either way.
+The API server runs the engine core in a process of its own whatever
+``VLLM_ENABLE_V1_MULTIPROCESSING`` says, so the folder is always needed. In
+multiprocess mode a gauge
+nobody wrote yet has no sample (vLLM's ``vllm:num_requests_waiting`` of an
+engine that served nothing): readers take a declared, sample-less gauge as 0
+(``shadow_vllm.request_level.parse_num_waiting``).
 
 Counters (label ``instance``: the engine's ``--instance-id``):
 
@@ -94,7 +99,9 @@ class EngineMetrics:
 
 def prepare_env(env: dict[str, str]) -> None:
     """What ``vllm-serve`` sets before it starts vLLM: counters on, and a fresh
-    prometheus multiprocess folder unless the user gave one."""
+    prometheus multiprocess folder unless the user gave one (vLLM's API
+    server runs the engine core in a process of its own even with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     env.setdefault(ENV, "1")
     if "PROMETHEUS_MULTIPROC_DIR" not in env:
         import tempfile
