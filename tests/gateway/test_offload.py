@@ -95,7 +95,7 @@ def test_a_huge_call_does_not_stall_the_event_loop(fake_process):
         try:
             prompt = f"{label}: " + "the agent reads a large file. " * 50_000  # 1.5M bytes = tokens
 
-            def huge_call() -> None:
+            def huge_call(gw: GatewayServer = gw, label: str = label, prompt: str = prompt) -> None:
                 with httpx.Client(timeout=60) as c:
                     r = c.post(gw.url + "/v1/completions", headers={"X-Session-Id": label},
                                json={"model": "a", "prompt": prompt, "max_tokens": 4})
