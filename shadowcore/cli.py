@@ -92,6 +92,8 @@ def _simulate(args: argparse.Namespace) -> int:
     scenario = _load_scenario(args.scenario)
     if args.duration is not None:
         scenario["duration_s"] = args.duration
+    if args.sessions is not None:
+        scenario["sessions"] = args.sessions
     if args.policy and args.policies is not None:
         raise ConfigError("--policy", args.policy, "give --policies or --policy, not both")
     if args.policy:
@@ -161,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "(repeat it; instead of --policies)")
     sim.add_argument("--scenario", help="JSON file with scenario fields (default: the embedded scenario)")
     sim.add_argument("--duration", type=float, help="simulated seconds of arrivals")
+    sim.add_argument("--sessions", metavar="FILE",
+                     help="replay the agent sessions of a session-trace file (see shadowprefill sessions)")
     sim.add_argument("--seed", type=int, default=0, help="policy seed")
     sim.set_defaults(func=_simulate)
     plug = sub.add_parser("plugins", help="list registered policies, backends and commands")

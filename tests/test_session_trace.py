@@ -26,7 +26,7 @@ from shadowcore.workloads.session_trace import (
     write_session_trace,
 )
 from shadowcore.workloads.sessions import TABLE1, generate, get_preset, session_stats
-from shadowcore.workloads.sessions_cmd import preset_trace, trace_stats
+from shadowcore.workloads.sessions_cmd import trace_stats
 from shadowcore.workloads.traces import TraceError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,7 +273,7 @@ def test_swe_agent_with_a_local_tokenizer(tmp_path: Path) -> None:
                        {"role": "tool", "content": "a b c"},
                        {"role": "assistant", "content": "done"}]}
     (tmp_path / "t.traj").write_text(json.dumps(doc))
-    trace, notes = load_swe_agent([tmp_path / "t.traj"], tokenizer=str(tmp_path), model="m")
+    trace, _notes = load_swe_agent([tmp_path / "t.traj"], tokenizer=str(tmp_path), model="m")
     assert [(c.input_tokens, c.output_tokens) for c in trace.sessions[0].calls] == [(4, 2), (3, 1)]
     assert trace.header.tokenizer == str(tmp_path)
     with pytest.raises(ConfigError, match="no such file"):

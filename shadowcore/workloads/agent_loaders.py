@@ -277,8 +277,8 @@ def load_copilot_sessions(path: str | os.PathLike[str]) -> tuple[SessionTrace, l
                                    compact_to_tokens=compact))
             context, prev = r.num_prompt_tokens + r.num_output_tokens, r.arrival_s
         sessions.append(TraceSession(sid, tuple(calls)))
-    notes = [f"{len(sessions)} sessions, {len(trace)} calls; gap_s is start-to-start (the trace has no call end "
-             "times): the replayed tool time includes each original call's latency"]
+    notes = [(f"{len(sessions)} sessions, {len(trace)} calls; gap_s is start-to-start (the trace has no call end "
+             "times): the replayed tool time includes each original call's latency")]
     if compacted:
         notes.append(f"{compacted} calls have a prompt shorter than the previous prompt + output: recorded as "
                      "compactions (compact_to_tokens = the prompt; the replay does not reuse their context)")

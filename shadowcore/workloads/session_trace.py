@@ -57,7 +57,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib import resources
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import attrs
 
@@ -527,7 +527,7 @@ class SessionTraceWriter:
             self._fh.close()
             self._fh = None
 
-    def __enter__(self) -> SessionTraceWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_exc: object) -> None:

@@ -33,9 +33,9 @@ from shadow_sim.models import MODELS, get_model
 from shadow_sim.simulator import SimRun, SimScenario
 from shadowcore._validators import non_negative, positive, positive_int
 from shadowcore.config import build_attrs
-from shadowcore.errors import ConfigError
 from shadowcore.engine.instance import EngineInstance
 from shadowcore.engine.scenario import EngineCluster, SessionPlan
+from shadowcore.errors import ConfigError
 from shadowcore.workloads.sessions import PRESETS, SessionPreset, SyntheticScores, generate, get_preset
 
 #: Model pairs by name: the paper's figure labels of Table 3 (and a few of ours).
@@ -105,6 +105,10 @@ class Experiment:
     device: str = "H100-80GB"
     #: Further SimScenario fields (tp, slo, token_budget, block_size, Markov session fields...).
     scenario: dict = attrs.field(factory=dict, converter=_dict)
+    #: A session-trace file replayed instead of the preset (shadow_sim.experiments.session_file),
+    #: and its recorded model -> experiment model map (default: by name, then in order).
+    sessions: str = ""
+    session_models: dict = attrs.field(factory=dict, converter=_dict)
 
     def __attrs_post_init__(self) -> None:
         for key in ("models", "preset", "instances_per_model", "duration_s", "warmup_s", "session_rate_per_s",
@@ -112,7 +116,11 @@ class Experiment:
             if key in self.scenario:
                 raise ConfigError(f"scenario.{key}", self.scenario[key], "set it on the experiment, not in scenario")
         self.sim_scenario(0)  # validates the cluster (models fit the device, latency kind...)
-        if self.preset:
+        if self.sessions:
+            from shadow_sim.experiments import session_file
+
+            session_file.check(self)
+        elif self.preset:
             self.session_preset()
 
     @classmethod
@@ -122,6 +130,10 @@ class Experiment:
             if "models" in data:
                 raise ConfigError(f"{field}.pair", data["pair"], "give either pair or models")
             data["models"] = get_pair(data.pop("pair"))
+        if data.get("sessions") and "duration_s" not in data:  # measure every session of the file
+            from shadow_sim.experiments import session_file
+
+            data["duration_s"] = session_file.default_duration_s(data["sessions"])
         return build_attrs(cls, field, data)
 
     @property
@@ -193,6 +205,11 @@ class ExperimentRun(SimRun):
     plans: list[SessionPlan] = attrs.field(init=False, factory=list)
     normal_requests: list[tuple[str, float, int, int]] = attrs.field(init=False, factory=list)
 
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.sessions is not None:  # scripted sessions are the ones measured
+            self.plans = list(self.sessions)
+
     def build_cluster(self, extra: int) -> EngineCluster:
         base = super().build_cluster(extra)
         assert self.experiment is not None
@@ -201,7 +218,11 @@ class ExperimentRun(SimRun):
     def session_plans(self) -> list[SessionPlan]:
         ex = self.experiment
         assert ex is not None
-        if ex.preset:
+        if ex.sessions:
+            from shadow_sim.experiments import session_file
+
+            self.plans = session_file.plans(ex)
+        elif ex.preset:
             self.plans = plans_from_preset(ex.session_preset(), ex.end_s, self.scenario.seed)
         else:
             self.plans = super().session_plans()

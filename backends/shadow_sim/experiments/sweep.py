@@ -55,11 +55,18 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
     ``jobs`` (default: one process per run, at most one more than the CPUs; three
     runs on two cores finish in 1.5 run-times instead of 2)."""
     data = dict(scenario)
+    sessions = data.pop("sessions", None)  # simulate --sessions FILE
     if set(data) <= {"duration_s"}:
-        ex = Experiment.from_dict({**SIMULATE_DEFAULT, **data})
+        base = dict(SIMULATE_DEFAULT)
+        if sessions:  # the file's sessions set the measured window unless --duration does
+            base.pop("duration_s")
+        ex = Experiment.from_dict({**base, **data, **({"sessions": sessions} if sessions else {})})
     elif "experiment" in data:
         extra = {k: v for k, v in data.items() if k != "experiment"}
-        ex = Experiment.from_dict({**data["experiment"], **extra})
+        ex = Experiment.from_dict({**data["experiment"], **extra, **({"sessions": sessions} if sessions else {})})
+    elif sessions:
+        raise ConfigError("--sessions", sessions, "replays into an experiment: give no --scenario, or one with "
+                          "{\"experiment\": {...}} (a plain scenario draws its own sessions)")
     else:
         return None
     refs = [c.policy for c in configs]
@@ -106,6 +113,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, help="warm-up seconds")
     p.add_argument("--rho", type=float, help="normal-traffic load relative to capacity")
     p.add_argument("--normal-trace", help="replay this trace file as normal traffic (Azure, BurstGPT, ...)")
+    p.add_argument("--sessions", help="replay this session-trace file instead of the preset (shadowprefill sessions)")
     p.add_argument("--latency", choices=("vidur", "roofline", "auto"), help="latency model")
     p.add_argument("--instances", type=int, help="instances per model")
     p.add_argument("--capacity", help="skip calibration: MODEL=REQ_PER_S,... per instance (every model of the grid)")
@@ -123,7 +131,7 @@ def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
         from shadowcore.cli import _load_scenario
 
         data = _load_scenario(args.experiment)
-    for flag, key in (("preset", "preset"), ("duration", "duration_s"), ("warmup", "warmup_s"),
+    for flag, key in (("preset", "preset"), ("sessions", "sessions"), ("duration", "duration_s"), ("warmup", "warmup_s"),
                       ("latency", "latency"), ("instances", "instances_per_model")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)

@@ -1,0 +1,98 @@
+"""Replaying a session-trace file (:mod:`shadowcore.workloads.session_trace`) as
+an experiment's agent sessions (``Experiment.sessions``; ``shadowprefill
+simulate --sessions FILE``; ``sweep --sessions FILE``).
+
+The sessions keep their own token counts (``input_tokens`` appended per call,
+``output_tokens``, compactions), tool gaps and per-call model: a recorded model
+is replayed on the experiment model :func:`~shadowcore.workloads.session_trace.model_map`
+maps it to (``Experiment.session_models`` first, then same names, then the
+unused models in order of first appearance). Arrivals keep their offsets, shifted
+so that the first session arrives at ``warmup_s`` (the warm-up is normal traffic
+only and every session is measured); without ``duration_s`` the measured window
+is the sessions' arrival span + 1 s, and a session arriving after the window is
+an error, not dropped.
+
+Every call must fit the run's smallest context window (prompt + output): the
+simulator compacts only where the trace says so, and a call that does not fit
+is an error naming the session and call, not a silent cut.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from shadowcore.engine.scenario import SessionPlan
+from shadowcore.errors import ConfigError
+from shadowcore.workloads.session_trace import SessionTrace, model_map, read_session_trace
+
+if TYPE_CHECKING:
+    from shadow_sim.experiments.spec import Experiment
+
+#: Seconds after the last session arrival that the default measured window adds.
+WINDOW_PAD_S = 1.0
+
+
+def load(path: str) -> SessionTrace:
+    """The trace at ``path`` (cached per file version: path, size, mtime)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ConfigError("sessions", path, str(e)) from None
+    return _load(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str, _size: int, _mtime_ns: int) -> SessionTrace:
+    return read_session_trace(path)
+
+
+def default_duration_s(path: str) -> float:
+    """The measured window that holds every session's arrival."""
+    return load(path).arrival_span_s + WINDOW_PAD_S
+
+
+def models_of(ex: Experiment) -> dict[str, str]:
+    return model_map(load(ex.sessions).models, ex.models, ex.session_models)
+
+
+def check(ex: Experiment) -> None:
+    """Errors before anything runs: models that cannot be mapped, calls without a
+    model, calls beyond the context window, sessions after the measured window."""
+    trace = load(ex.sessions)
+    models_of(ex)
+    window = ex.window_tokens
+    first = min(s.arrival_s for s in trace.sessions)
+    for s in trace.sessions:
+        at = s.arrival_s - first + ex.warmup_s
+        if at >= ex.end_s:
+            raise ConfigError("duration_s", ex.duration_s,
+                              f"session {s.session_id!r} arrives {s.arrival_s - first:g} s after the first; "
+                              f"the measured window must hold it (omit duration_s to fit all sessions)")
+        for i, (c, prompt) in enumerate(zip(s.calls, s.prompt_lengths())):
+            if c.model is None:
+                raise ConfigError(f"sessions {ex.sessions}", f"{s.session_id}#{i}",
+                                  "the call records no model (a router must choose it; replay needs one)")
+            if prompt + c.output_tokens > window:
+                raise ConfigError(f"sessions {ex.sessions}", f"{s.session_id}#{i}",
+                                  f"prompt + output = {prompt + c.output_tokens} tokens exceed the run's "
+                                  f"{window}-token context window (smallest of {', '.join(ex.models)}): "
+                                  "choose models with a larger window")
+
+
+def plans(ex: Experiment) -> list[SessionPlan]:
+    """The experiment's session plans from its trace file."""
+    trace = load(ex.sessions)
+    mapping: Mapping[str, str] = models_of(ex)
+    first = min(s.arrival_s for s in trace.sessions)
+    out = []
+    for s in trace.sessions:
+        a = s.to_agent_session(lambda m, _i: mapping[m] if m is not None else "")
+        out.append(SessionPlan(
+            a.session_id, a.arrival_s - first + ex.warmup_s, a.models,
+            tuple(c.num_appended_tokens for c in a.calls), tuple(c.num_output_tokens for c in a.calls),
+            tuple(c.compact_to_tokens for c in a.calls), (*a.tool_gaps_s, 0.0),
+        ))
+    return out

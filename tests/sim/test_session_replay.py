@@ -1,0 +1,116 @@
+"""Replaying a session-trace file in the simulator (``simulate --sessions``,
+``Experiment.sessions``): every call is measured, with the file's own token
+counts, gaps and per-call models; ``ExperimentRun(..., sessions=...)`` measures
+scripted sessions too."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from shadow_sim.experiments.runner import Task, run_task
+from shadow_sim.experiments.spec import Experiment, ExperimentRun
+
+from shadowcore.cli import main as cli_main
+from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.engine.scenario import SessionPlan
+from shadowcore.errors import ConfigError
+from shadowcore.workloads.session_trace import read_session_trace
+from tests.test_session_trace import traj
+
+SMALL = {"instances_per_model": 1, "warmup_s": 5.0, "drain_s": 5.0}  # the default pair: shipped capacities
+CAPACITY = {"Qwen2.5-7B": 4.0, "Llama-3.1-70B": 2.0}
+
+
+def test_simulate_sessions_from_swe_agent_trajectories(tmp_path: Path, capsys) -> None:
+    steps, sessions = 4, 3
+    paths = []
+    for k in range(sessions):
+        paths.append(tmp_path / f"astropy-{k}.traj")
+        paths[-1].write_text(json.dumps(traj(steps)))
+    out = tmp_path / "mine.jsonl"
+    assert cli_main(["sessions", "convert", "--from", "swe-agent", *map(str, paths), "-o", str(out)]) == 0
+    (tmp_path / "scenario.json").write_text(json.dumps({"experiment": SMALL}))
+    capsys.readouterr()
+    rc = cli_main(["simulate", "--sessions", str(out), "--scenario", str(tmp_path / "scenario.json"),
+                   "--policies", "no-shadow,harvest-slo-host,oracle-host"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert re.search(r"matched calls per run: (\d+)", text).group(1) == str(steps * sessions)
+    for policy in ("no-shadow", "harvest-slo-host", "oracle-host"):
+        assert re.search(rf"^{policy}\s", text, re.MULTILINE), text
+
+
+def switching_csv(path: Path) -> Path:
+    path.write_text("session_id,call_index,model,arrival_s,gap_s,input_tokens,output_tokens,compact_to_tokens\n"
+                    "a,0,small,100.0,,3000,200,\n"
+                    "a,1,large,,4.0,500,100,\n"
+                    "a,2,small,,0.5,700,50,\n"
+                    "a,3,small,,1.0,100,20,1000\n"
+                    "b,0,large,103.0,,1200,80,\n"
+                    "b,1,small,,2.0,300,40,\n")
+    return path
+
+
+def test_replay_keeps_token_counts_models_and_gaps(tmp_path: Path, capsys) -> None:
+    from shadowcore.workloads.agent_loaders import load_call_csv
+    from shadowcore.workloads.session_trace import write_session_trace
+
+    trace, _ = load_call_csv(switching_csv(tmp_path / "calls.csv"))
+    path = tmp_path / "calls.jsonl"
+    write_session_trace(trace, path)
+    ex = Experiment.from_dict({**SMALL, "sessions": str(path),
+                               "session_models": {"small": "Qwen2.5-7B", "large": "Llama-3.1-70B"}})
+    assert ex.duration_s == 3.0 + 1.0  # the arrival span + 1 s
+    prompts = {(s.session_id, i): p for s in read_session_trace(path).sessions for i, p in enumerate(s.prompt_lengths())}
+    models = {"small": "Qwen2.5-7B", "large": "Llama-3.1-70B"}
+    want_models = {(s.session_id, i): models[c.model] for s in trace.sessions for i, c in enumerate(s.calls)}
+    rec = run_task(Task(ex, PluginRef("oracle-host"), 0, "peak", CAPACITY))
+    got = {(c.session_id, c.call_index): c for c in rec.calls}
+    assert set(got) == set(prompts) and len(rec.measured_sessions) == 2
+    assert {k: c.num_prompt_tokens for k, c in got.items()} == prompts
+    assert {k: c.model for k, c in got.items()} == want_models
+    assert {k: c.num_output_tokens for k, c in got.items()} == \
+        {(s.session_id, i): c.output_tokens for s in trace.sessions for i, c in enumerate(s.calls)}
+    assert sum(c.is_switch for c in got.values()) == 3
+    # the oracle finds the whole context of every switch call cached (the shadow is exact)
+    assert all(c.num_cached_tokens > 0 for c in got.values() if c.is_switch)
+
+
+def test_replay_errors_name_what_is_wrong(tmp_path: Path) -> None:
+    path = tmp_path / "calls.jsonl"
+    from shadowcore.workloads.agent_loaders import load_call_csv
+    from shadowcore.workloads.session_trace import write_session_trace
+
+    trace, _ = load_call_csv(switching_csv(tmp_path / "calls.csv"))
+    write_session_trace(trace, path)
+    with pytest.raises(ConfigError, match="session 'b' arrives 3 s after the first"):
+        Experiment.from_dict({**SMALL, "sessions": str(path), "duration_s": 2.0})
+    with pytest.raises(ConfigError, match="maps to"):
+        Experiment.from_dict({**SMALL, "sessions": str(path), "session_models": {"small": "GPT-5"}})
+    big = tmp_path / "big.csv"
+    big.write_text("session_id,call_index,model,arrival_s,input_tokens,output_tokens\ns,0,m,0,40000,10\n")
+    trace, _ = load_call_csv(big)
+    write_session_trace(trace, tmp_path / "big.jsonl")
+    with pytest.raises(ConfigError, match="40010 tokens exceed the run's 32768-token context window"):
+        Experiment.from_dict({**SMALL, "sessions": str(tmp_path / "big.jsonl")})
+    with pytest.raises(ConfigError, match="--sessions"):
+        from shadow_sim.experiments.sweep import simulate_table
+
+        simulate_table({"models": ["Qwen2.5-7B", "Llama-3.1-70B"], "sessions": str(path)}, [])
+
+
+def test_scripted_sessions_are_the_measured_plans() -> None:
+    """ScenarioRun(..., sessions=...) on an ExperimentRun: the runner's metrics find
+    every call's plan (it used to fail with KeyError ('t0', 0))."""
+    ex = Experiment.from_dict({**SMALL, "duration_s": 20.0})
+    plans = (SessionPlan("t0", 6.0, ("Qwen2.5-7B", "Llama-3.1-70B"), (900, 100), (50, 20), (), (1.0, 0.0)),)
+    run = ExperimentRun(ex.sim_scenario(0), ShadowConfig(PluginRef("no-shadow")), sessions=plans, experiment=ex,
+                        capacity=dict(CAPACITY))
+    result = run.run()
+    assert run.plans == list(plans)
+    outputs = {(p.session_id, i): o for p in run.plans for i, o in enumerate(p.outputs)}
+    assert [(c.session_id, c.call_index) for c in result.calls] == [("t0", 0), ("t0", 1)]
+    assert [outputs[(c.session_id, c.call_index)] for c in result.calls] == [50, 20]
