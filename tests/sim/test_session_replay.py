@@ -114,3 +114,40 @@ def test_scripted_sessions_are_the_measured_plans() -> None:
     outputs = {(p.session_id, i): o for p in run.plans for i, o in enumerate(p.outputs)}
     assert [(c.session_id, c.call_index) for c in result.calls] == [("t0", 0), ("t0", 1)]
     assert [outputs[(c.session_id, c.call_index)] for c in result.calls] == [50, 20]
+
+
+# -- caps of replayed normal traffic are options and never silent ----------------------------------------
+
+
+def azure_csv(path: Path) -> Path:
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(40):
+        prompt = 9000 if i % 10 == 3 else 500 + i  # 4 prompts over 8,192
+        output = 2000 if i % 20 == 7 else 50  # 2 outputs over 1,024
+        rows.append(f"2023-11-16 18:00:{i:02d}.0000000,{prompt},{output}")
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_normal_trace_caps_are_counted_and_optional(tmp_path: Path, capsys) -> None:
+    from shadow_sim.experiments.normal import NormalTraffic
+    from shadow_sim.experiments.sweep import main as sweep_main
+
+    src = str(azure_csv(tmp_path / "azure.csv"))
+    rep = NormalTraffic(kind="trace", source=src).cap_report()
+    assert (rep.num_requests, rep.num_prompt_capped, rep.num_output_capped) == (40, 4, 2)
+    uncapped = NormalTraffic(kind="trace", source=src, max_prompt_tokens=None, max_output_tokens=None)
+    assert (uncapped.cap_report().num_prompt_capped, uncapped.cap_report().num_output_capped) == (0, 0)
+    assert max(p for _, p, _ in uncapped.arrivals(1.0, 30.0, 0, 0, 1)) == 9000
+    assert max(p for _, p, _ in NormalTraffic(kind="trace", source=src).arrivals(1.0, 30.0, 0, 0, 1)) == 8192
+    with pytest.raises(ConfigError, match="other caps need a trace file"):
+        NormalTraffic(max_prompt_tokens=4096)
+    out = tmp_path / "out"
+    rc = sweep_main(["--pairs", "Q7/L70", "--policies", "no-shadow", "--latency", "roofline", "--duration", "10",
+                     "--warmup", "2", "--instances", "1", "--capacity", "Qwen2.5-7B=2,Llama-3.1-70B=1", "--jobs", "1",
+                     "--format", "csv", "--out", str(out), "--normal-trace", src, "--max-output", "none"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "40 requests; 4 prompts > 8192 capped (10.0%), outputs uncapped" in text
+    caps = json.loads((out / "summary.json").read_text())["Q7/L70"]["normal_caps"]
+    assert (caps["num_prompt_capped"], caps["num_output_capped"], caps["max_output_tokens"]) == (4, 0, None)

@@ -19,9 +19,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from shadow_sim.experiments.calibrate import capacities
 from shadow_sim.experiments.metrics import RunRecord
-from shadow_sim.experiments.normal import WINDOWS
+from shadow_sim.experiments.normal import WINDOWS, CapReport, NormalTraffic
 from shadow_sim.experiments.runner import (
     DEFAULT_POLICIES,
     Comparison,
@@ -74,7 +76,8 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
     if jobs is None:
         jobs = max(1, min(len(refs) * len(seeds), (os.cpu_count() or 1) + 1))
     c = run_comparison(ex, refs, seeds=seeds, jobs=jobs, progress=True)
-    return format_table(c)
+    caps = ex.normal.cap_report()
+    return format_table(c) + (f"\n{caps.line()}" if caps is not None else "")
 
 
 # -- sweep -----------------------------------------------------------------------------
@@ -113,6 +116,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, help="warm-up seconds")
     p.add_argument("--rho", type=float, help="normal-traffic load relative to capacity")
     p.add_argument("--normal-trace", help="replay this trace file as normal traffic (Azure, BurstGPT, ...)")
+    p.add_argument("--max-prompt", type=_cap, help="cap of normal-trace prompts (default 8192; 'none': no cap)")
+    p.add_argument("--max-output", type=_cap, help="cap of normal-trace outputs (default 1024; 'none': no cap)")
     p.add_argument("--sessions", help="replay this session-trace file instead of the preset (shadowprefill sessions)")
     p.add_argument("--latency", choices=("vidur", "roofline", "auto"), help="latency model")
     p.add_argument("--instances", type=int, help="instances per model")
@@ -140,9 +145,21 @@ def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
         normal["rho"] = args.rho
     if args.normal_trace:
         normal.update(kind="trace", source=args.normal_trace)
+    for flag, key in (("max_prompt", "max_prompt_tokens"), ("max_output", "max_output_tokens")):
+        if getattr(args, flag, None) is not None:
+            normal[key] = None if getattr(args, flag) == "none" else getattr(args, flag)
     if normal:
         data["normal"] = normal
     return data
+
+
+def _cap(text: str) -> int | str:
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer number of tokens, or none") from None
 
 
 def _capacity(text: str | None) -> dict[str, float] | None:
@@ -247,12 +264,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     path = write_rows(rows(comparisons), out, args.format)
     summary = {label: summary_json(c) for label, c in comparisons.items()}
+    caps = _cap_report(experiment_from_args(args))
+    if caps is not None:  # the caps are never silent: printed below and stored per label
+        for entry in summary.values():
+            entry["normal_caps"] = attrs.asdict(caps)
     (out / "summary.json").write_text(json.dumps(_no_nan(summary), indent=1))
     for label, c in comparisons.items():
         print(f"== {label}")
         print(format_table(c))
+    if caps is not None:
+        print(caps.line())
     print(f"wrote {path} and {out / 'summary.json'}")
     return 0
+
+
+def _cap_report(data: Mapping[str, Any]) -> CapReport | None:
+    from shadowcore.config import build_attrs
+
+    return build_attrs(NormalTraffic, "normal", data.get("normal", {})).cap_report()
 
 
 def _no_nan(x: Any) -> Any:
