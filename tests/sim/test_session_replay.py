@@ -151,3 +151,36 @@ def test_normal_trace_caps_are_counted_and_optional(tmp_path: Path, capsys) -> N
     assert "40 requests; 4 prompts > 8192 capped (10.0%), outputs uncapped" in text
     caps = json.loads((out / "summary.json").read_text())["Q7/L70"]["normal_caps"]
     assert (caps["num_prompt_capped"], caps["num_output_capped"], caps["max_output_tokens"]) == (4, 0, None)
+
+
+# -- one definition of "shadow tokens used" ----------------------------------------------------------------
+
+
+def test_shadow_tokens_used_reconciles_with_the_switch_calls_extra_hits() -> None:
+    """The table's "unused shadow" is 1 - the engine's used / computed shadow tokens
+    (host-tier hits included); on a run where only switch calls hit shadow blocks
+    that equals what the switch calls found cached beyond the baseline, exactly."""
+    from shadow_sim.experiments.metrics import compare_runs
+
+    ex = Experiment.from_dict({"instances_per_model": 1, "duration_s": 60.0, "warmup_s": 10.0, "drain_s": 5.0,
+                               "session_rate_per_s": 0.2})
+    cap = {"Qwen2.5-7B": 3.0, "Llama-3.1-70B": 1.5}
+    runs = [run_task(Task(ex, PluginRef(p), 0, "peak", cap)) for p in ("no-shadow", "harvest-slo-host")]
+    m = compare_runs(runs, "no-shadow", None)["harvest-slo-host"]
+    assert 0 < m["shadow_tokens_used"] < m["shadow_tokens"]
+    assert m["shadow_unused_share"] == pytest.approx(1 - m["shadow_tokens_used"] / m["shadow_tokens"])
+    assert 1 - m["shadow_unused_share"] == pytest.approx(m["switch_extra_cached_share"], rel=1e-12)
+
+
+def test_a_host_tier_hit_on_a_shadow_block_counts_as_used() -> None:
+    from shadowcore.kv import HostTierParams, KVClass, KVClassManager, KVClassPolicy
+
+    kv = KVClassManager(8, 16, KVClassPolicy(shadow_cap_fraction=0.5, host=HostTierParams(capacity_bytes=1 << 20)),
+                        64.0)
+    assert kv.allocate("shadow", [1, 2], 0, KVClass.SHADOW, 0.0) is not None
+    kv.release("shadow", 1.0)
+    assert kv.allocate("other", list(range(20, 28)), 0, KVClass.NORMAL, 2.0) is not None  # spills 1, 2 to the host
+    kv.release("other", 3.0)
+    assert kv.in_host(1) and kv.in_host(2)
+    a = kv.allocate("routed", [1, 2], 0, KVClass.NORMAL, 4.0)
+    assert (a.num_host_hit_blocks, a.num_shadow_blocks_used, kv.num_shadow_blocks_used) == (2, 2, 2)
