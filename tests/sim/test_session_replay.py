@@ -15,7 +15,7 @@ from shadow_sim.experiments.spec import Experiment, ExperimentRun
 
 from shadowcore.cli import main as cli_main
 from shadowcore.config import PluginRef, ShadowConfig
-from shadowcore.engine.scenario import SessionPlan
+from shadowcore.engine.workload import session
 from shadowcore.errors import ConfigError
 from shadowcore.workloads.session_trace import read_session_trace
 from tests.test_session_trace import traj
@@ -106,12 +106,12 @@ def test_scripted_sessions_are_the_measured_plans() -> None:
     """ScenarioRun(..., sessions=...) on an ExperimentRun: the runner's metrics find
     every call's plan (it used to fail with KeyError ('t0', 0))."""
     ex = Experiment.from_dict({**SMALL, "duration_s": 20.0})
-    plans = (SessionPlan("t0", 6.0, ("Qwen2.5-7B", "Llama-3.1-70B"), (900, 100), (50, 20), (), (1.0, 0.0)),)
+    plans = (session("t0", 6.0, ("Qwen2.5-7B", "Llama-3.1-70B"), (900, 100), (50, 20), (1.0, 0.0)),)
     run = ExperimentRun(ex.sim_scenario(0), ShadowConfig(PluginRef("no-shadow")), sessions=plans, experiment=ex,
                         capacity=dict(CAPACITY))
     result = run.run()
-    assert run.plans == list(plans)
-    outputs = {(p.session_id, i): o for p in run.plans for i, o in enumerate(p.outputs)}
+    assert run.workload.sessions == plans
+    outputs = {(p.session_id, i): o for p in run.workload.sessions for i, o in enumerate(p.outputs)}
     assert [(c.session_id, c.call_index) for c in result.calls] == [("t0", 0), ("t0", 1)]
     assert [outputs[(c.session_id, c.call_index)] for c in result.calls] == [50, 20]
 

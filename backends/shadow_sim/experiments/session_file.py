@@ -22,14 +22,15 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
-from shadowcore.engine.scenario import SessionPlan
+import attrs
+
+from shadowcore.engine.workload import SessionPlan, from_agent_sessions
 from shadowcore.errors import ConfigError
 from shadowcore.workloads.session_trace import SessionTrace, model_map, read_session_trace
 
-if TYPE_CHECKING:
-    from shadow_sim.experiments.spec import Experiment
+Experiment = Any  # shadow_sim.experiments.spec.Experiment (which imports this module lazily)
 
 #: Seconds after the last session arrival that the default measured window adds.
 WINDOW_PAD_S = 1.0
@@ -75,6 +76,9 @@ def check(ex: Experiment) -> None:
             if c.model is None:
                 raise ConfigError(f"sessions {ex.sessions}", f"{s.session_id}#{i}",
                                   "the call records no model (a router must choose it; replay needs one)")
+            if c.output_tokens < 1:
+                raise ConfigError(f"sessions {ex.sessions}", f"{s.session_id}#{i}",
+                                  "output_tokens = 0: the engines generate at least one token per call")
             if prompt + c.output_tokens > window:
                 raise ConfigError(f"sessions {ex.sessions}", f"{s.session_id}#{i}",
                                   f"prompt + output = {prompt + c.output_tokens} tokens exceed the run's "
@@ -87,12 +91,6 @@ def plans(ex: Experiment) -> list[SessionPlan]:
     trace = load(ex.sessions)
     mapping: Mapping[str, str] = models_of(ex)
     first = min(s.arrival_s for s in trace.sessions)
-    out = []
-    for s in trace.sessions:
-        a = s.to_agent_session(lambda m, _i: mapping[m] if m is not None else "")
-        out.append(SessionPlan(
-            a.session_id, a.arrival_s - first + ex.warmup_s, a.models,
-            tuple(c.num_appended_tokens for c in a.calls), tuple(c.num_output_tokens for c in a.calls),
-            tuple(c.compact_to_tokens for c in a.calls), (*a.tool_gaps_s, 0.0),
-        ))
-    return out
+    agents = [attrs.evolve(a, arrival_s=a.arrival_s - first + ex.warmup_s)
+              for a in trace.agent_sessions(lambda m, _i: mapping[m] if m is not None else "")]
+    return from_agent_sessions(agents)
