@@ -95,6 +95,10 @@ def _simulate(args: argparse.Namespace) -> int:
         scenario["duration_s"] = args.duration
     if args.sessions is not None:
         scenario["sessions"] = args.sessions
+    if args.router is not None:
+        if args.sessions is None:
+            raise ConfigError("--router", args.router, "re-routes the sessions of --sessions FILE")
+        scenario["session_router"] = policy_ref(args.router).to_dict()
     if args.policy and args.policies is not None:
         raise ConfigError("--policy", args.policy, "give --policies or --policy, not both")
     if args.policy:
@@ -166,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--duration", type=float, help="simulated seconds of arrivals")
     sim.add_argument("--sessions", metavar="FILE",
                      help="replay the agent sessions of a session-trace file (see shadowprefill sessions)")
+    sim.add_argument("--router", metavar="NAME[:JSON]",
+                     help="re-route the --sessions file's calls: markov (e.g. 'markov:{\"p_switch\": 0.4}'), "
+                          "accuracy-per-cost, or a shadowprefill.session_routers plugin (default: replay)")
     sim.add_argument("--seed", type=int, default=0, help="policy seed")
     sim.set_defaults(func=_simulate)
     plug = sub.add_parser("plugins", help="list registered policies, backends and commands")

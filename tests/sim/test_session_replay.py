@@ -184,3 +184,69 @@ def test_a_host_tier_hit_on_a_shadow_block_counts_as_used() -> None:
     assert kv.in_host(1) and kv.in_host(2)
     a = kv.allocate("routed", [1, 2], 0, KVClass.NORMAL, 4.0)
     assert (a.num_host_hit_blocks, a.num_shadow_blocks_used, kv.num_shadow_blocks_used) == (2, 2, 2)
+
+
+# -- re-routing a replayed file ------------------------------------------------------------------------------
+
+
+def always_large(models, tasks, max_steps, rng, model="Llama-3.1-70B"):
+    """A third-party session-router factory (by ``module:function`` reference)."""
+    from shadowcore.workloads.sessions import MarkovRouter
+
+    class Fixed(MarkovRouter):
+        def route(self, rng, step, task, previous_model):
+            return model
+
+    return Fixed(models, 0.0)
+
+
+def test_reroute_keeps_tokens_and_is_seeded() -> None:
+    import math
+
+    from shadowcore.workloads.reroute import reroute
+    from shadowcore.workloads.sessions import generate, get_preset
+
+    sessions = generate(get_preset("fusionbench"), math.inf, 0, max_sessions=20)
+    models = ("x", "y")
+    flip = reroute(sessions, PluginRef("markov", {"p_switch": 1.0}), models, seed=5)
+    for a, b in zip(sessions, flip):
+        assert [attrs_tokens(c) for c in a.calls] == [attrs_tokens(c) for c in b.calls]
+        assert a.tool_gaps_s == b.tool_gaps_s and a.arrival_s == b.arrival_s
+        assert all(m != n for m, n in zip(b.models, b.models[1:]))  # p = 1: every step switches
+    assert reroute(sessions, PluginRef("markov", {"p_switch": 0.5}), models, 5) == \
+        reroute(sessions, PluginRef("markov", {"p_switch": 0.5}), models, 5)
+    assert reroute(sessions, PluginRef("markov", {"p_switch": 0.5}), models, 5) != \
+        reroute(sessions, PluginRef("markov", {"p_switch": 0.5}), models, 6)
+    apc = reroute(sessions, PluginRef("accuracy-per-cost", {"rho": 0.5}), models, 0)
+    assert {m for s in apc for m in s.models} == {"x", "y"}
+    fixed = reroute(sessions, PluginRef(f"{__name__}:always_large", {"model": "y"}), models, 0)
+    assert {m for s in fixed for m in s.models} == {"y"}
+    assert reroute(sessions, PluginRef("replay"), models, 0) == list(sessions)
+    with pytest.raises(ConfigError, match="session_router.args"):
+        reroute(sessions, PluginRef("markov", {"p": 1.0}), models, 0)
+    with pytest.raises(ConfigError, match="built-in: replay, markov, accuracy-per-cost"):
+        reroute(sessions, PluginRef("no-such-router"), models, 0)
+
+
+def attrs_tokens(c) -> tuple:
+    return c.num_new_input_tokens, c.num_tool_tokens, c.num_output_tokens, c.compact_to_tokens
+
+
+def test_a_single_model_trajectory_rerouted_switches_and_shadows_help(tmp_path: Path, capsys) -> None:
+    paths = []
+    for k in range(3):
+        paths.append(tmp_path / f"t{k}.traj")
+        paths[-1].write_text(json.dumps(traj(5)))
+    out = tmp_path / "mine.jsonl"
+    assert cli_main(["sessions", "convert", "--from", "swe-agent", *map(str, paths), "-o", str(out)]) == 0
+    assert cli_main(["simulate", "--router", "markov"]) == 2
+    assert "re-routes the sessions of --sessions FILE" in capsys.readouterr().err
+    ex = Experiment.from_dict({**SMALL, "sessions": str(out), "session_router": {"name": "markov",
+                                                                                 "args": {"p_switch": 1.0}}})
+    recs = {p: run_task(Task(ex, PluginRef(p), 0, "peak", CAPACITY)) for p in ("no-shadow", "oracle-host")}
+    for rec in recs.values():
+        assert len(rec.calls) == 15 and sum(c.is_switch for c in rec.calls) == 12  # 4 switches per session
+    base = {(c.session_id, c.call_index): c.num_cached_tokens for c in recs["no-shadow"].calls if c.is_switch}
+    assert sum(c.num_cached_tokens for c in recs["oracle-host"].calls if c.is_switch) > sum(base.values())
+    with pytest.raises(ConfigError, match="re-routes a session file"):
+        Experiment.from_dict({**SMALL, "session_router": "markov"})

@@ -3,8 +3,10 @@ an experiment's agent sessions (``Experiment.sessions``; ``shadowprefill
 simulate --sessions FILE``; ``sweep --sessions FILE``).
 
 The sessions keep their own token counts (``input_tokens`` appended per call,
-``output_tokens``, compactions), tool gaps and per-call model: a recorded model
-is replayed on the experiment model :func:`~shadowcore.workloads.session_trace.model_map`
+``output_tokens``, compactions), tool gaps and per-call model -- or, with
+``Experiment.session_router`` (``--router``), every call's model is chosen again
+by a router (:mod:`shadowcore.workloads.reroute`; seeded by the experiment's
+seed). A replayed recorded model is played on the experiment model :func:`~shadowcore.workloads.session_trace.model_map`
 maps it to (``Experiment.session_models`` first, then same names, then the
 unused models in order of first appearance). Arrivals keep their offsets, shifted
 so that the first session arrives at ``warmup_s`` (the warm-up is normal traffic
@@ -28,6 +30,7 @@ import attrs
 
 from shadowcore.engine.workload import SessionPlan, from_agent_sessions
 from shadowcore.errors import ConfigError
+from shadowcore.workloads.reroute import reroute
 from shadowcore.workloads.session_trace import SessionTrace, model_map, read_session_trace
 
 Experiment = Any  # shadow_sim.experiments.spec.Experiment (which imports this module lazily)
@@ -59,11 +62,19 @@ def models_of(ex: Experiment) -> dict[str, str]:
     return model_map(load(ex.sessions).models, ex.models, ex.session_models)
 
 
+def _replayed(ex: Experiment) -> bool:
+    return ex.session_router.name == "replay"
+
+
 def check(ex: Experiment) -> None:
     """Errors before anything runs: models that cannot be mapped, calls without a
-    model, calls beyond the context window, sessions after the measured window."""
+    model (unless a router re-routes them), calls beyond the context window,
+    sessions after the measured window, a router that does not build."""
     trace = load(ex.sessions)
-    models_of(ex)
+    if _replayed(ex):
+        models_of(ex)
+    else:
+        plans(ex)  # builds the router and routes every call once: a bad router fails here
     window = ex.window_tokens
     first = min(s.arrival_s for s in trace.sessions)
     for s in trace.sessions:
@@ -73,7 +84,7 @@ def check(ex: Experiment) -> None:
                               f"session {s.session_id!r} arrives {s.arrival_s - first:g} s after the first; "
                               f"the measured window must hold it (omit duration_s to fit all sessions)")
         for i, (c, prompt) in enumerate(zip(s.calls, s.prompt_lengths())):
-            if c.model is None:
+            if c.model is None and _replayed(ex):
                 raise ConfigError(f"sessions {ex.sessions}", f"{s.session_id}#{i}",
                                   "the call records no model (a router must choose it; replay needs one)")
             if c.output_tokens < 1:
@@ -86,11 +97,13 @@ def check(ex: Experiment) -> None:
                                   "choose models with a larger window")
 
 
-def plans(ex: Experiment) -> list[SessionPlan]:
-    """The experiment's session plans from its trace file."""
+def plans(ex: Experiment, seed: int = 0) -> list[SessionPlan]:
+    """The experiment's session plans from its trace file (``seed``: the run's, for a router)."""
     trace = load(ex.sessions)
-    mapping: Mapping[str, str] = models_of(ex)
     first = min(s.arrival_s for s in trace.sessions)
-    agents = [attrs.evolve(a, arrival_s=a.arrival_s - first + ex.warmup_s)
-              for a in trace.agent_sessions(lambda m, _i: mapping[m] if m is not None else "")]
-    return from_agent_sessions(agents)
+    if _replayed(ex):
+        mapping: Mapping[str, str] = models_of(ex)
+        agents = trace.agent_sessions(lambda m, _i: mapping[m] if m is not None else "")
+    else:  # any model stands in until the router chooses
+        agents = reroute(trace.agent_sessions(lambda _m, _i: ex.models[0]), ex.session_router, ex.models, seed)
+    return from_agent_sessions([attrs.evolve(a, arrival_s=a.arrival_s - first + ex.warmup_s) for a in agents])

@@ -32,7 +32,7 @@ from shadow_sim.experiments.normal import NormalTraffic
 from shadow_sim.models import MODELS, get_model
 from shadow_sim.simulator import SimRun, SimScenario
 from shadowcore._validators import non_negative, positive, positive_int
-from shadowcore.config import build_attrs
+from shadowcore.config import PluginRef, build_attrs
 from shadowcore.engine.cluster import EngineCluster
 from shadowcore.engine.workload import NormalRequest, SessionPlan, from_agent_sessions, normal_requests
 from shadowcore.errors import ConfigError
@@ -120,6 +120,10 @@ class Experiment:
     #: and its recorded model -> experiment model map (default: by name, then in order).
     sessions: str = ""
     session_models: dict = attrs.field(factory=dict, converter=_dict)
+    #: Re-route the file's sessions (shadowcore.workloads.reroute; default "replay": the recorded models).
+    session_router: PluginRef = attrs.field(default=PluginRef("replay"),
+                                            converter=lambda v: PluginRef.parse("session_router", v)
+                                            if not isinstance(v, PluginRef) else v)
 
     def __attrs_post_init__(self) -> None:
         for key in ("models", "preset", "instances_per_model", "duration_s", "warmup_s", "session_rate_per_s",
@@ -131,6 +135,8 @@ class Experiment:
             from shadow_sim.experiments import session_file
 
             session_file.check(self)
+        elif self.session_router.name != "replay":
+            raise ConfigError("session_router", self.session_router.name, "re-routes a session file: set sessions")
         elif self.preset:
             self.session_preset()
 
@@ -214,7 +220,7 @@ class ExperimentRun(SimRun):
         if ex.sessions:
             from shadow_sim.experiments import session_file
 
-            return session_file.plans(ex)
+            return session_file.plans(ex, self.scenario.seed)
         if ex.preset:
             return from_agent_sessions(generate(ex.session_preset(), ex.end_s, self.scenario.seed))
         return super().session_plans()

@@ -48,16 +48,17 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
     ``jobs`` (default: one process per run, at most one more than the CPUs; three
     runs on two cores finish in 1.5 run-times instead of 2)."""
     data = dict(scenario)
-    sessions = data.pop("sessions", None)  # simulate --sessions FILE
+    replay = {k: data.pop(k) for k in ("sessions", "session_router") if k in data}  # simulate --sessions, --router
     if set(data) <= {"duration_s"}:
         base = dict(SIMULATE_DEFAULT)
-        if sessions:  # the file's sessions set the measured window unless --duration does
+        if replay.get("sessions"):  # the file's sessions set the measured window unless --duration does
             base.pop("duration_s")
-        ex = Experiment.from_dict({**base, **data, **({"sessions": sessions} if sessions else {})})
+        ex = Experiment.from_dict({**base, **data, **replay})
     elif "experiment" in data:
         extra = {k: v for k, v in data.items() if k != "experiment"}
-        ex = Experiment.from_dict({**data["experiment"], **extra, **({"sessions": sessions} if sessions else {})})
-    elif sessions:
+        ex = Experiment.from_dict({**data["experiment"], **extra, **replay})
+    elif replay:
+        sessions = replay.get("sessions")
         raise ConfigError("--sessions", sessions, "replays into an experiment: give no --scenario, or one with "
                           "{\"experiment\": {...}} (a plain scenario draws its own sessions)")
     else:
@@ -110,6 +111,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt", type=_cap, help="cap of normal-trace prompts (default 8192; 'none': no cap)")
     p.add_argument("--max-output", type=_cap, help="cap of normal-trace outputs (default 1024; 'none': no cap)")
     p.add_argument("--sessions", help="replay this session-trace file instead of the preset (shadowprefill sessions)")
+    p.add_argument("--router", metavar="NAME[:JSON]",
+                   help="re-route the --sessions file: markov, accuracy-per-cost or a plugin (default: replay)")
     p.add_argument("--latency", choices=("vidur", "roofline", "auto"), help="latency model")
     p.add_argument("--instances", type=int, help="instances per model")
     p.add_argument("--capacity", help="skip calibration: MODEL=REQ_PER_S,... per instance (every model of the grid)")
@@ -134,6 +137,10 @@ def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
                       ("latency", "latency"), ("instances", "instances_per_model")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
+    if getattr(args, "router", None) is not None:
+        from shadowcore.cli import policy_ref
+
+        data["session_router"] = policy_ref(args.router).to_dict()
     normal = dict(data.get("normal", {}))
     if args.rho is not None:
         normal["rho"] = args.rho
