@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
 from typing import Any
 
-import attrs
-
-from shadowcore.engine.workload import SessionPlan, from_agent_sessions
+from shadowcore.engine.workload import SessionPlan
 from shadowcore.errors import ConfigError
-from shadowcore.workloads.reroute import reroute
+from shadowcore.workloads.replay import trace_plans
 from shadowcore.workloads.session_trace import SessionTrace, model_map, read_session_trace
 
 Experiment = Any  # shadow_sim.experiments.spec.Experiment (which imports this module lazily)
@@ -99,11 +96,5 @@ def check(ex: Experiment) -> None:
 
 def plans(ex: Experiment, seed: int = 0) -> list[SessionPlan]:
     """The experiment's session plans from its trace file (``seed``: the run's, for a router)."""
-    trace = load(ex.sessions)
-    first = min(s.arrival_s for s in trace.sessions)
-    if _replayed(ex):
-        mapping: Mapping[str, str] = models_of(ex)
-        agents = trace.agent_sessions(lambda m, _i: mapping[m] if m is not None else "")
-    else:  # any model stands in until the router chooses
-        agents = reroute(trace.agent_sessions(lambda _m, _i: ex.models[0]), ex.session_router, ex.models, seed)
-    return from_agent_sessions([attrs.evolve(a, arrival_s=a.arrival_s - first + ex.warmup_s) for a in agents])
+    return trace_plans(load(ex.sessions), ex.models, session_models=ex.session_models, router=ex.session_router,
+                       seed=seed, start_s=ex.warmup_s)
