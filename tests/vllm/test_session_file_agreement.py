@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import attrs
 from shadow_vllm import virtual  # vLLM itself is imported lazily; conftest guards the folder
+from test_virtual_agreement import MODELS, SCENARIO, RooflineRun
 
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.workloads.agent_loaders import load_call_csv
 from shadowcore.workloads.replay import trace_plans
-
-from test_virtual_agreement import MODELS, SCENARIO, RooflineRun
 
 
 def test_a_session_file_replays_identically_in_the_simulator_and_in_vllm_virtual_time(tmp_path) -> None:
