@@ -149,11 +149,7 @@ def _run_plugin_command(name: str, argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    builtin = {"simulate", "plugins", "sessions"}
-    if argv and argv[0] == "sessions":  # its own parser (shadowcore.workloads.sessions_cmd)
-        from shadowcore.workloads.sessions_cmd import main as sessions_main
-
-        return sessions_main(argv[1:])
+    builtin = {"simulate", "plugins"}
     plugin_commands = {n: e for n, e in commands.entries().items() if n not in builtin}
     if argv and argv[0] in plugin_commands:  # its own parser handles its arguments and --help
         return _run_plugin_command(argv[0], argv[1:])
@@ -177,8 +173,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.set_defaults(func=_simulate)
     plug = sub.add_parser("plugins", help="list registered policies, backends and commands")
     plug.set_defaults(func=_plugins)
-    sub.add_parser("sessions", help="convert agent sessions to a session trace; their Table 1 statistics "
-                   "(see shadowprefill sessions --help)")
     for name, entries in plugin_commands.items():  # listed in --help; run above
         sub.add_parser(name, help=f"(plugin {entries[0].target}; see shadowprefill {name} --help)")
     args = parser.parse_args(argv)

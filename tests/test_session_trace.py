@@ -1,4 +1,4 @@
-"""The session-trace format (shadowcore.workloads.session_trace), its loaders
+"""The session-trace format (shadow_traces.session_trace), its loaders
 (SWE-agent, Copilot, CSV), and ``shadowprefill sessions`` (convert, stats)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from shadowcore.cli import main as cli_main
-from shadowcore.errors import ConfigError
-from shadowcore.workloads import session_trace as st
-from shadowcore.workloads.agent_loaders import load_call_csv, load_copilot_sessions, load_swe_agent
-from shadowcore.workloads.session_trace import (
+from shadow_traces import session_trace as st
+from shadow_traces.agent_loaders import load_call_csv, load_copilot_sessions, load_swe_agent
+from shadow_traces.command import main as sessions_main
+from shadow_traces.command import trace_stats
+from shadow_traces.session_trace import (
     SessionTrace,
     TraceCall,
     TraceHeader,
@@ -25,8 +25,8 @@ from shadowcore.workloads.session_trace import (
     read_session_trace,
     write_session_trace,
 )
+from shadowcore.errors import ConfigError
 from shadowcore.workloads.sessions import TABLE1, generate, get_preset, session_stats
-from shadowcore.workloads.sessions_cmd import trace_stats
 from shadowcore.workloads.traces import TraceError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,7 +172,8 @@ def test_schema_ships_in_the_package_and_is_declared() -> None:
     schema = st.schema()
     assert set(schema["$defs"]) >= {"header", "call"}
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "workloads/*.schema.json" in data["tool"]["setuptools"]["package-data"]["shadowcore"]
+    assert "*.schema.json" in data["tool"]["setuptools"]["package-data"]["shadow_traces"]
+    assert data["project"]["entry-points"]["shadowprefill.commands"]["sessions"] == "shadow_traces.command:main"
     assert any(d.startswith("jsonschema") for d in data["project"]["optional-dependencies"]["traces"])
 
 
@@ -363,15 +364,15 @@ def test_sessions_stats_of_an_exported_preset_are_the_generators(name: str, tmp_
     generator's fit to Table 1 at 2,000 sessions is tests/test_sessions.py's, and the
     fitted size through the command is the next test's)."""
     out = tmp_path / f"{name}.jsonl"
-    assert cli_main(["sessions", "convert", "--from", "preset", name, "--num-sessions", "300", "-o", str(out)]) == 0
-    assert cli_main(["sessions", "stats", str(out), "--json"]) == 0
+    assert sessions_main(["convert", "--from", "preset", name, "--num-sessions", "300", "-o", str(out)]) == 0
+    assert sessions_main(["stats", str(out), "--json"]) == 0
     got = json.loads(capsys.readouterr().out.split("\n", 1)[1])
     want = session_stats(generate(get_preset(name), math.inf, 0, max_sessions=300))
     assert (got["num_calls"], got["switch_rate"], got["switches_per_session"], got["mean_prompt"],
             got["p99_prompt"], got["compactions_per_session"]) == \
         (want.num_calls, want.switch_rate, want.switches_per_session, want.mean_prompt, want.p99_prompt,
          want.compactions_per_session)
-    assert cli_main(["sessions", "stats", str(out)]) == 0
+    assert sessions_main(["stats", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"Table 1 {name}: {TABLE1[name].switch_rate:.1%}" in text
 
@@ -380,8 +381,8 @@ def test_sessions_stats_reproduce_table1_at_the_fitted_size(tmp_path: Path, caps
     from tests.test_sessions import MEAN_PROMPT_REL, P99_PROMPT_REL, SWITCH_RATE_POINTS, SWITCHES_PER_SESSION_REL
 
     out = tmp_path / "fusionbench.jsonl"
-    assert cli_main(["sessions", "convert", "--from", "preset", "fusionbench", "-o", str(out)]) == 0  # 2,000
-    assert cli_main(["sessions", "stats", str(out), "--json"]) == 0
+    assert sessions_main(["convert", "--from", "preset", "fusionbench", "-o", str(out)]) == 0  # 2,000
+    assert sessions_main(["stats", str(out), "--json"]) == 0
     got = json.loads(capsys.readouterr().out.split("\n", 1)[1])
     t = TABLE1["fusionbench"]
     assert got["num_sessions"] == 2000
@@ -392,11 +393,11 @@ def test_sessions_stats_reproduce_table1_at_the_fitted_size(tmp_path: Path, caps
 
 
 def test_sessions_command_errors(tmp_path: Path, capsys) -> None:
-    assert cli_main(["sessions", "stats", str(tmp_path / "missing.jsonl")]) == 2
+    assert sessions_main(["stats", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
     (tmp_path / "a.traj").write_text(json.dumps(traj(2)))
     out = tmp_path / "a.jsonl"
-    assert cli_main(["sessions", "convert", "--from", "swe-agent", str(tmp_path / "a.traj"), "-o", str(out)]) == 0
+    assert sessions_main(["convert", "--from", "swe-agent", str(tmp_path / "a.traj"), "-o", str(out)]) == 0
     captured = capsys.readouterr()
     assert "2 calls" in captured.out and "chars/4" in captured.err
-    assert cli_main(["sessions", "convert", "--from", "preset", "nope", "-o", str(out)]) == 2
+    assert sessions_main(["convert", "--from", "preset", "nope", "-o", str(out)]) == 2

@@ -101,7 +101,7 @@ MUTATIONS: dict[str, tuple] = {
     "used-host": ("tests/sim/test_session_replay.py", "test_a_host_tier_hit_on_a_shadow_block_counts_as_used",
                   "shadowcore/kv.py", "            self.num_shadow_blocks_used += host_used\n", ""),
     # session traces: a prompt that disagrees with context + input is an error
-    "trace-prompt": ("tests/test_session_trace.py", "test_cross_line_rules", "shadowcore/workloads/session_trace.py",
+    "trace-prompt": ("tests/test_session_trace.py", "test_cross_line_rules", "shadow_traces/session_trace.py",
                      "    if given is not None and given != prompt:", "    if False:"),
 }
 

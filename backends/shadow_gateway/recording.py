@@ -1,5 +1,5 @@
 """Recording the sessions a gateway serves as a session trace
-(:mod:`shadowcore.workloads.session_trace`), so that an operator can replay
+(:mod:`shadow_traces.session_trace`), so that an operator can replay
 their own traffic in the simulator (``shadowprefill simulate --sessions FILE``).
 
 Opt-in: a ``record`` section in the gateway's configuration::
@@ -47,9 +47,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from shadow_traces.session_trace import SessionTraceWriter, TraceCall, TraceHeader
 from shadowcore._validators import non_empty_str, positive_int
 from shadowcore.errors import ConfigError
-from shadowcore.workloads.session_trace import SessionTraceWriter, TraceCall, TraceHeader
 
 
 def _bool(_instance: Any, attribute: Any, value: Any) -> None:

@@ -40,14 +40,14 @@ from collections.abc import Mapping, Sequence
 import attrs
 import httpx
 
-from shadowcore.errors import ConfigError, ShadowError
-from shadowcore.workloads.session_trace import (
+from shadow_traces.session_trace import (
     SessionTrace,
     SessionTraceWriter,
     TraceHeader,
     TraceSession,
     read_session_trace,
 )
+from shadowcore.errors import ConfigError, ShadowError
 
 __all__ = ["ObservedCall", "ReplayReport", "main", "replay", "synthetic_ids"]
 

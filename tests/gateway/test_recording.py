@@ -10,8 +10,8 @@ from shadow_gateway.config import from_dict
 from shadow_gateway.fake_upstream import encode
 from shadow_gateway.recording import RecordConfig, Recorder, block_hashes
 
+from shadow_traces.session_trace import read_session_trace
 from shadowcore.errors import ConfigError
-from shadowcore.workloads.session_trace import read_session_trace
 
 from .conftest import two_model_config, wait_for
 

@@ -10,8 +10,8 @@ import json
 from shadow_gateway.replay import main as replay_main
 from shadow_gateway.replay import replay, synthetic_ids
 
-from shadowcore.workloads.agent_loaders import load_call_csv
-from shadowcore.workloads.session_trace import read_session_trace, write_session_trace
+from shadow_traces.agent_loaders import load_call_csv
+from shadow_traces.session_trace import read_session_trace, write_session_trace
 
 from .conftest import two_model_config
 

@@ -13,11 +13,12 @@ import pytest
 from shadow_sim.experiments.runner import Task, run_task
 from shadow_sim.experiments.spec import Experiment, ExperimentRun
 
+from shadow_traces.command import main as sessions_main
+from shadow_traces.session_trace import read_session_trace
 from shadowcore.cli import main as cli_main
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.engine.workload import session
 from shadowcore.errors import ConfigError
-from shadowcore.workloads.session_trace import read_session_trace
 from tests.test_session_trace import traj
 
 SMALL = {"instances_per_model": 1, "warmup_s": 5.0, "drain_s": 5.0}  # the default pair: shipped capacities
@@ -31,7 +32,7 @@ def test_simulate_sessions_from_swe_agent_trajectories(tmp_path: Path, capsys) -
         paths.append(tmp_path / f"astropy-{k}.traj")
         paths[-1].write_text(json.dumps(traj(steps)))
     out = tmp_path / "mine.jsonl"
-    assert cli_main(["sessions", "convert", "--from", "swe-agent", *map(str, paths), "-o", str(out)]) == 0
+    assert sessions_main(["convert", "--from", "swe-agent", *map(str, paths), "-o", str(out)]) == 0
     (tmp_path / "scenario.json").write_text(json.dumps({"experiment": SMALL}))
     capsys.readouterr()
     rc = cli_main(["simulate", "--sessions", str(out), "--scenario", str(tmp_path / "scenario.json"),
@@ -55,8 +56,8 @@ def switching_csv(path: Path) -> Path:
 
 
 def test_replay_keeps_token_counts_models_and_gaps(tmp_path: Path, capsys) -> None:
-    from shadowcore.workloads.agent_loaders import load_call_csv
-    from shadowcore.workloads.session_trace import write_session_trace
+    from shadow_traces.agent_loaders import load_call_csv
+    from shadow_traces.session_trace import write_session_trace
 
     trace, _ = load_call_csv(switching_csv(tmp_path / "calls.csv"))
     path = tmp_path / "calls.jsonl"
@@ -81,8 +82,8 @@ def test_replay_keeps_token_counts_models_and_gaps(tmp_path: Path, capsys) -> No
 
 def test_replay_errors_name_what_is_wrong(tmp_path: Path) -> None:
     path = tmp_path / "calls.jsonl"
-    from shadowcore.workloads.agent_loaders import load_call_csv
-    from shadowcore.workloads.session_trace import write_session_trace
+    from shadow_traces.agent_loaders import load_call_csv
+    from shadow_traces.session_trace import write_session_trace
 
     trace, _ = load_call_csv(switching_csv(tmp_path / "calls.csv"))
     write_session_trace(trace, path)
@@ -238,7 +239,7 @@ def test_a_single_model_trajectory_rerouted_switches_and_shadows_help(tmp_path: 
         paths.append(tmp_path / f"t{k}.traj")
         paths[-1].write_text(json.dumps(traj(5)))
     out = tmp_path / "mine.jsonl"
-    assert cli_main(["sessions", "convert", "--from", "swe-agent", *map(str, paths), "-o", str(out)]) == 0
+    assert sessions_main(["convert", "--from", "swe-agent", *map(str, paths), "-o", str(out)]) == 0
     assert cli_main(["simulate", "--router", "markov"]) == 2
     assert "re-routes the sessions of --sessions FILE" in capsys.readouterr().err
     ex = Experiment.from_dict({**SMALL, "sessions": str(out), "session_router": {"name": "markov",

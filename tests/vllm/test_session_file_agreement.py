@@ -9,8 +9,8 @@ from shadow_vllm import virtual  # vLLM itself is imported lazily; conftest guar
 from test_virtual_agreement import MODELS, SCENARIO, RooflineRun
 
 from shadowcore.config import PluginRef, ShadowConfig
-from shadowcore.workloads.agent_loaders import load_call_csv
-from shadowcore.workloads.replay import trace_plans
+from shadow_traces.agent_loaders import load_call_csv
+from shadow_traces.replay import trace_plans
 
 
 def test_a_session_file_replays_identically_in_the_simulator_and_in_vllm_virtual_time(tmp_path) -> None:

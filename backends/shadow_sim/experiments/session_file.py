@@ -1,4 +1,4 @@
-"""Replaying a session-trace file (:mod:`shadowcore.workloads.session_trace`) as
+"""Replaying a session-trace file (:mod:`shadow_traces.session_trace`) as
 an experiment's agent sessions (``Experiment.sessions``; ``shadowprefill
 simulate --sessions FILE``; ``sweep --sessions FILE``).
 
@@ -6,7 +6,7 @@ The sessions keep their own token counts (``input_tokens`` appended per call,
 ``output_tokens``, compactions), tool gaps and per-call model -- or, with
 ``Experiment.session_router`` (``--router``), every call's model is chosen again
 by a router (:mod:`shadowcore.workloads.reroute`; seeded by the experiment's
-seed). A replayed recorded model is played on the experiment model :func:`~shadowcore.workloads.session_trace.model_map`
+seed). A replayed recorded model is played on the experiment model :func:`~shadow_traces.session_trace.model_map`
 maps it to (``Experiment.session_models`` first, then same names, then the
 unused models in order of first appearance). Arrivals keep their offsets, shifted
 so that the first session arrives at ``warmup_s`` (the warm-up is normal traffic
@@ -25,10 +25,10 @@ import functools
 import os
 from typing import Any
 
+from shadow_traces.replay import trace_plans
+from shadow_traces.session_trace import SessionTrace, model_map, read_session_trace
 from shadowcore.engine.workload import SessionPlan
 from shadowcore.errors import ConfigError
-from shadowcore.workloads.replay import trace_plans
-from shadowcore.workloads.session_trace import SessionTrace, model_map, read_session_trace
 
 Experiment = Any  # shadow_sim.experiments.spec.Experiment (which imports this module lazily)
 

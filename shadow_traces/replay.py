@@ -2,7 +2,7 @@
 driver: the simulator, P/D, vLLM virtual time).
 
 :func:`trace_plans` maps each recorded model onto the run's models
-(:func:`~shadowcore.workloads.session_trace.model_map`), or re-routes every
+(:func:`~shadow_traces.session_trace.model_map`), or re-routes every
 call (:mod:`shadowcore.workloads.reroute`), and shifts arrivals so that the
 first session arrives at ``start_s`` (offsets kept). Token counts, compactions
 and tool gaps are the trace's.
@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from shadow_traces.session_trace import SessionTrace, model_map
 from shadowcore.config import PluginRef
 from shadowcore.engine.workload import SessionPlan, from_agent_sessions
 from shadowcore.workloads.reroute import reroute
-from shadowcore.workloads.session_trace import SessionTrace, model_map
 
 __all__ = ["trace_plans"]
 

@@ -34,15 +34,15 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from shadowcore.errors import ConfigError, ShadowError
-from shadowcore.workloads.agent_loaders import LOADERS
-from shadowcore.workloads.session_trace import (
+from shadow_traces.agent_loaders import LOADERS
+from shadow_traces.session_trace import (
     SessionTrace,
     TraceHeader,
     from_agent_sessions,
     read_session_trace,
     write_session_trace,
 )
+from shadowcore.errors import ConfigError, ShadowError
 from shadowcore.workloads.sessions import PRESETS, TABLE1, generate, get_preset
 
 __all__ = ["TraceStats", "main", "preset_trace", "trace_stats"]

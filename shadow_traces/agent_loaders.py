@@ -1,5 +1,5 @@
 """Loaders of agent sessions into the session-trace format
-(:mod:`shadowcore.workloads.session_trace`).
+(:mod:`shadow_traces.session_trace`).
 
 * :func:`load_swe_agent` -- SWE-agent trajectories (``.traj`` JSON files): one
   session per file, one call per assistant message of ``history``. A call's
@@ -48,14 +48,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from shadowcore.errors import ConfigError
-from shadowcore.workloads.session_trace import (
+from shadow_traces.session_trace import (
     SessionTrace,
     TraceCall,
     TraceHeader,
     TraceSession,
     sessions_from_records,
 )
+from shadowcore.errors import ConfigError
 from shadowcore.workloads.traces import TraceError, load_copilot
 
 __all__ = [

@@ -284,7 +284,7 @@ def from_agent_sessions(sessions: Iterable[AgentSession], header: TraceHeader | 
 @functools.cache
 def schema() -> dict[str, Any]:
     """The JSON Schema of one line (``$defs.header`` for line 1, ``$defs.call`` for the others)."""
-    text = resources.files("shadowcore.workloads").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+    text = resources.files("shadow_traces").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
     return json.loads(text)
 
 
