@@ -124,6 +124,10 @@ def preset_trace(name: str, num_sessions: int, seed: int = 0) -> SessionTrace:
     return from_agent_sessions(sessions, header)
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.1%}"
+
+
 def format_stats(st: TraceStats, header: TraceHeader) -> str:
     rows = [
         ("sessions", f"{st.num_sessions}"), ("calls", f"{st.num_calls}"),
@@ -131,11 +135,11 @@ def format_stats(st: TraceStats, header: TraceHeader) -> str:
         ("switch rate", f"{st.switch_rate:.1%}"), ("switches / session", f"{st.switches_per_session:.2f}"),
         ("mean prompt", f"{st.mean_prompt / 1000:.1f}K"), ("p99 prompt", f"{st.p99_prompt / 1000:.1f}K"),
         ("compactions / session", f"{st.compactions_per_session:.2f}"),
-        ("hit rate (no-shadow, ideal cache)", f"{st.ideal_hit_rate:.1%}"),
-        ("switch hit rate (no-shadow, ideal cache)", f"{st.ideal_switch_hit_rate:.1%}"),
+        ("hit rate (no-shadow, ideal cache)", _pct(st.ideal_hit_rate)),
+        ("switch hit rate (no-shadow, ideal cache)", _pct(st.ideal_switch_hit_rate)),
     ]
     if st.observed_hit_rate is not None:
-        rows.append(("hit rate (observed cached_tokens)", f"{st.observed_hit_rate:.1%}"))
+        rows.append(("hit rate (observed cached_tokens)", _pct(st.observed_hit_rate)))
     if st.calls_without_model:
         rows.append(("calls without a model", f"{st.calls_without_model} (switches need a router)"))
     preset = header.metadata.get("preset") if header.source.startswith("preset:") else None
