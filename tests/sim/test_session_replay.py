@@ -251,3 +251,19 @@ def test_a_single_model_trajectory_rerouted_switches_and_shadows_help(tmp_path: 
     assert sum(c.num_cached_tokens for c in recs["oracle-host"].calls if c.is_switch) > sum(base.values())
     with pytest.raises(ConfigError, match="re-routes a session file"):
         Experiment.from_dict({**SMALL, "session_router": "markov"})
+
+
+def test_an_edited_session_file_is_a_different_experiment(tmp_path: Path) -> None:
+    from shadow_sim.experiments.distributed import task_key
+    from shadow_traces.agent_loaders import load_call_csv
+    from shadow_traces.session_trace import write_session_trace
+
+    trace, _ = load_call_csv(switching_csv(tmp_path / "calls.csv"))
+    path = tmp_path / "calls.jsonl"
+    write_session_trace(trace, path)
+    data = {**SMALL, "sessions": str(path), "session_models": {"small": "Qwen2.5-7B", "large": "Llama-3.1-70B"}}
+    before = task_key(Task(Experiment.from_dict(data), PluginRef("no-shadow"), 0, "peak", CAPACITY))
+    assert before == task_key(Task(Experiment.from_dict(data), PluginRef("no-shadow"), 0, "peak", CAPACITY))
+    path.write_text(path.read_text().replace('"output_tokens":200', '"output_tokens":201'))
+    after = task_key(Task(Experiment.from_dict(data), PluginRef("no-shadow"), 0, "peak", CAPACITY))
+    assert after != before

@@ -22,6 +22,7 @@ is an error naming the session and call, not a silent cut.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from typing import Any
 
@@ -48,6 +49,15 @@ def load(path: str) -> SessionTrace:
 @functools.lru_cache(maxsize=4)
 def _load(path: str, _size: int, _mtime_ns: int) -> SessionTrace:
     return read_session_trace(path)
+
+
+def digest(path: str) -> str:
+    """sha256 of the file's bytes."""
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.file_digest(fh, "sha256").hexdigest()
+    except OSError as e:
+        raise ConfigError("sessions", path, str(e)) from None
 
 
 def default_duration_s(path: str) -> float:

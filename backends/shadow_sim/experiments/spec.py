@@ -126,6 +126,9 @@ class Experiment:
     session_router: PluginRef = attrs.field(default=PluginRef("replay"),
                                             converter=lambda v: PluginRef.parse("session_router", v)
                                             if not isinstance(v, PluginRef) else v)
+    #: sha256 of the session file's bytes (set from ``sessions``): part of the value, so a
+    #: resumed sweep never reuses runs of an edited file.
+    sessions_sha256: str = attrs.field(init=False, default="")
 
     def __attrs_post_init__(self) -> None:
         for key in ("models", "preset", "instances_per_model", "duration_s", "warmup_s", "session_rate_per_s",
@@ -137,6 +140,7 @@ class Experiment:
             from shadow_sim.experiments import session_file
 
             session_file.check(self)
+            object.__setattr__(self, "sessions_sha256", session_file.digest(self.sessions))
         elif self.session_router.name != "replay":
             raise ConfigError("session_router", self.session_router.name, "re-routes a session file: set sessions")
         elif self.preset:
