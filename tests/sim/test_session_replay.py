@@ -255,6 +255,7 @@ def test_a_single_model_trajectory_rerouted_switches_and_shadows_help(tmp_path: 
 
 def test_an_edited_session_file_is_a_different_experiment(tmp_path: Path) -> None:
     from shadow_sim.experiments.distributed import task_key
+
     from shadow_traces.agent_loaders import load_call_csv
     from shadow_traces.session_trace import write_session_trace
 
