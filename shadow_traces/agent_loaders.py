@@ -13,8 +13,13 @@
   line per field). Sessions arrive ``session_interval_s``
   apart in the order the files are given. The model is ``model`` when given,
   else the trajectory's ``replay_config`` agent model name, else
-  ``"swe-agent"``. History processors that elide old observations are not
-  modelled: the prompt is the cumulative history.
+  ``"swe-agent"``. When every trajectory step has a ``query`` (the messages
+  the LM was shown, SWE-agent >= 1.1, after its history processors), a call's
+  prompt is that query and its new input the query minus the previous prompt
+  and output; a query that changes an earlier message of the previous query
+  (old observations elided) is recorded as a compaction to the prompt sent,
+  and counted. Without ``query`` the prompt
+  is the cumulative history.
 * :func:`load_copilot_sessions` -- the GitHub Copilot coding-agent traces 2026
   as sessions (:func:`~shadowcore.workloads.traces.load_copilot` reads and
   checks the file): each session's LLM calls in time order, with their model,
@@ -209,15 +214,28 @@ def _swe_session(path: str, counter: TokenCounter, model: str | None, arrival_s:
     if not timed:
         notes.append(f"{path}: no per-step execution_time for every call: tool gaps are {tool_gap_s:g} s")
     stats = (doc.get("info") or {}).get("model_stats") if isinstance(doc.get("info"), dict) else None
-    prompts, context = [], 0
+    sent = _queries(path, counter, steps, len(calls_raw))
+    if sent is None:
+        notes.append(f"{path}: prompts from the cumulative history (the trajectory has no per-step 'query')")
+    prompts, context, rewritten = [], 0, 0
     calls = []
     for i, (inp, out) in enumerate(calls_raw):
-        prompt = context + inp
+        compact = None
+        if sent is not None:  # the messages the LM was shown (after SWE-agent's history processors)
+            size, changed = sent[i]
+            inp = size - context
+            if i and (changed or inp < 0):  # an earlier message was changed: the context was rewritten
+                rewritten += 1
+                compact, inp = size, 0
+        prompt = (context if compact is None else compact) + inp
         prompts.append(prompt)
         gap = None if i == 0 else float(steps[i - 1]["execution_time"]) if timed else tool_gap_s
         calls.append(TraceCall(inp, out, name, arrival_s=arrival_s if i == 0 else None, gap_s=gap,
-                               prompt_tokens=prompt))
+                               prompt_tokens=prompt, compact_to_tokens=compact))
         context = prompt + out
+    if rewritten:
+        notes.append(f"{path}: {rewritten} calls' queries rewrite earlier messages (SWE-agent's history processors): "
+                     "recorded as compactions to the prompt sent (the replay reuses none of their context)")
     if isinstance(stats, dict):
         sent, api = stats.get("tokens_sent"), stats.get("api_calls")
         if isinstance(api, int) and api != len(calls):
@@ -227,6 +245,28 @@ def _swe_session(path: str, counter: TokenCounter, model: str | None, arrival_s:
             notes.append(f"{path}: prompt tokens {sum(prompts)} ({counter.name}) vs info.model_stats.tokens_sent "
                          f"{sent} ({sum(prompts) / sent:.2f}x)")
     return TraceSession(sid, tuple(calls), sid)
+
+
+def _queries(path: str, counter: TokenCounter, steps: list, num_calls: int) -> list[tuple[int, bool]] | None:
+    """Per call, from the trajectory steps' ``query`` (every message shown to the
+    LM at that step; SWE-agent >= 1.1): (prompt tokens, whether the query rewrote
+    the previous query's messages instead of extending them); None when a step has none."""
+    if len(steps) != num_calls or not all(isinstance(st, dict) and isinstance(st.get("query"), list)
+                                          for st in steps):
+        return None
+    out, previous = [], []
+    for k, st in enumerate(steps):
+        texts = []
+        for j, msg in enumerate(st["query"]):
+            where = f"trajectory[{k}].query[{j}]"
+            if not isinstance(msg, dict):
+                raise TraceError(path, 0, where, msg, "not a message")
+            texts.append((msg.get("role"), _assistant_text(path, where, msg) if msg.get("role") == "assistant"
+                          else _text(path, where, msg.get("content"))))
+        rewritten = k > 0 and texts[:len(previous)] != previous
+        out.append((sum(counter.count(t) for _, t in texts), rewritten))
+        previous = texts
+    return out
 
 
 def load_swe_agent(paths: Sequence[str | os.PathLike[str]], *, tokenizer: str | None = None,

@@ -401,3 +401,26 @@ def test_sessions_command_errors(tmp_path: Path, capsys) -> None:
     captured = capsys.readouterr()
     assert "2 calls" in captured.out and "chars/4" in captured.err
     assert sessions_main(["convert", "--from", "preset", "nope", "-o", str(out)]) == 2
+
+
+def test_swe_agent_prompts_from_the_steps_query(tmp_path: Path) -> None:
+    """SWE-agent >= 1.1 stores every message shown to the LM per step ('query'): those are the prompts;
+    a query that changes an earlier message (a history processor elided it) is recorded as a compaction."""
+    doc = traj(3)
+    history, steps = doc["history"], doc["trajectory"]
+    assistant = [k for k, m in enumerate(history) if m["role"] == "assistant"]
+    for step, k in zip(steps, assistant):
+        step["query"] = json.loads(json.dumps(history[:k]))
+    steps[2]["query"][3]["content"] = [{"type": "text", "text": "(omitted)"}]  # observation 0 elided
+    steps[1]["query"][3]["content"] = [{"type": "text", "text": "OBSERVATION:\n" + "y" * 20}]  # the newest: fine
+    (tmp_path / "q.traj").write_text(json.dumps(doc))
+    trace, notes = load_swe_agent([tmp_path / "q.traj"])
+    (s,) = trace.sessions
+    sizes = [sum(-(-len(m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"]))
+                 // 4) if m["role"] != "assistant" else expected_swe({"history": [m]})[0][1]
+                 for m in st["query"]) for st in steps]
+    assert s.prompt_lengths() == tuple(sizes)
+    assert [c.compact_to_tokens for c in s.calls] == [None, None, sizes[2]]
+    assert any("1 calls' queries rewrite earlier messages" in n for n in notes)
+    write_session_trace(trace, tmp_path / "q.jsonl")
+    assert read_session_trace(tmp_path / "q.jsonl") == trace
