@@ -149,7 +149,7 @@ def test_normal_trace_caps_are_counted_and_optional(tmp_path: Path, capsys) -> N
                      "--format", "csv", "--out", str(out), "--normal-trace", src, "--max-output", "none"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "40 requests; 4 prompts > 8192 capped (10.0%), outputs uncapped" in text
+    assert "40 requests; 4 prompts > 8192 capped (10.00%), outputs uncapped" in text
     caps = json.loads((out / "summary.json").read_text())["Q7/L70"]["normal_caps"]
     assert (caps["num_prompt_capped"], caps["num_output_capped"], caps["max_output_tokens"]) == (4, 0, None)
 

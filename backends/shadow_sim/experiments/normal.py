@@ -123,7 +123,7 @@ class CapReport:
         def part(n: int, cap: int | None, what: str) -> str:
             if cap is None:
                 return f"{what}s uncapped"
-            return f"{n} {what}s > {cap} capped ({n / self.num_requests:.1%})"
+            return f"{n} {what}s > {cap} capped ({n / self.num_requests:.2%})"
         return (f"normal traffic {self.source}: {self.num_requests} requests; "
                 f"{part(self.num_prompt_capped, self.max_prompt_tokens, 'prompt')}, "
                 f"{part(self.num_output_capped, self.max_output_tokens, 'output')} "
