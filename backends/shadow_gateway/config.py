@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 import attrs
 import yaml
 
+from shadow_gateway.recording import RecordConfig
 from shadowcore._validators import non_empty_str, non_negative, non_negative_int, positive, positive_int
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
@@ -89,6 +90,10 @@ class SessionConfig:
     field: str = attrs.field(default="session_id", validator=non_empty_str)
     task_header: str = attrs.field(default="X-Session-Task", validator=non_empty_str)
     idle_timeout_s: float = attrs.field(default=3600.0, validator=positive)
+    #: Most sessions kept; a new session beyond it ends the least recently seen idle one (LRU).
+    max_sessions: int = attrs.field(default=100_000, validator=positive_int)
+    #: Most tasks (X-Session-Task values) whose counts the switch predictor keeps, LRU.
+    max_tasks: int = attrs.field(default=10_000, validator=positive_int)
 
 
 @attrs.frozen
@@ -111,6 +116,14 @@ class UpstreamConfig:
     #: attempt fails before any byte reached the client (connection error, 5xx, timeout).
     retries: int = attrs.field(default=1, validator=non_negative_int)
     max_connections: int = attrs.field(default=512, validator=positive_int)
+    #: Outlier ejection: a routed call with no response after this long (a hung instance whose
+    #: /health may still answer), or one that timed out, takes its instance out of placement and
+    #: shadow work for ``eject_s`` (the call itself waits on, up to ``read_timeout_s``).
+    first_byte_bound_s: float = attrs.field(default=30.0, validator=positive)
+    eject_s: float = attrs.field(default=30.0, validator=positive)
+    #: Response bodies, stream lines and shadow bodies this large (bytes) are decoded and encoded
+    #: in a worker process, off the event loop (shadow_gateway.offload).
+    offload_min_bytes: int = attrs.field(default=1 << 20, validator=positive_int)
 
 
 @attrs.frozen
@@ -145,6 +158,8 @@ class GatewayConfig:
     #: At startup, tokenize a probe on one instance of every model and refuse
     #: to start when two models disagree.
     tokenizer_check: bool = attrs.field(default=True, validator=lambda _i, a, v: _bool(a, v))
+    #: Record every routed call as a session trace (None: off; shadow_gateway.recording).
+    record: RecordConfig | None = None
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -247,7 +262,7 @@ def from_dict(data: Any, src: _Source | None = None) -> GatewayConfig:
     if not isinstance(data, Mapping):
         raise src.error("", data, "the configuration must be a mapping")
     known = {"models", "router", "shadow", "session", "health", "upstream", "shadow_submit", "listen",
-             "tokenizer_check"}
+             "tokenizer_check", "record"}
     for k in data:
         if k not in known:
             raise src.error(str(k), data[k], f"unknown field (known: {', '.join(sorted(known))})")
@@ -270,6 +285,7 @@ def from_dict(data: Any, src: _Source | None = None) -> GatewayConfig:
         "shadow_submit": _build(ShadowSubmitConfig, "shadow_submit", data.get("shadow_submit", {}), src),
         **{k: listen[k] for k in ("host", "port") if k in listen},
         **({"tokenizer_check": data["tokenizer_check"]} if "tokenizer_check" in data else {}),
+        **({"record": _build(RecordConfig, "record", data["record"], src)} if "record" in data else {}),
     }, src, prefix_of={"host": "listen.host", "port": "listen.port"})
     _check_policy(cfg, src)
     _check_tokenizer_names(cfg, src)

@@ -88,15 +88,16 @@ def call_rows(tasks: Sequence[Any], records: Sequence[Any]) -> list[dict[str, An
     return out
 
 
-def write_comparisons(out: Path, tasks: Sequence[Any], records: Sequence[Any],
-                      comparisons: Mapping[str, Any]) -> list[Path]:
-    """A simulator experiment's folder: its calls, comparisons (runner ``Comparison``s) and wide tables."""
+def write_comparisons(out: Path, tasks: Sequence[Any], records: Sequence[Any], comparisons: Mapping[str, Any],
+                      extra: Mapping[str, Any] | None = None) -> list[Path]:
+    """A simulator experiment's folder: its calls, comparisons (runner ``Comparison``s) and wide tables;
+    ``extra`` fields join every comparison's summary (e.g. the normal traffic's caps)."""
     from shadow_sim.experiments.runner import format_table, summary_json
 
     tables = [(f"== {label}\n" if label else "") + format_table(c, wide=True) for label, c in comparisons.items()]
     notices = list(dict.fromkeys(n for c in comparisons.values() for n in c.notices))
-    return write_folder(out, call_rows(tasks, records), {k: summary_json(c) for k, c in comparisons.items()},
-                        "\n\n".join(tables), "sim", notices)
+    summaries = {k: {**summary_json(c), **(extra or {})} for k, c in comparisons.items()}
+    return write_folder(out, call_rows(tasks, records), summaries, "\n\n".join(tables), "sim", notices)
 
 
 # -- reading ---------------------------------------------------------------------------------

@@ -20,10 +20,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from shadow_sim.experiments.calibrate import capacities
 from shadow_sim.experiments.distributed import ResultStore, execute_grid
 from shadow_sim.experiments.metrics import RunRecord
-from shadow_sim.experiments.normal import WINDOWS
+from shadow_sim.experiments.normal import WINDOWS, CapReport, NormalTraffic
 from shadow_sim.experiments.runner import (
     DEFAULT_POLICIES,
     Comparison,
@@ -35,7 +37,7 @@ from shadow_sim.experiments.runner import (
 )
 from shadow_sim.experiments.spec import PAIRS, SIMULATE_DEFAULT, Experiment, get_pair
 from shadowcore.cli import HelpFormatter, add_policy_options, describe, load_scenario, policies_from_args
-from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.config import PluginRef, ShadowConfig, parse_ref
 from shadowcore.errors import ConfigError, PluginError
 
 
@@ -49,11 +51,19 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
     1.5 run-times instead of 2). ``out``: also write the result folder there
     (:mod:`shadow_sim.experiments.output`); ``wide``: every column."""
     data = dict(scenario)
+    replay = {k: data.pop(k) for k in ("sessions", "session_router") if k in data}  # simulate --sessions, --router
     if set(data) <= {"duration_s", "latency_profile"}:
-        ex = Experiment.from_dict({**SIMULATE_DEFAULT, **data})
+        base = dict(SIMULATE_DEFAULT)
+        if replay.get("sessions"):  # the file's sessions set the measured window unless --duration does
+            base.pop("duration_s")
+        ex = Experiment.from_dict({**base, **data, **replay})
     elif "experiment" in data:
         extra = {k: v for k, v in data.items() if k != "experiment"}
-        ex = Experiment.from_dict({**data["experiment"], **extra})
+        ex = Experiment.from_dict({**data["experiment"], **extra, **replay})
+    elif replay:
+        sessions = replay.get("sessions")
+        raise ConfigError("--sessions", sessions, "replays into an experiment: give no --scenario, or one with "
+                          "{\"experiment\": {...}} (a plain scenario draws its own sessions)")
     else:
         return None
     refs = [c.policy for c in configs]
@@ -61,11 +71,14 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
     if jobs is None:
         jobs = max(1, min(len(refs) * len(seeds), (os.cpu_count() or 1) + 1))
     c, tasks, records = run_comparison_records(ex, refs, seeds=seeds, jobs=jobs, progress=True)
+    caps = ex.normal.cap_report()
     text = "\n".join([f"warning: {n}" for n in c.notices] + [format_table(c, wide=wide)])
+    text += f"\n{caps.line()}" if caps is not None else ""
     if out is not None:
         from shadow_sim.experiments.output import write_comparisons
 
-        paths = write_comparisons(out, tasks, records, {"": c})
+        extra = {"normal_caps": attrs.asdict(caps)} if caps is not None else {}
+        paths = write_comparisons(out, tasks, records, {"": c}, extra)
         text += f"\nwrote {', '.join(p.name for p in paths)} to {out}"
     return text
 
@@ -91,6 +104,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, help="warm-up seconds")
     p.add_argument("--rho", type=float, help="normal-traffic load relative to capacity")
     p.add_argument("--normal-trace", help="replay this trace file as normal traffic (Azure, BurstGPT, ...)")
+    p.add_argument("--max-prompt", type=_cap, help="cap of normal-trace prompts (default 8192; 'none': no cap)")
+    p.add_argument("--max-output", type=_cap, help="cap of normal-trace outputs (default 1024; 'none': no cap)")
+    p.add_argument("--sessions", help="replay this session-trace file instead of the preset (shadowprefill sessions)")
+    p.add_argument("--router", metavar="NAME[:JSON]",
+                   help="re-route the --sessions file: markov, accuracy-per-cost or a plugin (default: replay)")
     p.add_argument("--latency", choices=("vidur", "roofline", "auto"), help="latency model")
     p.add_argument("--latency-profile", metavar="NAME|FILE",
                    help="calibrate the latency model: a shipped profile or a JSON file (shadowprefill latency)")
@@ -113,19 +131,33 @@ def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = {}
     if args.experiment:
         data = load_scenario(args.experiment)
-    for flag, key in (("preset", "preset"), ("duration", "duration_s"), ("warmup", "warmup_s"),
-                      ("latency", "latency"), ("latency_profile", "latency_profile"),
+    for flag, key in (("preset", "preset"), ("sessions", "sessions"), ("duration", "duration_s"),
+                      ("warmup", "warmup_s"), ("latency", "latency"), ("latency_profile", "latency_profile"),
                       ("instances", "instances_per_model")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
+    if getattr(args, "router", None) is not None:
+        data["session_router"] = parse_ref(args.router, "--router").to_dict()
     normal = dict(data.get("normal", {}))
     if args.rho is not None:
         normal["rho"] = args.rho
     if args.normal_trace:
         normal.update(kind="trace", source=args.normal_trace)
+    for flag, key in (("max_prompt", "max_prompt_tokens"), ("max_output", "max_output_tokens")):
+        if getattr(args, flag, None) is not None:
+            normal[key] = None if getattr(args, flag) == "none" else getattr(args, flag)
     if normal:
         data["normal"] = normal
     return data
+
+
+def _cap(text: str) -> int | str:
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer number of tokens, or none") from None
 
 
 def _capacity(text: str | None) -> dict[str, float] | None:
@@ -242,14 +274,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out = Path(args.out)
     path = write_rows(rows(comparisons), out, args.format)
-    written = write_comparisons(out, tasks, records, comparisons)
+    caps = _cap_report(experiment_from_args(args))
+    extra = {"normal_caps": attrs.asdict(caps)} if caps is not None else {}  # the caps are never silent
+    written = write_comparisons(out, tasks, records, comparisons, extra)
     for notice in dict.fromkeys(n for c in comparisons.values() for n in c.notices):
         print(f"warning: {notice}")
     for label, c in comparisons.items():
         print(f"== {label}")
         print(format_table(c, wide=args.wide))
+    if caps is not None:
+        print(caps.line())
     print(f"wrote {path.name}, {', '.join(p.name for p in written)} to {out}")
     return 0
+
+
+def _cap_report(data: Mapping[str, Any]) -> CapReport | None:
+    from shadowcore.config import build_attrs
+
+    return build_attrs(NormalTraffic, "normal", data.get("normal", {})).cap_report()
 
 
 def no_nan(x: Any) -> Any:
