@@ -152,9 +152,18 @@ def run_comparison(ex: Experiment, policies: Sequence[PluginRef | str], seeds: S
     return compare(records, tasks)[label]
 
 
-def with_progress(tasks: Sequence[Task], jobs: int, progress: bool) -> list[RunRecord]:
+Executor = Callable[..., list[RunRecord]]  # (tasks, on_done) -> records in task order
+
+
+def with_progress(tasks: Sequence[Task], jobs: int, progress: bool, *,
+                  on_done: Callable[[Task, RunRecord], None] | None = None,
+                  executor: Executor | None = None) -> list[RunRecord]:
+    """Run ``tasks`` with a progress bar over tasks as they finish. ``executor(tasks,
+    on_done)`` runs them (default: :func:`execute` with ``jobs`` local processes);
+    ``on_done`` is called for each finished task, before the bar moves."""
+    run = executor or (lambda ts, cb: execute(ts, jobs, cb))
     if not progress:
-        return execute(tasks, jobs)
+        return run(tasks, on_done)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -162,11 +171,13 @@ def with_progress(tasks: Sequence[Task], jobs: int, progress: bool) -> list[RunR
         job = bar.add_task("simulating", total=len(tasks))
 
         def done(t: Task, r: RunRecord) -> None:
+            if on_done:
+                on_done(t, r)
             bar.update(job, advance=1, description=f"{t.label or 'run'} seed {t.seed} {t.window} {t.name}")
 
         if jobs <= 1:
             bar.update(job, description=f"{tasks[0].name} ..." if tasks else "")
-        return execute(tasks, jobs, done)
+        return run(tasks, done)
 
 
 
