@@ -97,6 +97,15 @@ MUTATIONS: dict[str, tuple] = {
                    "            if blocks.pop(h)[4]:  # it was counted cold\n                pass\n",
                    "self._num_cold_idle -= sum(map(_is_cold, map(self._blocks.pop, victims)))",
                    "deque(map(self._blocks.pop, victims), 0)"),
+    "refs-split": ("tests/test_policy_refs.py", "test_comma_lists_split_only_outside_the_json", "shadowcore/config.py",
+                   'if text[j] == ":" and (args_at := _args_start(text, j)) is not None:', "if False:"),
+    "factory-bug": ("tests/test_plugins.py", "test_a_bug_inside_a_factory_is_one_error_naming_the_plugin",
+                    "shadowcore/registry.py", "    except Exception as e:\n", "    except ArithmeticError as e:\n"),
+    "orphan-workers": ("tests/sim/test_signals.py", "test_stopping_sweep_stops_every_worker",
+                       "backends/shadow_sim/experiments/runner.py",
+                       "        _stop_workers(pool)\n        raise\n", "        raise\n"),
+    "ci-skips": ("tests/test_shared_traces.py", "test_absent_traces_fail_under_ci", "tests/conftest.py",
+                 'if os.environ.get("CI") == "true":', "if False:"),
 }
 
 

@@ -51,6 +51,15 @@ def test_bad_config_names_field_value_and_line(text, field, line, value):
         assert value in msg
 
 
+def test_policy_field_takes_the_command_line_syntax():
+    cfg = parse_config(GOOD + 'shadow: {policy: \'harvest-slo:{"beta": 0.3, "delta": 0.1}\'}\n', "gw.yaml")
+    assert cfg.shadow.policy == PluginRef("harvest-slo", {"beta": 0.3, "delta": 0.1})
+    with pytest.raises(ConfigError) as info:
+        parse_config(GOOD + 'shadow: {policy: \'harvest-slo:{"beta": 0.3,}\'}\n', "gw.yaml")
+    assert info.value.field == "shadow.policy", str(info.value)
+    assert "harvest-slo: arguments are not JSON" in str(info.value) and "column 26" in str(info.value)
+
+
 def test_serve_command_reports_bad_config(tmp_path, capsys):
     bad = tmp_path / "g.yaml"
     bad.write_text(GOOD + "listen: {port: -1}\n")
