@@ -97,6 +97,12 @@ MUTATIONS: dict[str, tuple] = {
                    "            if blocks.pop(h)[4]:  # it was counted cold\n                pass\n",
                    "self._num_cold_idle -= sum(map(_is_cold, map(self._blocks.pop, victims)))",
                    "deque(map(self._blocks.pop, victims), 0)"),
+    # shadow tokens used: a host-tier hit on a shadow block counts (one definition, issue 14 item 7)
+    "used-host": ("tests/sim/test_session_replay.py", "test_a_host_tier_hit_on_a_shadow_block_counts_as_used",
+                  "shadowcore/kv.py", "            self.num_shadow_blocks_used += host_used\n", ""),
+    # session traces: a prompt that disagrees with context + input is an error
+    "trace-prompt": ("tests/test_session_trace.py", "test_cross_line_rules", "shadow_traces/session_trace.py",
+                     "    if given is not None and given != prompt:", "    if False:"),
     "refs-split": ("tests/test_policy_refs.py", "test_comma_lists_split_only_outside_the_json", "shadowcore/config.py",
                    'if text[j] == ":" and (args_at := _args_start(text, j)) is not None:', "if False:"),
     "factory-bug": ("tests/test_plugins.py", "test_a_bug_inside_a_factory_is_one_error_naming_the_plugin",

@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 import attrs
 import yaml
 
+from shadow_gateway.recording import RecordConfig
 from shadowcore._validators import non_empty_str, non_negative, non_negative_int, positive, positive_int
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
@@ -145,6 +146,8 @@ class GatewayConfig:
     #: At startup, tokenize a probe on one instance of every model and refuse
     #: to start when two models disagree.
     tokenizer_check: bool = attrs.field(default=True, validator=lambda _i, a, v: _bool(a, v))
+    #: Record every routed call as a session trace (None: off; shadow_gateway.recording).
+    record: RecordConfig | None = None
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -247,7 +250,7 @@ def from_dict(data: Any, src: _Source | None = None) -> GatewayConfig:
     if not isinstance(data, Mapping):
         raise src.error("", data, "the configuration must be a mapping")
     known = {"models", "router", "shadow", "session", "health", "upstream", "shadow_submit", "listen",
-             "tokenizer_check"}
+             "tokenizer_check", "record"}
     for k in data:
         if k not in known:
             raise src.error(str(k), data[k], f"unknown field (known: {', '.join(sorted(known))})")
@@ -270,6 +273,7 @@ def from_dict(data: Any, src: _Source | None = None) -> GatewayConfig:
         "shadow_submit": _build(ShadowSubmitConfig, "shadow_submit", data.get("shadow_submit", {}), src),
         **{k: listen[k] for k in ("host", "port") if k in listen},
         **({"tokenizer_check": data["tokenizer_check"]} if "tokenizer_check" in data else {}),
+        **({"record": _build(RecordConfig, "record", data["record"], src)} if "record" in data else {}),
     }, src, prefix_of={"host": "listen.host", "port": "listen.port"})
     _check_policy(cfg, src)
     _check_tokenizer_names(cfg, src)

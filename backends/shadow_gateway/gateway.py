@@ -50,6 +50,7 @@ import httpx
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import GatewayConfig, SchedulerKind
 from shadow_gateway.metrics import GatewayMetrics
+from shadow_gateway.recording import CallFacts, Recorder
 from shadow_gateway.router import RouteError, Router, RouteRequest, Warmth, load_router
 from shadow_gateway.shadow import ShadowDispatcher
 from shadowcore.errors import ConfigError
@@ -91,6 +92,10 @@ class CallContext:
     client_wants_usage: bool = False
     prompt_seen: bool = False
     started_s: float = 0.0
+    task: str = ""
+    usage: Any = None  # the upstream's usage, when one came (for the recorder)
+    prompt_ids: list[int] | None = None
+    request: Any = None  # messages / prompt, only when the recorder records text
 
 
 @attrs.define(eq=False)
@@ -110,6 +115,7 @@ class Gateway:
     last_seen_s: dict[str, float] = attrs.field(init=False, factory=dict)
     _epoch0_s: float = attrs.field(init=False, default=0.0)
     _tasks: list[asyncio.Task] = attrs.field(init=False, factory=list)
+    recorder: Recorder | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self.cluster = GatewayCluster(self.config)
@@ -119,6 +125,8 @@ class Gateway:
         self.router = load_router(self.config.router)
         self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics)
         self._epoch0_s = self.clock()
+        if self.config.record is not None:
+            self.recorder = Recorder(self.config.record, self._epoch0_s, self.config.model_names)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -181,6 +189,8 @@ class Gateway:
         await self.shadows.close()
         await self.client.aclose()
         await self.upstream.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
     # -- RouterView ----------------------------------------------------------------------
     @property
@@ -251,7 +261,9 @@ class Gateway:
         self.busy.add(session_id)
         self.last_seen_s[session_id] = self.clock()
         ctx = CallContext(session_id, model, placement.is_switch, self.cluster.by_id[placement.instance_id],
-                          client_wants_ids=bool(body.get("return_token_ids")), started_s=self.clock())
+                          client_wants_ids=bool(body.get("return_token_ids")), started_s=self.clock(), task=task)
+        if self.recorder is not None and self.recorder.wants_text:
+            ctx.request = body.get("messages", body.get("prompt"))
         self.shadows.on_call_arrival(session_id, placement.instance_id)
         self.shadows.wake_all()
         return ctx
@@ -267,11 +279,19 @@ class Gateway:
         self.last_seen_s[ctx.session_id] = self.clock()
         if ok:
             self.shadows.on_call_complete(ctx.session_id)
+        if self.recorder is not None:
+            try:
+                self.recorder.on_call_end(CallFacts(ctx.session_id, ctx.model, ctx.task, ctx.started_s, self.clock(),
+                                                    ctx.usage, ctx.prompt_ids, ctx.request), ok)
+            except Exception:  # recording never fails a call
+                log.exception("session %s: recording failed", ctx.session_id)
+                self.metrics.errors.labels("recording", ctx.model).inc()
         self.shadows.wake_all()
 
     # -- token ids from the upstream's responses ------------------------------------------
     def on_prompt_ids(self, ctx: CallContext, ids: list[int], num_cached: int | None) -> None:
         ctx.prompt_seen = True
+        ctx.prompt_ids = ids
         s = self.manager.session(ctx.session_id)
         if s is None:
             return
@@ -419,6 +439,7 @@ class Gateway:
         return data
 
     def _count_usage(self, ctx: CallContext, usage: Any) -> None:
+        ctx.usage = usage
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             self.metrics.prompt_tokens.labels(ctx.model).inc(usage["prompt_tokens"])
 
@@ -505,6 +526,8 @@ class Gateway:
         self.manager.on_session_end(session_id)
         self.cluster.forget_session(session_id)
         self.last_seen_s.pop(session_id, None)
+        if self.recorder is not None:
+            self.recorder.forget(session_id)
         return known
 
 
