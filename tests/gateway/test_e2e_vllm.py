@@ -189,7 +189,7 @@ def test_streaming_chat_session_through_real_vllm(gw, vllm_servers):
     assert all("token_ids" not in ch["choices"][0] for ch in chunks if ch["choices"])
     history = gw.gateway.manager.history("chat")
     tokenized = httpx.post(vllm_servers["tiny-a"] + "/tokenize", json={"model": "tiny-a", "messages": messages}).json()
-    assert history.token_ids[: tokenized["count"]] == tokenized["tokens"]
+    assert history.token_ids[: tokenized["count"]].tolist() == tokenized["tokens"]
     assert history.num_tokens == tokenized["count"] + 8  # prompt + streamed output ids
 
 
@@ -230,3 +230,36 @@ def test_tagged_mode_switch_finds_the_context_the_shadow_scheduler_prefilled(gw_
     cached = switch_cached(context, 8, {"X-Session-Id": "tagged"})
     assert cached == expected > 0
     assert gw_tagged.metric("shadowprefill_gateway_shadow_tokens_used_total", model="tiny-b") == cached
+
+
+def _engine_metric(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_vllm_metrics_export_the_engine_shadow_counters(gw_tagged, vllm_servers):
+    """``vllm-serve`` puts the shadow scheduler's counters on vLLM's own
+    ``/metrics``: after a tagged shadow and a switch that used it (the test
+    above, or this one's own session), tiny-b shows planned >= computed > 0,
+    prefilled shadow requests, and the switch's cached tokens counted as used."""
+    c = httpx.Client(timeout=120)
+    prompt = _context(11)
+    r = c.post(gw_tagged.url + "/v1/completions", headers={"X-Session-Id": "metrics"},
+               json={"model": "tiny-a", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                     "return_token_ids": True}).json()
+    context = prompt + r["choices"][0]["token_ids"]
+    b = vllm_servers["tiny-b"]
+    wait_for(lambda: _engine_metric(b, "shadowprefill_engine_shadow_requests_total", instance="tiny-b",
+                                    reason="prefilled") >= 1, timeout_s=60, what="a prefilled shadow on /metrics")
+    computed = _engine_metric(b, "shadowprefill_engine_shadow_tokens_computed_total", instance="tiny-b")
+    planned = _engine_metric(b, "shadowprefill_engine_shadow_tokens_planned_total", instance="tiny-b")
+    assert planned >= computed >= len(context) // BLOCK * BLOCK - BLOCK > 0
+    used_before = _engine_metric(b, "shadowprefill_engine_shadow_tokens_used_total", instance="tiny-b")
+    r = c.post(gw_tagged.url + "/v1/completions", headers={"X-Session-Id": "metrics"},
+               json={"model": "tiny-b", "prompt": context + _context(12, 40), "max_tokens": 2}).json()
+    cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+    used = _engine_metric(b, "shadowprefill_engine_shadow_tokens_used_total", instance="tiny-b") - used_before
+    assert used == cached > 0  # the switch hit exactly the shadow's blocks (promoted: used)
