@@ -13,6 +13,15 @@ with that status), ``fail_shadows_only``, ``hang`` (never answer), ``delay_s``
 before answering, ``die_after_tokens`` (drop the connection mid-stream),
 :meth:`FakeUpstream.kill` (stop listening and drop connections).
 
+``api_key`` plays a server started with ``--api-key``: every endpoint but
+``/health`` answers 401 without ``Authorization: Bearer <api_key>``
+(stricter than vLLM, which guards ``/v1`` only), and ``auth_seen`` records
+(path, whether the key was right) for each request.
+
+``stop_token`` plays a model that ends its reply with an end-of-turn token:
+the output's last id is ``stop_token`` (a special token: not in the text),
+``finish_reason`` ``stop``.
+
 ``shadow_short_tokens`` plays the shadow scheduler ending a tagged shadow
 early (a tail below its ``n_min``): it caches the prompt's whole blocks but
 the last ``shadow_short_tokens`` tokens, and says so in ``stop_reason``
@@ -31,6 +40,7 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -47,10 +57,32 @@ def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = Tr
     return text + ("<|assistant|>" if add_generation_prompt else "")
 
 
+class _KeyCheck:
+    """ASGI middleware of :attr:`FakeUpstream.api_key`."""
+
+    def __init__(self, app: Any, fake: FakeUpstream) -> None:
+        self.app, self.fake = app, fake
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        key = self.fake.api_key
+        if scope["type"] != "http" or key is None or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        ok = (b"authorization", f"Bearer {key}".encode()) in scope["headers"]
+        self.fake.auth_seen.append((scope["path"], ok))
+        if not ok:
+            await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class FakeUpstream:
     def __init__(self, name: str = "fake", block_size: int = 16, token_delay_s: float = 0.0,
-                 vocab_offset: int = 0) -> None:
+                 vocab_offset: int = 0, api_key: str | None = None, stop_token: int | None = None) -> None:
         self.name = name
+        self.api_key = api_key
+        self.stop_token = stop_token
+        self.auth_seen: list[tuple[str, bool]] = []
         self.vocab_offset = vocab_offset
         self.block_size = block_size
         self.token_delay_s = token_delay_s
@@ -64,7 +96,7 @@ class FakeUpstream:
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self._cache: set[bytes] = set()
         self._lock = threading.Lock()
-        self.app = Starlette(routes=[
+        self.app = Starlette(middleware=[Middleware(_KeyCheck, fake=self)], routes=[
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/tokenize", self._tokenize, methods=["POST"]),
@@ -168,6 +200,9 @@ class FakeUpstream:
         cached = self.cached_tokens(ids)
         n_out = int(body.get("max_tokens") or 8)
         out = [ord("a") + (sum(ids) + i) % 26 for i in range(n_out)]
+        finish = "length"
+        if self.stop_token is not None and not tagged_shadow(body):
+            out[-1], finish = self.stop_token, "stop"
         tagged = (body.get("vllm_xargs") or {}).get("shadowprefill_kind") == "shadow"
         if tagged and self.shadow_short_tokens:
             held = max(0, len(ids) - self.shadow_short_tokens) // self.block_size * self.block_size
@@ -183,10 +218,10 @@ class FakeUpstream:
         want_ids = bool(body.get("return_token_ids"))
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(body, ids, out, usage, chat, want_ids, include_usage),
+            return StreamingResponse(self._stream(body, ids, out, usage, chat, want_ids, include_usage, finish),
                                      media_type="text/event-stream")
-        text = bytes(out).decode()
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        text = _text(out, self.stop_token)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -200,7 +235,7 @@ class FakeUpstream:
         return JSONResponse(data)
 
     async def _stream(self, body: dict[str, Any], ids: list[int], out: list[int], usage: dict[str, Any], chat: bool,
-                      want_ids: bool, include_usage: bool):
+                      want_ids: bool, include_usage: bool, finish: str = "length"):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
@@ -218,11 +253,11 @@ class FakeUpstream:
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             last = i == len(out) - 1
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish if last else None}
             if chat:
-                choice["delta"] = {"content": chr(t)}
+                choice["delta"] = {"content": _text([t], self.stop_token)}
             else:
-                choice["text"] = chr(t)
+                choice["text"] = _text([t], self.stop_token)
             if want_ids:
                 choice["token_ids"] = [t]
                 if not chat:
@@ -232,6 +267,15 @@ class FakeUpstream:
         if include_usage:
             yield f"data: {json.dumps({'id': 'cmpl-1', 'object': obj, 'choices': [], 'usage': usage})}\n\n".encode()
         yield b"data: [DONE]\n\n"
+
+
+def tagged_shadow(body: dict[str, Any]) -> bool:
+    return (body.get("vllm_xargs") or {}).get("shadowprefill_kind") == "shadow"
+
+
+def _text(ids: list[int], stop_token: int | None) -> str:
+    """The text of output ids (a special stop token has none)."""
+    return bytes(t for t in ids if t != stop_token).decode()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -208,7 +208,7 @@ class ShadowDispatcher:
         num_held = 0
         try:
             async with self.client.post(f"{inst.url}/v1/completions", data=json.dumps(body).encode(),
-                                        headers=JSON_HEADERS) as r:
+                                        headers={**JSON_HEADERS, **inst.config.auth_headers}) as r:
                 if r.status != 200:
                     outcome = f"http-{r.status // 100}xx"
                 else:
@@ -293,7 +293,7 @@ class ShadowDispatcher:
         if not inst.healthy:
             return 1  # nothing goes to an unhealthy instance
         try:
-            async with self.client.get(f"{inst.url}/metrics",
+            async with self.client.get(f"{inst.url}/metrics", headers=inst.config.auth_headers,
                                        timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s)) as r:
                 r.raise_for_status()
                 return parse_num_waiting(await r.text(), f"{inst.url}/metrics")
