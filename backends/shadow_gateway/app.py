@@ -242,8 +242,8 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
             raise BadRequest("model", f"model {model!r} is not served here (models: {', '.join(gw.models)})", 404)
         key = gw.session_key(tenant_of(request), session_id)
         if key not in gw.manager:
-            raise BadRequest(source, f"no session {session_id!r} (a session is visible only to the API key "
-                             "that made it)", 404)
+            raise BadRequest(source, f"{source} = {session_id!r}: no such session (a session is visible only "
+                             "to the API key that made it)", 404)
         return key
 
     @app.get("/v1/shadowprefill/warmth")
@@ -279,8 +279,8 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
             check_session_id("session_id", session_id)
             key = gw.session_key(tenant_of(request), session_id)
             if key not in gw.manager:
-                raise BadRequest("session_id", f"no session {session_id!r} (a session is visible only to the "
-                                 "API key that made it)", 404)
+                raise BadRequest("session_id", f"session_id = {session_id!r}: no such session (a session is "
+                                 "visible only to the API key that made it)", 404)
         except BadRequest as e:
             return _error(e.status, str(e), param=e.param)
         return JSONResponse({"session_id": session_id, "ended": gw.end_session(key)})
