@@ -121,9 +121,10 @@ class ShadowManager:
 
     def placement(self, session_id: str, model: str) -> str:
         """The instance a call of the session on ``model`` would be placed on
-        now, by the rule :meth:`on_call_arrival` applies; reads only (a
-        backend that registers a call only once its engine accepted it
-        sends the call here first)."""
+        now, by the rule :meth:`on_call_arrival` applies to a call whose new
+        input is not counted yet (``num_new_input_tokens`` 0); reads only. A
+        backend that registers a call only once its engine accepted it (the
+        gateway) sends the call here first."""
         if model not in self.models:
             raise ValueError(f"call for session {session_id}: unknown model {model!r}")
         s = self._sessions.get(session_id)
