@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -54,6 +55,15 @@ access_log = logging.getLogger("shadow_gateway.access")
 FORWARDED_HEADERS = ("x-request-id",)
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 TENANT_SCOPE_KEY = "shadowprefill.tenant"
+#: Bodies from this size on are parsed and checked in a worker thread (the GIL
+#: passes back to the event loop every few ms, so other calls keep moving).
+OFFLOAD_BODY_BYTES = 1 << 20
+
+
+def read_request(endpoint: str, raw: bytes) -> dict[str, Any]:
+    body = parse_json(raw)
+    check_body(endpoint, body)
+    return body
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -152,8 +162,9 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
         started_s = gw.clock()
         tenant = tenant_of(request)
         try:
-            body = parse_json(await request.body())
-            check_body(endpoint, body)
+            raw = await request.body()
+            body = (await asyncio.to_thread(read_request, endpoint, raw) if len(raw) >= OFFLOAD_BODY_BYTES
+                    else read_request(endpoint, raw))
             session_id, task = gw.session_of(request.headers, body, tenant)
             model = gw.choose_model(endpoint, body, session_id)
         except BadRequest as e:

@@ -69,11 +69,18 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 # -- the OpenAI fields --------------------------------------------------------------------------
 
+def Seq(item: Any, **constraints: Any) -> Any:  # noqa: N802 - a type
+    """A list that stops at its first bad item (a long bad list costs one error, not one per item)."""
+    return Annotated[list[item], Field(fail_fast=True, **constraints)]
+
+
 Number = StrictInt | StrictFloat
 TokenId = Annotated[StrictInt, Field(ge=0)]
-Prompt = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
-Stop = StrictStr | list[StrictStr]
-XArg = StrictStr | StrictInt | StrictFloat | StrictBool | list[StrictStr | StrictInt | StrictFloat | StrictBool]
+#: Token ids first, tried in order: a long prompt of ids is checked once, not once per branch.
+Prompt = Annotated[StrictStr | Seq(TokenId) | Seq(StrictStr) | Seq(Seq(TokenId)), Field(union_mode="left_to_right")]
+Stop = StrictStr | Seq(StrictStr)
+Scalar = StrictStr | StrictInt | StrictFloat | StrictBool
+XArg = Scalar | Seq(Scalar)
 
 
 class _Strict(BaseModel):
@@ -120,18 +127,18 @@ class ContentPart(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: StrictStr | list[ContentPart] | None = None
+    content: StrictStr | Seq(ContentPart) | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
-    tool_calls: list[dict[StrictStr, Any]] | None = None
+    tool_calls: Seq(dict[StrictStr, Any]) | None = None
 
 
 class ChatRequest(_Sampling):
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Seq(Message, min_length=1)
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    tools: list[dict[StrictStr, Any]] | None = None
+    tools: Seq(dict[StrictStr, Any]) | None = None
     tool_choice: StrictStr | dict[StrictStr, Any] | None = None
     response_format: dict[StrictStr, Any] | None = None
     add_generation_prompt: StrictBool | None = None
@@ -144,7 +151,7 @@ class WarmthRequest(BaseModel):
     session_id: StrictStr
     model: StrictStr
     prompt: Prompt | None = None
-    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    messages: Seq(Message, min_length=1) | None = None
     add_generation_prompt: StrictBool | None = None
 
 

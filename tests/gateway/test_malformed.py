@@ -49,6 +49,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("POST", C, b'{"model": "a", "prompt": "x", "temperature": 1e400}', 400, None),
     ("POST", C, b'{"model": "a", "prompt": "\xff\xfe"}', 400, None),
     ("POST", C, b"[" * 100_000, 400, None),
+    ("POST", C, json.dumps(c(prompt=list(range(250_000)) + ["x"])).encode(), 400, "prompt"),  # > 1 MiB: off the loop
     # numbers: types and ranges
     ("POST", C, c(max_tokens=-5), 400, "max_tokens"),
     ("POST", C, c(max_tokens=0), 400, "max_tokens"),
@@ -113,6 +114,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("POST", CHAT, chat(tools="x"), 400, "tools"),
     ("POST", CHAT, chat(stream=True, stream_options=7), 400, "stream_options"),
     ("POST", CHAT, chat(vllm_xargs={"shadowprefill_kind": "shadow"}), 400, "vllm_xargs.shadowprefill_kind"),
+    ("POST", CHAT, json.dumps(chat(messages=[{"role": "user", "content": "x"}] * 50_000
+                                   + [{"role": "user", "content": 5}])).encode(), 400, "messages[50000].content"),
     # the warmth query and DELETE
     ("POST", W, {**OK_W, "session_id": 7}, 400, "session_id"),
     ("POST", W, without(OK_W, "session_id"), 400, "session_id"),
