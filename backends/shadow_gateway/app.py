@@ -44,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from shadow_gateway.config import AuthConfig, GatewayConfig
+from shadow_gateway.config import API_KEYS_ENV, AuthConfig, GatewayConfig
 from shadow_gateway.gateway import UPSTREAM_ERRORS, CallContext, Gateway, UpstreamFailed, session_hash
 from shadow_gateway.router import RouteError
 from shadow_gateway.validation import BadRequest, check_body, check_session_id, parse_json
@@ -119,8 +119,8 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
             log.info("client API keys: %d (tenants: %s)", len(config.auth.api_keys),
                      ", ".join(sorted({k.tenant for k in config.auth.api_keys})))
         else:
-            log.warning("no client API keys configured (auth.api_keys): serving on loopback only, every local "
-                        "client is trusted")
+            log.warning("no client API keys configured (auth.api_keys, $%s): listening on loopback only (%s), "
+                        "every local client is trusted", API_KEYS_ENV, config.host)
         await gw.start()
         try:
             yield

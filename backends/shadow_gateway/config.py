@@ -43,7 +43,6 @@ from shadowcore._validators import non_empty_str, non_negative, non_negative_int
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
 
-
 #: Environment variable with client API keys: comma-separated ``KEY`` or ``TENANT:KEY`` entries.
 API_KEYS_ENV = "SHADOWPREFILL_GATEWAY_API_KEYS"
 #: Tenant names: letters, digits, ``.``, ``_``, ``-`` (never ``:``, which separates

@@ -60,9 +60,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host = args.host if args.host is not None else config.host
     port = args.port if args.port is not None else config.port
-    if not config.auth.enabled:
-        print(f"shadowprefill serve: no client API keys (auth.api_keys, $SHADOWPREFILL_GATEWAY_API_KEYS): "
-              f"listening on loopback only ({host}:{port}); every local client is trusted", file=sys.stderr)
     uvicorn.run(create_app(config, gateway), host=host, port=port,
                 log_level=args.log_level, access_log=False)
     return 0

@@ -69,7 +69,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 # -- the OpenAI fields --------------------------------------------------------------------------
 
-def Seq(item: Any, **constraints: Any) -> Any:  # noqa: N802 - a type
+def Seq(item: Any, **constraints: Any) -> Any:
     """A list that stops at its first bad item (a long bad list costs one error, not one per item)."""
     return Annotated[list[item], Field(fail_fast=True, **constraints)]
 

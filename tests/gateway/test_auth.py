@@ -216,7 +216,7 @@ def test_chat_client_resending_the_rendered_history_is_not_a_divergence(upstream
 
 
 def test_one_access_log_line_per_call_without_bodies_or_ids(secured, client, caplog):
-    a, b, gw = secured
+    _, _, gw = secured
     caplog.set_level(logging.INFO, logger="shadow_gateway.access")
     out = _call(client, gw, A, session="secret-session-name").json()["choices"][0]["text"]
     context = encode(PROMPT) + encode(out)

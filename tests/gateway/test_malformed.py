@@ -47,6 +47,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("POST", C, b'{"model": "a", "prompt": "x", "temperature": Infinity}', 400, None),
     ("POST", C, b'{"model": "a", "prompt": "x", "top_p": -Infinity}', 400, None),
     ("POST", C, b'{"model": "a", "prompt": "x", "temperature": 1e400}', 400, None),
+    ("POST", C, b'{"model": "a", "prompt": "x", "top_k": NaN}', 400, None),  # a field only vLLM checks
+    ("POST", C, b'{"model": "a", "prompt": "x", "vllm_xargs": {"k": [1, -Infinity]}}', 400, None),
     ("POST", C, b'{"model": "a", "prompt": "\xff\xfe"}', 400, None),
     ("POST", C, b"[" * 100_000, 400, None),
     ("POST", C, json.dumps(c(prompt=list(range(250_000)) + ["x"])).encode(), 400, "prompt"),  # > 1 MiB: off the loop
