@@ -80,11 +80,12 @@ class ApiKeyAuth:
         self.app = app
         self.keys = [(hashlib.sha256(k.key.encode()).digest(), k.tenant) for k in auth.api_keys]
 
-    def tenant(self, authorization: str | None) -> str | None:
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
+    def tenant(self, authorization: bytes | None) -> str | None:
+        """The tenant of an ``Authorization`` header's bearer key (its raw bytes), or None."""
+        scheme, _, token = (authorization or b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
             return None
-        digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        digest = hashlib.sha256(token.strip()).digest()
         found = None
         for key_digest, tenant in self.keys:  # every key compared: the time does not say which matched
             if hmac.compare_digest(digest, key_digest):
@@ -98,7 +99,7 @@ class ApiKeyAuth:
         auth = None
         for name, value in scope["headers"]:
             if name == b"authorization":
-                auth = value.decode("latin-1")
+                auth = value
         tenant = self.tenant(auth)
         if tenant is None:
             message = ("Missing API key: send Authorization: Bearer KEY" if auth is None

@@ -273,7 +273,7 @@ class Gateway:
                 raise BadRequest(cfg.field, f"{cfg.header} and {cfg.field} name different sessions")
         sid = from_header if from_header is not None else from_body
         task = headers.get(cfg.task_header, "")
-        task = header_text(cfg.task_header, task) if task else ""
+        task = check_session_id(cfg.task_header, header_text(cfg.task_header, task)) if task else ""
         if sid is None:
             return None, task
         return self.session_key(tenant, sid), (self.session_key(tenant, task) if task else "")

@@ -16,9 +16,10 @@ Invariants:
 * Fields outside the checked set pass through unchanged (vLLM's own sampling
   extensions); vLLM validates them, and a call it rejects changes no session
   (the gateway registers a call only once the upstream accepted it).
-* A session id is 1 to :data:`MAX_SESSION_ID_CHARS` printable characters
-  (``str.isprintable``: no control, format or separator characters other than
-  the space), UTF-8 by header and by body alike.
+* A session id (and a task name, ``X-Session-Task``) is 1 to
+  :data:`MAX_SESSION_ID_CHARS` printable characters (``str.isprintable``: no
+  control, format or separator characters other than the space), UTF-8 by
+  header and by body alike.
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def _message(err: dict[str, Any]) -> str:
 
 
 def check_session_id(source: str, value: Any) -> str:
-    """A session id as the gateway accepts it (see the module invariants)."""
+    """A session id (or task name) as the gateway accepts it (see the module invariants)."""
     if not isinstance(value, str) or not value:
         raise BadRequest(source, f"{source} = {_short(value)}: a session id must be a non-empty string")
     if len(value) > MAX_SESSION_ID_CHARS:

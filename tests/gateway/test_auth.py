@@ -127,6 +127,14 @@ def test_upstream_credentials_on_routed_calls_shadows_and_probes_never_the_clien
     assert UPSTREAM_KEY not in logged and KEY_A not in logged
 
 
+def test_without_keys_the_gateway_says_it_trusts_every_local_client(upstreams, gateway, caplog):
+    caplog.set_level(logging.WARNING, logger="shadow_gateway.app")
+    (a,), (b,) = upstreams(1), upstreams(1)
+    gateway(two_model_config([a], [b]))
+    assert any("no client API keys configured" in r.getMessage() and "loopback only" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_a_missing_upstream_key_is_a_clear_upstream_401_not_a_silent_fallback(upstreams, gateway, client):
     (a,), (b,) = upstreams(1, api_key=UPSTREAM_KEY), upstreams(1)
     gw = gateway(two_model_config([a], [b], tokenizer_check=False))
@@ -187,6 +195,9 @@ def test_session_ids_are_utf8_by_header_and_body_and_any_id_is_deletable(upstrea
     r = client.post(gw.url + "/v1/completions", headers={"X-Session-Id": "one"},
                     json={"model": "a", "prompt": "x", "session_id": "two"})
     assert r.status_code == 400 and "different sessions" in r.json()["error"]["message"]
+    r = client.post(gw.url + "/v1/completions", headers={"X-Session-Id": "one", "X-Session-Task": "t" * 300},
+                    json={"model": "a", "prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Session-Task"
     assert "x" * 256 not in manager  # nothing made it in
     assert a.requests.__len__() == 2
 

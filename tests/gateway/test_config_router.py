@@ -99,6 +99,19 @@ def test_secrets_come_from_the_environment_and_never_show(monkeypatch):
     assert info.value.field == "$SHADOWPREFILL_GATEWAY_API_KEYS[0]" and "short-secret" not in str(info.value)
 
 
+def test_serve_without_client_keys_listens_on_loopback_only(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(GOOD + "tokenizer_check: false\n")
+    monkeypatch.delenv("SHADOWPREFILL_GATEWAY_API_KEYS", raising=False)
+    assert cli_main(["serve", "--config", str(cfg), "--check", "--host", "0.0.0.0"]) == 2
+    assert "--host = '0.0.0.0': without client API keys" in capsys.readouterr().err
+    assert cli_main(["serve", "--config", str(cfg), "--check", "--port", "70000"]) == 2
+    assert "--port = 70000: must be a TCP port" in capsys.readouterr().err
+    assert cli_main(["serve", "--config", str(cfg), "--check", "--host", "::1"]) == 0
+    monkeypatch.setenv("SHADOWPREFILL_GATEWAY_API_KEYS", "team:" + "k" * 20)
+    assert cli_main(["serve", "--config", str(cfg), "--check", "--host", "0.0.0.0"]) == 0
+
+
 def test_serve_command_reports_bad_config(tmp_path, capsys):
     bad = tmp_path / "g.yaml"
     bad.write_text(GOOD + "listen: {port: -1}\n")
