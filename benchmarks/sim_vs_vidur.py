@@ -214,7 +214,13 @@ def _our_classes() -> tuple[type, type]:
                 inst.latency = self.latency_model  # before the hook is attached, which reads it
             return inst
 
-        def normal_arrivals(self) -> list:
+        def normal_traffic(self) -> tuple:
+            from shadowcore.engine.workload import normal_requests
+
+            (inst,) = self.cluster.by_id
+            return normal_requests([(inst, self.trace)])
+
+        def normal_arrivals(self) -> list:  # the same, for simulators before the Workload value
             (inst,) = self.cluster.by_id.values()
             return [(inst, list(self.trace))]
 

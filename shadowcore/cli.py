@@ -57,7 +57,8 @@ def _status(registry: Registry, name: str) -> str:
     return "ok"
 
 
-def _load_scenario(path: str | None) -> dict[str, Any]:
+def load_scenario(path: str | None) -> dict[str, Any]:
+    """The JSON object in ``path`` ({} for None); a bad file is one ConfigError naming file:line:column."""
     if path is None:
         return {}
     try:
@@ -89,7 +90,7 @@ def policy_ref(text: str) -> PluginRef:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    scenario = _load_scenario(args.scenario)
+    scenario = load_scenario(args.scenario)
     if args.duration is not None:
         scenario["duration_s"] = args.duration
     if args.policy and args.policies is not None:

@@ -8,11 +8,12 @@ import math
 
 import pytest
 
-import shadowcore.engine.scenario as scenario_mod
 from shadowcore.config import PluginRef, ShadowConfig, SloConfig, build_attrs
 from shadowcore.errors import ConfigError, ShadowError
 from shadowcore.policy import load_policy
+from shadowcore.engine.run import ScenarioRun
 from shadowcore.engine.scenario import FakeBackend, FakeScenario
+from shadowcore.engine.workload import Workload
 
 
 def raises_one(fn, field: str, value_text: str) -> ConfigError:
@@ -54,7 +55,7 @@ def test_negative_slo_in_scenario_names_full_path():
 
 def test_scenario_errors_before_anything_runs(monkeypatch):
     drawn = []
-    monkeypatch.setattr(scenario_mod, "draw_sessions", lambda sc: drawn.append(sc) or [])
+    monkeypatch.setattr(ScenarioRun, "draw_workload", lambda run: drawn.append(run) or Workload())
     raises_one(lambda: FakeBackend().run({"slo": {"ttft_s": -2}}, ShadowConfig()), "scenario.slo.ttft_s", "-2")
     raises_one(
         lambda: FakeBackend().run({"duration_s": 1.0}, ShadowConfig(PluginRef("harvest-slo", {"beta": -1}))),
@@ -136,7 +137,7 @@ def test_unknown_policy_name_through_the_composition_root(monkeypatch):
     assert info.value.field.endswith("policy.name")
 
     drawn = []
-    monkeypatch.setattr(scenario_mod, "draw_sessions", lambda sc: drawn.append(sc) or [])
+    monkeypatch.setattr(ScenarioRun, "draw_workload", lambda run: drawn.append(run) or Workload())
     raises_one(lambda: FakeBackend().run({}, cfg), "shadow.policy.name", "'nope'")
     assert drawn == []
 

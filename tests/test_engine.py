@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.engine.instance import EngineInstance
-from shadowcore.engine.scenario import FakeRun, FakeScenario, draw_normal, draw_sessions
+from shadowcore.engine.scenario import FakeRun, FakeScenario
+from shadowcore.engine.workload import draw_normal, draw_sessions
 
 POLICIES = ("no-shadow", "harvest", "harvest-slo-host", "eager")
 

@@ -13,7 +13,8 @@ import pytest
 
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.testing.conformance import SMALL_SCENARIO, check_policy
-from shadowcore.engine.scenario import FakeRun, FakeScenario, SessionPlan
+from shadowcore.engine.scenario import FakeRun, FakeScenario
+from shadowcore.engine.workload import session as scripted_session
 from shadowcore.types import JobKey
 
 PAPER_POLICIES = (
@@ -78,7 +79,8 @@ def test_no_token_prefilled_twice_on_target() -> None:
 def test_abab_computes_only_deltas() -> None:
     """A->B->A->B: each model computes the session's tokens once (plus at most
     one partial block per call), and each switch finds the history cached."""
-    session = SessionPlan("s0", 1.0, ("A", "B", "A", "B"), (1000, 900, 800, 700), (300, 250, 200, 150))
+    session = scripted_session("s0", 1.0, ("A", "B", "A", "B"), (1000, 900, 800, 700), (300, 250, 200, 150),
+                               gap_s=5.0)
     scenario = {"models": ["A", "B"], "latency_scale": [1.0, 2.0], "instances_per_model": 1,
                 "normal_rate_per_s": 0.0, "tool_gap_s": 5.0, "duration_s": 10.0, "warmup_s": 0.0}
     # n_min of one block: with the paper's 256 the last sub-256 delta is deferred by design

@@ -42,6 +42,10 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from shadow_sim.simulator import PDConfig, SimRun
+from shadowcore.engine.cluster import EngineCluster
+from shadowcore.engine.instance import EngineInstance, EngineRequest
+from shadowcore.engine.kinds import STEP_END
+from shadowcore.engine.workload import NormalRequest, draw_normal, normal_requests
 from shadowcore.events import EventLoop
 from shadowcore.hook import EngineHook
 from shadowcore.kv import KVClass, KVClassManager
@@ -53,8 +57,6 @@ from shadowcore.slack import (
     SlackController,
     SloSlackController,
 )
-from shadowcore.engine.instance import EngineInstance, EngineRequest
-from shadowcore.engine.scenario import STEP_END, EngineCluster, draw_normal
 from shadowcore.types import RequestKind
 
 __all__ = [
@@ -455,13 +457,16 @@ class PDRun(SimRun):
         hook.slack = prefill_controller(hook.slack, self.scenario.pd)
         return hook
 
-    def normal_arrivals(self) -> list[tuple[EngineInstance, list[tuple[float, int, int]]]]:
+    def serving_instances(self) -> list[str]:
+        """The P instances (not the dedicated ones): the router side sees only them."""
+        return [i.instance_id for insts in self.cluster.by_model.values() for i in insts
+                if i.instance_id not in self._dedicated]
+
+    def normal_traffic(self) -> tuple[NormalRequest, ...]:
         pd = self.scenario.pd
         rate = self.scenario.normal_rate_per_s * (pd.num_prefill + pd.num_decode) / pd.num_prefill
-        sc = attrs.evolve(self.scenario, normal_rate_per_s=rate)
-        serving = [i for insts in self.cluster.by_model.values() for i in insts
-                   if i.instance_id not in self._dedicated]
-        return [(inst, draw_normal(sc, k)) for k, inst in enumerate(serving)]
+        return normal_requests((inst, draw_normal(self.scenario, k, rate))
+                               for k, inst in enumerate(self.serving_instances()))
 
     def _enqueue(self, inst: EngineInstance, req: EngineRequest) -> None:
         """``req`` prefills on P as a one-token request, then moves to D."""

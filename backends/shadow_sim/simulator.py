@@ -3,14 +3,16 @@ core kit's vLLM-v1-like engine) with catalog models, tensor parallelism, KV
 pools sized from HBM, host tiers per GPU, latency from a Vidur-grounded or a
 roofline model, and GPU energy.
 
-Registered as the ``sim`` backend. Same seed, same result: the workload is
-drawn from the scenario seed before the run; events are processed from one
-heap with the tie-break rule of :mod:`shadowcore.engine.scenario`.
+The ``sim`` backend (:mod:`shadow_sim.backend`) runs a :class:`SimScenario`
+as a :class:`SimRun` (or, with ``pd`` set, :class:`shadow_sim.disagg.PDRun`).
+Same seed, same result: the workload is drawn from the scenario seed before
+the run; events are processed from one heap with the tie-break rule of
+:mod:`shadowcore.engine.kinds`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -19,20 +21,15 @@ from shadow_sim.hardware import get_device, tensor_parallel_degree
 from shadow_sim.latency import KINDS as LATENCY_KINDS
 from shadow_sim.latency import latency_model, vidur_available
 from shadow_sim.models import get_model
-from shadowcore._validators import (
-    fraction_open_closed,
-    non_negative,
-    non_negative_int,
-    positive,
-    positive_int,
-    probability,
-)
-from shadowcore.config import ShadowConfig, SloConfig, build_attrs
+from shadowcore._validators import fraction_open_closed, positive, positive_int
+from shadowcore.config import build_attrs
+from shadowcore.engine.cluster import EngineCluster
+from shadowcore.engine.instance import EngineInstance, EngineLimits, pool_blocks
+from shadowcore.engine.run import ScenarioRun
+from shadowcore.engine.workload import ScenarioSpec, SessionPlan, defaults, from_agent_sessions
 from shadowcore.errors import ConfigError
 from shadowcore.kv import KVClassManager, KVClassPolicy
 from shadowcore.latency import BatchShape
-from shadowcore.engine.instance import EngineInstance, EngineLimits, pool_blocks
-from shadowcore.engine.scenario import EngineCluster, ScenarioResult, ScenarioRun, SessionPlan
 from shadowcore.workloads.sessions import SessionPreset, generate, get_preset
 
 
@@ -63,34 +60,23 @@ def _pd_config(value: Any) -> PDConfig | None:
     return build_attrs(PDConfig, "pd", value)
 
 
-@attrs.frozen
-class SimScenario:
-    """A cluster and a workload. Model names come from the catalog
+@attrs.frozen(field_transformer=defaults(
+    models=("Qwen2.5-7B", "Llama-3.1-70B"), instances_per_model=4, duration_s=600.0, warmup_s=120.0,
+    session_rate_per_s=0.05, calls_per_session=10, input_tokens_median=1000, output_tokens_median=200,
+    normal_rate_per_s=1.0, normal_prompt_median=1000, normal_output_median=200,
+))
+class SimScenario(ScenarioSpec):
+    """A cluster and a workload: the shared :class:`ScenarioSpec` fields (SLO
+    floors: TTFT >= 1 s, TPOT >= 25 ms) with the simulator's defaults, and
+    the simulator's own. Model names come from the catalog
     (:data:`shadow_sim.models.MODELS`); ``tp`` of 0 means the paper's rule
     (smallest of 1, 2, 4, 8 at which weights take at most half of HBM)."""
 
-    models: tuple[str, ...] = attrs.field(default=("Qwen2.5-7B", "Llama-3.1-70B"), converter=_tuple)
     device: str = "H100-80GB"
     latency: str = "vidur"  # "vidur" (needs the sim extra), "roofline" or "auto"
     tp: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
-    instances_per_model: int = attrs.field(default=4, validator=positive_int)
-    duration_s: float = attrs.field(default=600.0, validator=positive)
-    warmup_s: float = attrs.field(default=120.0, validator=non_negative)
-    session_rate_per_s: float = attrs.field(default=0.05, validator=positive)
-    calls_per_session: int = attrs.field(default=10, validator=positive_int)
-    switch_probability: float = attrs.field(default=0.3, validator=probability)
-    input_tokens_median: int = attrs.field(default=1000, validator=positive_int)
-    output_tokens_median: int = attrs.field(default=200, validator=positive_int)
-    tool_gap_s: float = attrs.field(default=2.0, validator=non_negative)
-    normal_rate_per_s: float = attrs.field(default=1.0, validator=non_negative)
-    normal_prompt_median: int = attrs.field(default=1000, validator=positive_int)
-    normal_output_median: int = attrs.field(default=200, validator=positive_int)
-    slo: SloConfig = attrs.Factory(SloConfig)  # floors: TTFT >= 1 s, TPOT >= 25 ms
-    block_size: int = attrs.field(default=16, validator=positive_int)
-    token_budget: int = attrs.field(default=2048, validator=positive_int)
     max_num_seqs: int = attrs.field(default=256, validator=positive_int)
     memory_utilization: float = attrs.field(default=0.9, validator=fraction_open_closed)
-    seed: int = attrs.field(default=0, validator=non_negative_int)
     #: A Table 1 session preset (``shadowcore.workloads.sessions.PRESETS``) instead
     #: of the Markov session fields above; its small/large models map to
     #: ``models[0]``/``models[1]`` and it compacts at their context windows.
@@ -135,13 +121,6 @@ class SimScenario:
         except ConfigError as e:
             raise ConfigError("preset", self.preset, f"does not fit these models' windows {windows}: {e}") from None
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], field: str = "scenario") -> SimScenario:
-        data = dict(data)
-        if "slo" in data:
-            data["slo"] = build_attrs(SloConfig, f"{field}.slo", data["slo"])
-        return build_attrs(cls, field, data)
-
     def tp_of(self, model: str) -> int:
         config, device = get_model(model), get_device(self.device)
         t = self.tp[self.models.index(model)] if self.tp else 0
@@ -182,17 +161,11 @@ class SimRun(ScenarioRun):
         return min(get_model(m).max_context_tokens for m in self.scenario.models)
 
     def session_plans(self) -> list[SessionPlan]:
+        """The scenario's Markov sessions, or its preset's sessions when it names one."""
         sc: SimScenario = self.scenario
         if not sc.preset:
             return super().session_plans()
-        return [
-            SessionPlan(
-                a.session_id, a.arrival_s, tuple(c.model for c in a.calls),
-                tuple(c.num_appended_tokens for c in a.calls), tuple(c.num_output_tokens for c in a.calls),
-                tuple(c.compact_to_tokens for c in a.calls), (*a.tool_gaps_s, 0.0),
-            )
-            for a in generate(sc.session_preset(), sc.duration_s, sc.seed)
-        ]
+        return from_agent_sessions(generate(sc.session_preset(), sc.duration_s, sc.seed))
 
     def summary(self) -> dict[str, float]:
         out = super().summary()
@@ -202,25 +175,3 @@ class SimRun(ScenarioRun):
         out["energy_j"] = energy
         out["energy_per_good_request_j"] = energy / good if good else float("nan")
         return out
-
-
-class SimBackend:
-    """The ``sim`` backend."""
-
-    name = "sim"
-
-    def run(self, scenario: Mapping[str, Any] | SimScenario, shadow: ShadowConfig, observers: tuple = ()) -> ScenarioResult:
-        sc = scenario if isinstance(scenario, SimScenario) else SimScenario.from_dict(scenario)
-        if sc.pd is not None:
-            from shadow_sim.disagg import PDRun  # disagg builds on SimRun: import it late
-
-            return PDRun(sc, shadow, observers).run()
-        return SimRun(sc, shadow, observers).run()
-
-    def compare(self, scenario: Mapping[str, Any], configs: Any) -> str | None:
-        """``shadowprefill simulate`` on this backend: an experiment (the embedded
-        default for an empty scenario, or ``{"experiment": {...}}``) through the
-        experiment runner; None for a plain scenario (run policy by policy)."""
-        from shadow_sim.experiments.sweep import simulate_table  # the runner imports this module
-
-        return simulate_table(scenario, configs)

@@ -12,13 +12,15 @@ import math
 
 import pytest
 from shadow_sim.disagg import DecodeInstance, KVFabric, PDRun, PrefillInstance, _held_blocks, prefill_controller
-from shadow_sim.simulator import PDConfig, SimBackend, SimScenario
+from shadow_sim.backend import SimBackend
+from shadow_sim.simulator import PDConfig, SimScenario
 
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
 from shadowcore.slack import EagerController, NoShadowController, PrefillInstanceController, SloSlackController
 from shadowcore.testing.conformance import InvariantObserver
-from shadowcore.engine.scenario import SessionPlan, draw_sessions
+from shadowcore.engine.workload import SessionPlan, draw_sessions
+from shadowcore.engine.workload import session as scripted_session
 from shadowcore.types import BudgetReason
 
 MODELS = ("Qwen2.5-7B", "Llama-3.1-8B")
@@ -96,7 +98,7 @@ def test_requests_all_complete(policy: str) -> None:
     sc = run.scenario
     sessions = draw_sessions(sc)
     assert len(run.calls) == sum(len(s.models) for s in sessions) > 20
-    arrivals = sum(len(a) for _, a in run.normal_arrivals())
+    arrivals = len(run.workload.normal)
     assert len(run.normal) == arrivals > 50
     assert not run.rejected
     for inst in run.cluster.by_id.values():
@@ -113,7 +115,7 @@ def test_requests_all_complete(policy: str) -> None:
 def test_second_call_transfers_only_the_delta() -> None:
     """No Shadow, A then A: D keeps the session's context (prompt and output),
     so the second transfer sends only the tokens after its last full block."""
-    session = SessionPlan("s0", 1.0, (A, A), (2000, 500), (100, 100))
+    session = scripted_session("s0", 1.0, (A, A), (2000, 500), (100, 100), gap_s=5.0)
     run, _ = _run("no-shadow", QUIET, sessions=(session,))
     bs, kvb = run.scenario.block_size, _kv_bytes(run, A)
     first, second = _transfer(run, "s0", 0), _transfer(run, "s0", 1)
@@ -126,7 +128,7 @@ def test_second_call_transfers_only_the_delta() -> None:
 
 
 def _ab_session() -> SessionPlan:
-    return SessionPlan("s0", 1.0, (A, B), (3000, 300), (150, 100))
+    return scripted_session("s0", 1.0, (A, B), (3000, 300), (150, 100), gap_s=5.0)
 
 
 def test_switch_transfer_smaller_with_shadow() -> None:

@@ -149,7 +149,7 @@ def test_placement_estimate_splits_queued_work_at_the_window() -> None:
     from shadowcore.events import EventLoop
     from shadowcore.latency import LinearLatencyModel, chunked_prefill_s
     from shadowcore.engine.instance import EngineLimits
-    from shadowcore.engine.scenario import EngineCluster
+    from shadowcore.engine.cluster import EngineCluster
 
     lat = LinearLatencyModel(attention_s_per_token_pair=1e-9)  # context makes chunks dearer
     inst = SimpleNamespace(latency=lat, limits=EngineLimits(token_budget=1000), queued_prefill_tokens=2500)
@@ -186,7 +186,7 @@ def test_shipped_capacity_is_what_calibration_finds(tmp_path, monkeypatch) -> No
     the code computes now, calibrate() returns it without probing, and re-running
     its probe at the capacity with this build's latency tables meets the target
     with about the stored attainment (Vidur tables differ slightly between builds)."""
-    from shadow_sim.experiments.sweep import SIMULATE_DEFAULT
+    from shadow_sim.experiments.spec import SIMULATE_DEFAULT
 
     ex = Experiment.from_dict(SIMULATE_DEFAULT)
     key = cal._key(ex, "Llama-3.1-70B", cal.ProbeSettings())  # Vidur tables: the user's cache

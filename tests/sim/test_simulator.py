@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from shadow_sim.models import get_model
-from shadow_sim.simulator import SimBackend, SimRun, SimScenario
+from shadow_sim.backend import SimBackend
+from shadow_sim.simulator import SimRun, SimScenario
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
 from shadowcore.registry import policies
@@ -99,9 +100,9 @@ def test_model_that_fits_no_device_fails_before_running() -> None:
 def test_table1_preset_sessions_run_to_completion() -> None:
     scenario = {**SMALL, "preset": "fusionbench", "models": ["Llama-3.1-8B", "Llama-3.1-70B"], "duration_s": 120.0}
     run = SimRun(SimScenario.from_dict(scenario), ShadowConfig(PluginRef("harvest-slo-host")))
-    plans = run.session_plans()
+    plans = run.workload.sessions
     result = run.run()
-    assert plans and all(p.gaps_s and len(p.compact_to) == len(p.models) for p in plans)
+    assert plans and all(c.gap_after_s > 0 for p in plans for c in p.calls[:-1])  # the preset's tool gaps
     assert {m for p in plans for m in p.models} <= {"Llama-3.1-8B", "Llama-3.1-70B"}
     assert len(run.calls) == sum(len(p.models) for p in plans)  # every call of every session completed
     assert result.metrics["switch_calls"] > 0

@@ -7,6 +7,7 @@ import pytest
 from shadow_vllm import request_level as rl
 from shadow_vllm import virtual  # vLLM itself is imported lazily; conftest guards the folder
 
+from shadowcore.events import EventLoop
 from shadowcore.latency import LinearLatencyModel
 from shadowcore.wire import parse_tag
 
@@ -89,7 +90,7 @@ def test_metrics_parsing_and_http_body() -> None:
 
 def _pair():
     config = virtual.VirtualEngineConfig(num_blocks=512, max_num_batched_tokens=256, scheduling_policy="priority")
-    loop = virtual.EventLoop()
+    loop = EventLoop()
     clock = virtual.VirtualClock()
     engines = {i: virtual.VirtualEngine(virtual.build_scheduler(None, config), LinearLatencyModel(), loop, clock,
                                         name=i) for i in ("A", "B")}

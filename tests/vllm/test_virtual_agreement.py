@@ -28,10 +28,11 @@ from shadow_sim.latency import latency_model
 from shadow_vllm import virtual  # vLLM itself is imported lazily; conftest guards the folder
 
 from shadowcore.config import PluginRef, ShadowConfig
-from shadowcore.kv import KVClassManager
-from shadowcore.latency import BatchShape
 from shadowcore.engine.instance import EngineInstance, EngineLimits
 from shadowcore.engine.scenario import FakeRun, FakeScenario
+from shadowcore.kv import KVClassManager
+from shadowcore.latency import BatchShape
+from shadowcore.testing import agreement
 
 MODELS = ("Qwen2.5-7B", "Llama-3.1-70B")
 SCENARIO = FakeScenario(
@@ -58,7 +59,7 @@ def _run_both(policy: str, scheduler_cls, keep_tails: bool = False, scenario: Fa
               **policy_args):
     """The simulator's run (done) and the virtual vLLM run (built, not run)."""
     shadow = ShadowConfig(PluginRef(policy, policy_args))
-    sim_rec = virtual.PlanRecorder(lambda i: [j for j in sim.runtime.manager.jobs() if j.instance_id == i])
+    sim_rec = agreement.PlanRecorder(lambda i: [j for j in sim.runtime.manager.jobs() if j.instance_id == i])
     sim = RooflineRun(scenario, shadow, (sim_rec,))
     sim.run()
     configs = {}
@@ -125,13 +126,13 @@ def test_shadow_decisions_agree_where_the_engines_see_the_same_batch(policy_args
     from shadow_vllm.scheduler import ShadowScheduler
 
     sim, vrun = _run_both("harvest-slo", ShadowScheduler, keep_tails, **policy_args)
-    vllm_rec = virtual.PlanRecorder(
+    vllm_rec = agreement.PlanRecorder(
         lambda i: [e.job for e in vrun.cluster.by_id[i].scheduler.shadow_jobs.entries()])
     for engine in vrun.cluster.by_id.values():
         engine.scheduler.shadow_hook.observers.add(vllm_rec)
     vrun.run()
     n_min = sim.runtime.hooks[f"{MODELS[0]}/0"].slack.n_min
-    agreements = [virtual.compare_steps(f"{m}/0", sim.observers[0].steps[f"{m}/0"], vllm_rec.steps[f"{m}/0"], n_min)
+    agreements = [agreement.compare_steps(f"{m}/0", sim.observers[0].steps[f"{m}/0"], vllm_rec.steps[f"{m}/0"], n_min)
                   for m in MODELS]
     print(f"\nharvest-slo {policy_args}, keep_tails_below_n_min={keep_tails}:\n"
           + "\n".join(_report(a) for a in agreements))
@@ -155,12 +156,12 @@ def test_one_lru_eviction_agrees_under_kv_pressure() -> None:
 
     small = attrs.evolve(SCENARIO, num_blocks=400)
     sim, vrun = _run_both("harvest-slo", ShadowScheduler, False, small, n_min=0, eviction_order="lru")
-    vllm_rec = virtual.PlanRecorder(
+    vllm_rec = agreement.PlanRecorder(
         lambda i: [e.job for e in vrun.cluster.by_id[i].scheduler.shadow_jobs.entries()])
     for engine in vrun.cluster.by_id.values():
         engine.scheduler.shadow_hook.observers.add(vllm_rec)
     vrun.run()
-    agreements = [virtual.compare_steps(f"{m}/0", sim.observers[0].steps[f"{m}/0"], vllm_rec.steps[f"{m}/0"], 0)
+    agreements = [agreement.compare_steps(f"{m}/0", sim.observers[0].steps[f"{m}/0"], vllm_rec.steps[f"{m}/0"], 0)
                   for m in MODELS]
     print("\nharvest-slo lru, 400 blocks:\n" + "\n".join(_report(a) for a in agreements))
     for a in agreements:

@@ -42,7 +42,11 @@ import attrs
 import numpy as np
 
 from shadow_sim.experiments.normal import poisson
-from shadow_sim.experiments.spec import Experiment, NormalOnlyRun
+from shadow_sim.experiments.spec import SIMULATE_DEFAULT, Experiment, NormalOnlyRun
+from shadow_sim.hardware import get_device
+from shadow_sim.latency import latency_model, vidur_available
+from shadow_sim.models import get_model
+from shadow_sim.simulator import SimScenario
 from shadow_sim.vidur_latency import ENV_CACHE
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
@@ -88,10 +92,6 @@ def latency_key(kind: str, model: str, device: str, tp: int) -> str:
     """The identity of the latency model a run builds for ``model``: for Vidur the
     input key of its table cache (profiles, grid, training, versions), for the
     roofline a hash of the model and device specs."""
-    from shadow_sim.hardware import get_device
-    from shadow_sim.latency import vidur_available
-    from shadow_sim.models import get_model
-
     if kind == "auto":
         kind = "vidur" if vidur_available() else "roofline"
     if kind == "vidur":
@@ -120,8 +120,6 @@ def _key(ex: Experiment, model: str, settings: ProbeSettings) -> str:
 
 def attainment(ex: Experiment, model: str, rate_per_s: float, settings: ProbeSettings = ProbeSettings()) -> float:
     """Share of normal requests after the warm-up meeting both SLOs at ``rate_per_s``."""
-    from shadow_sim.simulator import SimScenario
-
     sc = SimScenario.from_dict({**_probe_scenario(ex, model), "duration_s": settings.warmup_s + settings.measure_s,
                                 "warmup_s": settings.warmup_s})
     rng = np.random.default_rng([settings.seed, 2, 0])
@@ -187,8 +185,6 @@ def capacities(ex: Experiment, settings: ProbeSettings = ProbeSettings(), *, use
     ``progress``). Also builds (or loads) every model's latency tables here first,
     so that worker processes started afterwards only load them instead of each
     training the same Vidur tables (shipped capacities need no probe run to build them)."""
-    from shadow_sim.latency import latency_model
-
     sc = ex.sim_scenario(0)
     for model in ex.models:
         latency_model(model, sc.device, sc.tp_of(model), kind=sc.latency)
@@ -216,8 +212,6 @@ def ship(models: list[str], experiment: Experiment | None = None, settings: Prob
     default) and add them to :data:`SHIPPED`, writing the file after each model.
     ``use_cache`` takes a result this calibration already cached (same key)."""
     if experiment is None:
-        from shadow_sim.experiments.sweep import SIMULATE_DEFAULT
-
         experiment = Experiment.from_dict(SIMULATE_DEFAULT)
     data = shipped()
     for model in models:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from shadow_sim.experiments.calibrate import capacities
 from shadow_sim.experiments.metrics import mean_se
-from shadow_sim.experiments.reproduce import studies
+from shadow_sim.experiments.reproduce import N_MODELS, studies
 from shadow_sim.experiments.runner import compare, format_table, summary_json, tasks_for, with_progress
 from shadow_sim.experiments.spec import Experiment
-from shadow_sim.experiments.sweep import _csv_list, _no_nan, _policy_refs
+from shadow_sim.experiments.sweep import _csv_list, _policy_refs, no_nan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,7 +40,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     fields = next((f for s, label, f, _ in studies(args.quick) if s == "nmodels" and label == f"N={args.n}"), None)
     if fields is None:
         fields = next(f for s, _l, f, _ in studies(args.quick) if s == "nmodels")
-        from shadow_sim.experiments.reproduce import N_MODELS
         fields = {**fields, "models": list(N_MODELS[:args.n])}
     ex = Experiment.from_dict(fields)
     caps = {m: c.capacity_per_s for m, c in capacities(ex, progress=False).items()}
@@ -60,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(tasks)} runs in {time.time() - start:.0f} s wall")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(_no_nan(summary_json(c)), indent=1))
+        Path(args.out).write_text(json.dumps(no_nan(summary_json(c)), indent=1))
     return 0
 
 

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from shadow_sim.experiments.calibrate import capacities
+from shadow_sim.experiments.distributed import ResultStore, execute_grid
 from shadow_sim.experiments.paper_numbers import PAPER
-from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, tasks_for, with_progress
+from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, tasks_for
 from shadow_sim.experiments.spec import PAIRS, Experiment
-from shadow_sim.experiments.sweep import _no_nan, rows, summary_json, write_rows
+from shadow_sim.experiments.sweep import no_nan, rows, summary_json, write_rows
 from shadowcore.config import PluginRef
 from shadowcore.errors import ConfigError, PluginError
 
@@ -62,7 +63,8 @@ def studies(quick: bool, override: Mapping[str, Any] | None = None,
     return out
 
 
-def run_all(quick: bool, jobs: int, progress: bool = True, override: Mapping[str, Any] | None = None,
+def run_all(quick: bool, jobs: int, progress: bool = True, override: Mapping[str, Any] | None = None, *,
+            store: ResultStore | None = None, ray_address: str | None = None,
             ) -> dict[str, tuple[str, Comparison]]:
     tasks: list[Task] = []
     study_of: dict[str, str] = {}
@@ -73,7 +75,7 @@ def run_all(quick: bool, jobs: int, progress: bool = True, override: Mapping[str
         study_of[key] = study
         tasks += tasks_for(ex, policies, (0,) if quick else (0, 1, 2),
                            ("peak",) if quick else ("peak", "median", "trough"), caps, key)
-    records = with_progress(tasks, jobs, progress)
+    records = execute_grid(tasks, jobs=jobs, progress=progress, store=store, ray_address=ray_address)
     return {k: (study_of[k], c) for k, c in compare(records, tasks).items()}
 
 
@@ -300,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="reduced grid (< 30 minutes on 2 cores)")
     p.add_argument("--out", default="reproduce-out", help="output folder")
     p.add_argument("--jobs", type=int, default=2, help="local worker processes")
+    p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="run on a Ray cluster (auto, local, HOST:PORT); finished runs are kept in OUT/parts")
     p.add_argument("--set", dest="override", default="{}",
                    help='JSON object of Experiment fields for every study, e.g. \'{"latency": "roofline"}\'')
     args = p.parse_args(argv)
@@ -313,14 +317,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--set", args.override, f"not JSON: {e.msg} at column {e.colno}") from None
         if not isinstance(override, dict):
             raise ConfigError("--set", args.override, "must be a JSON object")
-        results = run_all(args.quick, args.jobs, override=override)
+        results = run_all(args.quick, args.jobs, override=override, store=ResultStore(out / "parts"),
+                          ray_address=args.ray)
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill reproduce: error: {e}", file=sys.stderr)
         return 2
     figs = figures(results, out)
     (out / "reproduction.md").write_text(markdown(results, args.quick))
     write_rows(rows({k: c for k, (_s, c) in results.items()}), out, "csv")
-    (out / "summary.json").write_text(json.dumps(_no_nan({k: summary_json(c) for k, (_s, c) in results.items()}),
+    (out / "summary.json").write_text(json.dumps(no_nan({k: summary_json(c) for k, (_s, c) in results.items()}),
                                                  indent=1))
     print(f"wrote {len(figs)} figures, reproduction.md, runs.csv and summary.json to {out} "
           f"in {time.time() - start:.0f} s")

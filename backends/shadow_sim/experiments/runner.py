@@ -55,8 +55,9 @@ def run_task(task: Task) -> RunRecord:
     run = ExperimentRun(ex.sim_scenario(task.seed), ShadowConfig(task.policy, seed=task.seed), experiment=ex,
                         capacity=dict(task.capacity))
     result = run.run()
-    outputs = {(p.session_id, i): o for p in run.plans for i, o in enumerate(p.outputs)}
-    measured = frozenset(p.session_id for p in run.plans if ex.warmup_s <= p.arrival_s < ex.end_s)
+    workload = run.workload
+    outputs = {(p.session_id, i): c.num_output_tokens for p in workload.sessions for i, c in enumerate(p.calls)}
+    measured = frozenset(p.session_id for p in workload.sessions if ex.warmup_s <= p.arrival_s < ex.end_s)
     calls = tuple(
         Call(c.session_id, c.call_index, c.model, c.is_switch, c.ttft_s, c.latency_s, c.num_prompt_tokens,
              c.num_cached_tokens, outputs[(c.session_id, c.call_index)])
@@ -66,7 +67,7 @@ def run_task(task: Task) -> RunRecord:
     m = result.metrics
     return RunRecord(
         task.name, task.seed, task.window, calls, measured, normal_met,
-        sum(p for _, _, p, _ in run.normal_requests), m["shadow_tokens"], m["shadow_tokens_used"], m["energy_j"],
+        sum(r.num_prompt_tokens for r in workload.normal), m["shadow_tokens"], m["shadow_tokens_used"], m["energy_j"],
         m["energy_per_good_request_j"], run.loop.now_s, dict(m),
     )
 
@@ -151,9 +152,18 @@ def run_comparison(ex: Experiment, policies: Sequence[PluginRef | str], seeds: S
     return compare(records, tasks)[label]
 
 
-def with_progress(tasks: Sequence[Task], jobs: int, progress: bool) -> list[RunRecord]:
+Executor = Callable[..., list[RunRecord]]  # (tasks, on_done) -> records in task order
+
+
+def with_progress(tasks: Sequence[Task], jobs: int, progress: bool, *,
+                  on_done: Callable[[Task, RunRecord], None] | None = None,
+                  executor: Executor | None = None) -> list[RunRecord]:
+    """Run ``tasks`` with a progress bar over tasks as they finish. ``executor(tasks,
+    on_done)`` runs them (default: :func:`execute` with ``jobs`` local processes);
+    ``on_done`` is called for each finished task, before the bar moves."""
+    run = executor or (lambda ts, cb: execute(ts, jobs, cb))
     if not progress:
-        return execute(tasks, jobs)
+        return run(tasks, on_done)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -161,11 +171,13 @@ def with_progress(tasks: Sequence[Task], jobs: int, progress: bool) -> list[RunR
         job = bar.add_task("simulating", total=len(tasks))
 
         def done(t: Task, r: RunRecord) -> None:
+            if on_done:
+                on_done(t, r)
             bar.update(job, advance=1, description=f"{t.label or 'run'} seed {t.seed} {t.window} {t.name}")
 
         if jobs <= 1:
             bar.update(job, description=f"{tasks[0].name} ..." if tasks else "")
-        return execute(tasks, jobs, done)
+        return run(tasks, done)
 
 
 

@@ -33,9 +33,9 @@ from shadow_sim.models import MODELS, get_model
 from shadow_sim.simulator import SimRun, SimScenario
 from shadowcore._validators import non_negative, positive, positive_int
 from shadowcore.config import build_attrs
+from shadowcore.engine.cluster import EngineCluster
+from shadowcore.engine.workload import NormalRequest, SessionPlan, from_agent_sessions, normal_requests
 from shadowcore.errors import ConfigError
-from shadowcore.engine.instance import EngineInstance
-from shadowcore.engine.scenario import EngineCluster, SessionPlan
 from shadowcore.workloads.sessions import PRESETS, SessionPreset, SyntheticScores, generate, get_preset
 
 #: Model pairs by name: the paper's figure labels of Table 3 (and a few of ours).
@@ -50,6 +50,17 @@ PAIRS: dict[str, tuple[str, str]] = {
     "G2-9/Mx8x7": ("Gemma-2-9B", "Mixtral-8x7B"),
     "G2-9/Granite34": ("Gemma-2-9B", "Granite-34B-code"),
     "S7/S32": ("SWE-agent-LM-7B", "SWE-agent-LM-32B"),
+}
+
+
+#: The embedded default of ``shadowprefill simulate`` (issue 4): a FusionBench-like
+#: Qwen2.5-7B / Llama-3.1-70B pair, 4 instances per model, Azure-conversation-like
+#: normal traffic at rho = 0.7. Shorter measurement than the paper's 600 s (and a
+#: higher session rate so that enough calls are measured) to finish in minutes.
+SIMULATE_DEFAULT: dict[str, Any] = {
+    "models": list(PAIRS["Q7/L70"]), "preset": "fusionbench", "instances_per_model": 4,
+    "duration_s": 240.0, "warmup_s": 60.0, "drain_s": 60.0, "session_rate_per_s": 0.1,
+    "normal": {"kind": "poisson", "source": "azure-conv", "rho": 0.7, "window": "peak"},
 }
 
 
@@ -171,27 +182,14 @@ def fit_preset(preset: SessionPreset, models: tuple[str, ...], window: int, rate
                         session_rate_per_s=rate_per_s, **changes)
 
 
-def plans_from_preset(preset: SessionPreset, duration_s: float, seed: int) -> list[SessionPlan]:
-    return [
-        SessionPlan(
-            a.session_id, a.arrival_s, tuple(c.model for c in a.calls),
-            tuple(c.num_appended_tokens for c in a.calls), tuple(c.num_output_tokens for c in a.calls),
-            tuple(c.compact_to_tokens for c in a.calls), (*a.tool_gaps_s, 0.0),
-        )
-        for a in generate(preset, duration_s, seed)
-    ]
-
-
-
 @attrs.define(eq=False)
 class ExperimentRun(SimRun):
     """One (experiment, seed, window) under one policy. ``capacity`` maps each
-    model to its calibrated normal-traffic capacity (requests/s per instance)."""
+    model to its calibrated normal-traffic capacity (requests/s per instance).
+    ``workload`` (after construction) holds the sessions and normal requests played."""
 
     experiment: Experiment | None = None
     capacity: dict[str, float] = attrs.Factory(dict)
-    plans: list[SessionPlan] = attrs.field(init=False, factory=list)
-    normal_requests: list[tuple[str, float, int, int]] = attrs.field(init=False, factory=list)
 
     def build_cluster(self, extra: int) -> EngineCluster:
         base = super().build_cluster(extra)
@@ -202,23 +200,19 @@ class ExperimentRun(SimRun):
         ex = self.experiment
         assert ex is not None
         if ex.preset:
-            self.plans = plans_from_preset(ex.session_preset(), ex.end_s, self.scenario.seed)
-        else:
-            self.plans = super().session_plans()
-        return self.plans
+            return from_agent_sessions(generate(ex.session_preset(), ex.end_s, self.scenario.seed))
+        return super().session_plans()
 
-    def normal_arrivals(self) -> list[tuple[EngineInstance, list[tuple[float, int, int]]]]:
+    def normal_traffic(self) -> tuple[NormalRequest, ...]:
         ex = self.experiment
         assert ex is not None
-        serving = [i for i in self.cluster.by_id.values() if i.instance_id not in self._dedicated]
-        out = []
+        serving = [self.cluster.by_id[i] for i in self.serving_instances()]
+        streams = []
         for k, inst in enumerate(serving):
             peers = [i for i in serving if i.model == inst.model]
-            arrivals = ex.normal.arrivals(self.capacity[inst.model], ex.end_s + ex.drain_s, self.scenario.seed, k,
-                                          len(peers))
-            out.append((inst, arrivals))
-            self.normal_requests.extend((inst.instance_id, t, p, o) for t, p, o in arrivals)
-        return out
+            streams.append((inst.instance_id, ex.normal.arrivals(
+                self.capacity[inst.model], ex.end_s + ex.drain_s, self.scenario.seed, k, len(peers))))
+        return normal_requests(streams)
 
 
 @attrs.define(eq=False)
@@ -238,5 +232,5 @@ class NormalOnlyRun(SimRun):
     def session_plans(self) -> list[SessionPlan]:
         return []
 
-    def normal_arrivals(self) -> list[tuple[EngineInstance, list[tuple[float, int, int]]]]:
-        return [(inst, self.arrivals) for inst in self.cluster.by_id.values()]
+    def normal_traffic(self) -> tuple[NormalRequest, ...]:
+        return normal_requests((inst, self.arrivals) for inst in self.serving_instances())

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shadow_sim.experiments.calibrate import capacities
-from shadow_sim.experiments.metrics import RunRecord
+from shadow_sim.experiments.distributed import ResultStore, execute_grid
 from shadow_sim.experiments.normal import WINDOWS
 from shadow_sim.experiments.runner import (
     DEFAULT_POLICIES,
@@ -32,19 +32,10 @@ from shadow_sim.experiments.runner import (
     summary_json,
     tasks_for,
 )
-from shadow_sim.experiments.spec import PAIRS, Experiment, get_pair
+from shadow_sim.experiments.spec import PAIRS, SIMULATE_DEFAULT, Experiment, get_pair
+from shadowcore.cli import load_scenario
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError, PluginError
-
-#: The embedded default of ``shadowprefill simulate`` (issue 4): a FusionBench-like
-#: Qwen2.5-7B / Llama-3.1-70B pair, 4 instances per model, Azure-conversation-like
-#: normal traffic at rho = 0.7. Shorter measurement than the paper's 600 s (and a
-#: higher session rate so that enough calls are measured) to finish in minutes.
-SIMULATE_DEFAULT: dict[str, Any] = {
-    "models": list(PAIRS["Q7/L70"]), "preset": "fusionbench", "instances_per_model": 4,
-    "duration_s": 240.0, "warmup_s": 60.0, "drain_s": 60.0, "session_rate_per_s": 0.1,
-    "normal": {"kind": "poisson", "source": "azure-conv", "rho": 0.7, "window": "peak"},
-}
 
 
 def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig], *,
@@ -111,8 +102,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", help="skip calibration: MODEL=REQ_PER_S,... per instance (every model of the grid)")
     p.add_argument("--jobs", type=int, default=2, help="local worker processes")
     p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
-                   help="run on a Ray cluster (default address: auto)")
-    p.add_argument("--out", default="sweep-out", help="output folder")
+                   help="run on a Ray cluster (ADDRESS: auto = the running cluster, local = start one here, "
+                        "or ray://host:port)")
+    p.add_argument("--max-retries", type=int, default=3, help="Ray: times a task is retried when its worker dies")
+    p.add_argument("--out", default="sweep-out",
+                   help="output folder; finished runs are kept in OUT/parts and a rerun skips them")
+    p.add_argument("--fresh", action="store_true", help="ignore (delete) finished runs in OUT/parts")
     p.add_argument("--format", choices=("parquet", "csv"), default="parquet")
     return p
 
@@ -120,9 +115,7 @@ def parser() -> argparse.ArgumentParser:
 def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = {}
     if args.experiment:
-        from shadowcore.cli import _load_scenario
-
-        data = _load_scenario(args.experiment)
+        data = load_scenario(args.experiment)
     for flag, key in (("preset", "preset"), ("duration", "duration_s"), ("warmup", "warmup_s"),
                       ("latency", "latency"), ("instances", "instances_per_model")):
         if getattr(args, flag) is not None:
@@ -151,18 +144,6 @@ def _capacity(text: str | None) -> dict[str, float] | None:
             raise ConfigError("--capacity", item, "must be MODEL=REQ_PER_S with a rate > 0")
         out[model.strip()] = value
     return out
-
-
-def run_ray(tasks: Sequence[Task], address: str) -> list[RunRecord]:
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("--ray", address, "needs Ray: pip install 'shadowprefill[ray]'") from None
-    ray.init(address=None if address == "local" else address, ignore_reinit_error=True)
-    from shadow_sim.experiments.runner import run_task
-
-    remote = ray.remote(run_task)
-    return list(ray.get([remote.remote(t) for t in tasks]))
 
 
 def rows(comparisons: Mapping[str, Comparison]) -> list[dict[str, Any]]:
@@ -194,7 +175,10 @@ def write_rows(table: list[dict[str, Any]], out: Path, fmt: str) -> Path:
 
 def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[PluginRef], seeds: Sequence[int],
              windows: Sequence[str], *, jobs: int = 2, ray_address: str | None = None,
-             progress: bool = True, capacity: Mapping[str, float] | None = None) -> dict[str, Comparison]:
+             progress: bool = True, capacity: Mapping[str, float] | None = None,
+             store: ResultStore | None = None, max_retries: int = 3) -> dict[str, Comparison]:
+    """Calibrate (or take ``capacity``), run every task not already in ``store``
+    (locally or on Ray), save each as it finishes, compare."""
     tasks: list[Task] = []
     for pair in pairs:
         data = {k: v for k, v in base.items() if k not in ("models", "pair")}
@@ -207,12 +191,8 @@ def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[Plugi
         else:
             caps = {m: c.capacity_per_s for m, c in capacities(ex, progress=progress).items()}
         tasks += tasks_for(ex, refs, seeds, windows, caps, pair)
-    if ray_address is not None:
-        records = run_ray(tasks, ray_address)
-    else:
-        from shadow_sim.experiments.runner import with_progress
-
-        records = with_progress(tasks, jobs, progress)
+    records = execute_grid(tasks, jobs=jobs, progress=progress, store=store, ray_address=ray_address,
+                           max_retries=max_retries)
     return compare(records, tasks)
 
 
@@ -231,15 +211,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError:
             raise ConfigError("--seeds", args.seeds, "must be comma-separated integers") from None
         refs = _policy_refs(_csv_list(args.policies))
+        if args.max_retries < 0:
+            raise ConfigError("--max-retries", args.max_retries, "must be >= 0")
+        store = ResultStore(Path(args.out) / "parts")
+        if args.fresh:
+            for part in store.folder.glob("*.parquet"):
+                part.unlink()
         comparisons = run_grid(experiment_from_args(args), pairs, refs, seeds, windows, jobs=args.jobs,
-                               ray_address=args.ray, capacity=_capacity(args.capacity))
+                               ray_address=args.ray, capacity=_capacity(args.capacity), store=store,
+                               max_retries=args.max_retries)
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill sweep: error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     path = write_rows(rows(comparisons), out, args.format)
     summary = {label: summary_json(c) for label, c in comparisons.items()}
-    (out / "summary.json").write_text(json.dumps(_no_nan(summary), indent=1))
+    (out / "summary.json").write_text(json.dumps(no_nan(summary), indent=1))
     for label, c in comparisons.items():
         print(f"== {label}")
         print(format_table(c))
@@ -247,14 +234,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _no_nan(x: Any) -> Any:
+def no_nan(x: Any) -> Any:
+    """``x`` with every NaN float replaced by None (for JSON), through dicts, lists and tuples."""
     if isinstance(x, float) and math.isnan(x):
         return None
     if isinstance(x, dict):
-        return {k: _no_nan(v) for k, v in x.items()}
+        return {k: no_nan(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_no_nan(v) for v in x]
+        return [no_nan(v) for v in x]
     return x
 
 
-__all__ = ["SIMULATE_DEFAULT", "main", "run_grid", "simulate_table"]
+__all__ = ["main", "no_nan", "run_grid", "simulate_table"]

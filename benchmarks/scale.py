@@ -1,0 +1,147 @@
+"""The simulator at real load: the embedded default's cluster for a simulated
+hour, grown in instances and in load, each run in a fresh process.
+
+    python benchmarks/scale.py                         # the whole table (long: hours at 128 instances)
+    python benchmarks/scale.py --duration 300 --instances 8,32 --rhos 0.7
+    python benchmarks/scale.py --policies no-shadow --instances 8 --rhos 0.3,0.7,0.9
+
+Each run is the embedded default experiment of ``shadowprefill simulate``
+(FusionBench-like sessions on Qwen2.5-7B / Llama-3.1-70B, Vidur latency,
+Azure-like Poisson normal traffic at ``rho`` of each instance's shipped or
+cached calibrated capacity) with ``--duration`` seconds of arrivals after the
+default warm-up, ``instances`` in total (half per model) and the session rate
+scaled with the instance count (per-instance load unchanged). The instance
+axis runs at rho 0.7, the load axis at the first instance count.
+
+Printed per run: wall and CPU seconds of the run loop (setup excluded, shown
+apart), engine iterations, iterations per CPU-second, simulated seconds per
+wall-second, the process's peak RSS; then how cost grows with instances and
+load, and the issue's targets beside the measured values (issue 17):
+
+* one simulated hour of the 8-instance cluster at rho 0.7 in <= 30 CPU-seconds
+  per policy (the run's CPU time scaled linearly from its simulated seconds,
+  warm-up and drain included, to 3,600: printed with the figure);
+* 128 instances at most 16x the 8-instance time (cost linear in instances).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+HOUR_S = 3600.0
+
+
+def one_run(policy: str, instances: int, rho: float, duration_s: float, seed: int) -> dict:
+    """Run in this process; return the figures."""
+    from shadow_sim.experiments.calibrate import capacities
+    from shadow_sim.experiments.spec import Experiment, ExperimentRun
+    from shadow_sim.experiments.spec import SIMULATE_DEFAULT
+
+    from shadowcore.config import PluginRef, ShadowConfig
+
+    if instances % 2:
+        raise SystemExit("scale: --instances must be even (half per model)")
+    base = dict(SIMULATE_DEFAULT)
+    per_model = instances // 2
+    data = {**base, "instances_per_model": per_model, "duration_s": duration_s,
+            "session_rate_per_s": base["session_rate_per_s"] * per_model / base["instances_per_model"],
+            "normal": {**base["normal"], "rho": rho}}
+    t0 = time.perf_counter()
+    ex = Experiment.from_dict(data)
+    probe = Experiment.from_dict(base)  # capacities are per instance: the shipped ones of the default
+    caps = {m: c.capacity_per_s for m, c in capacities(probe, progress=False).items()}
+    run = ExperimentRun(ex.sim_scenario(seed), ShadowConfig(PluginRef(policy), seed=seed), experiment=ex,
+                        capacity=caps)
+    setup_s = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = run.run()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    iterations = sum(i.num_iterations_run for i in run.cluster.by_id.values())
+    return {"policy": policy, "instances": instances, "rho": rho, "duration_s": duration_s, "setup_s": setup_s,
+            "wall_s": wall, "cpu_s": cpu, "iterations": iterations, "simulated_s": run.loop.now_s,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "calls": result.metrics["calls"], "normal_slo": result.metrics["normal_slo_attainment"]}
+
+
+def in_child(policy: str, instances: int, rho: float, duration_s: float, seed: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", json.dumps([policy, instances, rho, duration_s, seed])]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"scale: run {policy} x {instances} at rho {rho} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'policy':<18} {'inst':>5} {'rho':>4} {'setup s':>8} {'wall s':>8} {'CPU s':>8} {'iterations':>11} "
+            f"{'iter/CPU-s':>11} {'sim s/wall s':>12} {'peak MB':>8} {'normal SLO':>10}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['policy']:<18} {r['instances']:>5} {r['rho']:>4.1f} {r['setup_s']:>8.1f} {r['wall_s']:>8.1f} "
+                     f"{r['cpu_s']:>8.1f} {r['iterations']:>11,} {r['iterations'] / r['cpu_s']:>11,.0f} "
+                     f"{r['simulated_s'] / r['wall_s']:>12.1f} {r['peak_rss_mb']:>8.0f} {r['normal_slo']:>10.3f}")
+    return "\n".join(lines)
+
+
+def growth(rows: list[dict], first: int) -> list[str]:
+    out = []
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        mine = [r for r in rows if r["policy"] == policy]
+        ref = next((r for r in mine if r["instances"] == first and r["rho"] == 0.7), None)
+        if ref is None:
+            continue
+        hour = ref["cpu_s"] * HOUR_S / ref["simulated_s"]
+        scaled = f" (from {ref['simulated_s']:.0f} simulated s incl. warm-up and drain, scaled linearly)"
+        out.append(f"{policy}: one simulated hour of {first} instances at rho 0.7: {hour:.0f} CPU-s{scaled} "
+                   f"[target <= 30: {'MET' if hour <= 30 else 'NOT MET'}]")
+        for r in mine:
+            if r is ref:
+                continue
+            if r["rho"] == 0.7:
+                k = r["instances"] / first
+                x = r["cpu_s"] / ref["cpu_s"]
+                verdict = f" [target <= 16x: {'MET' if x <= 16 else 'NOT MET'}]" if r["instances"] == 16 * first else ""
+                out.append(f"  {r['instances']} instances ({k:.0f}x): {x:.1f}x the CPU time, "
+                           f"{x / k:.2f}x per instance{verdict}")
+            elif r["instances"] == first:
+                out.append(f"  rho {r['rho']:.1f}: {r['cpu_s'] / ref['cpu_s']:.2f}x the CPU time, "
+                           f"{r['iterations'] / r['cpu_s'] / (ref['iterations'] / ref['cpu_s']):.2f}x the "
+                           "iterations per CPU-second")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--policies", default="no-shadow,harvest-slo-host")
+    ap.add_argument("--instances", default="8,32,128", help="instance counts at rho 0.7 (even numbers)")
+    ap.add_argument("--rhos", default="0.3,0.7,0.9", help="loads at the first instance count")
+    ap.add_argument("--duration", type=float, default=HOUR_S, help="seconds of arrivals after the warm-up")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(one_run(*json.loads(a.child))))
+        return 0
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    counts = [int(x) for x in a.instances.split(",")]
+    rhos = [float(x) for x in a.rhos.split(",")]
+    grid = [(p, n, 0.7) for p in policies for n in counts]
+    grid += [(p, counts[0], r) for p in policies for r in rhos if r != 0.7]
+    rows = []
+    for p, n, r in grid:
+        rows.append(in_child(p, n, r, a.duration, a.seed))
+        print(f"done: {p} x {n} instances at rho {r} in {rows[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
+    rows.sort(key=lambda r: (policies.index(r["policy"]), r["rho"] != 0.7, r["instances"], r["rho"]))
+    print(table(rows))
+    print("\n".join(growth(rows, counts[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""One scenario under one policy on in-memory engine instances: the cluster,
+the composition root's router side, the workload played by the
+:class:`~shadowcore.engine.driver.SessionDriver`, and the summary metrics.
+
+:class:`ScenarioRun` is the driver's :class:`~shadowcore.engine.driver.ServingPort`
+for an :class:`~shadowcore.engine.cluster.EngineCluster`; a backend subclasses it
+to build its instances (:meth:`ScenarioRun.build_instance`) and, where its
+workload is not the scenario's synthetic one, :meth:`ScenarioRun.session_plans`
+or :meth:`ScenarioRun.normal_traffic`.
+
+Invariants: the workload is fixed before the first event (given, or drawn from
+the scenario's seed), so every policy sees identical sessions and normal
+requests; the policy's randomness comes from the :class:`ShadowConfig` seed
+through the composition root. A normal request meets its SLO when its TTFT is
+within ``max(slo.ttft_s, 5 x its isolated prefill)`` and its TPOT within the
+instance's TPOT SLO; a rejected one is counted and is a miss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from shadowcore.config import ShadowConfig
+from shadowcore.engine.cluster import EngineCluster
+from shadowcore.engine.driver import CallOutcome, OnTokens, SessionDriver
+from shadowcore.engine.instance import EngineInstance, EngineRequest, append_output_to_history
+from shadowcore.engine.records import CallRecord, ScenarioResult, hit_rate, mean
+from shadowcore.engine.workload import (
+    NormalRequest,
+    SessionPlan,
+    Workload,
+    draw_normal,
+    draw_sessions,
+    normal_requests,
+)
+from shadowcore.events import EventLoop
+from shadowcore.hook import EngineHook
+from shadowcore.job import SessionHistory
+from shadowcore.kv import KVClassPolicy
+from shadowcore.latency import chunked_prefill_s
+from shadowcore.pipeline import ShadowRuntime, build_runtime
+from shadowcore.policy import PolicySpec, load_policy
+from shadowcore.types import CallPlacement, RequestKind
+
+
+@attrs.define(eq=False)
+class ScenarioRun:
+    """One scenario (a :class:`~shadowcore.engine.workload.ScenarioSpec`)
+    under one policy. ``workload``: the sessions and normal requests to play
+    (default: :meth:`draw_workload`); ``sessions``: scripted sessions in place
+    of the workload's (its normal traffic stays). After construction
+    ``workload`` is the complete workload the run plays."""
+
+    scenario: Any
+    shadow: ShadowConfig
+    observers: tuple = ()
+    workload: Workload | None = None
+    sessions: tuple[SessionPlan, ...] | None = None
+    loop: EventLoop = attrs.field(init=False, factory=EventLoop)
+    policy: PolicySpec = attrs.field(init=False)
+    cluster: EngineCluster = attrs.field(init=False)
+    runtime: ShadowRuntime = attrs.field(init=False)
+    driver: SessionDriver = attrs.field(init=False)
+    normal: list[tuple[float, bool]] = attrs.field(init=False, factory=list)  # (arrival, met SLO)
+    rejected_normal: list[str] = attrs.field(init=False, factory=list)  # longer than a whole KV pool
+    _dedicated: set[str] = attrs.field(init=False, factory=set)
+
+    def __attrs_post_init__(self) -> None:
+        sc = self.scenario
+        self.policy = load_policy(self.shadow.policy, field="shadow.policy")
+        extra = 1 if self.policy.dedicated_instances else 0
+        self.cluster = self.build_cluster(extra)
+        by_model = self.cluster.by_model
+        dedicated = {m: insts[-1].instance_id for m, insts in by_model.items()} if extra else {}
+        self.runtime = build_runtime(self.shadow, self.cluster, sc.models, dedicated)
+        for obs in self.observers:
+            self.runtime.observers.add(obs)
+        for inst in self.cluster.by_id.values():  # fixed order: attach draws from the runtime's generator
+            inst.hook = self.attach_hook(inst)
+        self._dedicated.update(dedicated.values())
+        workload = self.workload if self.workload is not None else self.draw_workload()
+        if self.sessions is not None:
+            workload = attrs.evolve(workload, sessions=tuple(self.sessions))
+        self.workload = workload
+        self.driver = SessionDriver(self.loop, self.runtime.manager, self)
+
+    # -- what a backend provides -----------------------------------------------------
+    def build_instance(self, instance_id: str, model: str, kv_policy: KVClassPolicy) -> EngineInstance:
+        raise NotImplementedError
+
+    def build_cluster(self, extra: int) -> EngineCluster:
+        """The run's instances. ``by_model`` lists, per model, the instances the
+        router side may place calls on (with ``extra``, the last one of each
+        model is the dedicated shadow instance); ``by_id`` holds every instance."""
+        sc = self.scenario
+        by_model = {
+            m: [self.build_instance(f"{m}/{k}", m, self.policy.kv) for k in range(sc.instances_per_model + extra)]
+            for m in sc.models
+        }
+        by_id = {i.instance_id: i for insts in by_model.values() for i in insts}
+        return EngineCluster(self.loop, by_model, by_id)
+
+    def attach_hook(self, inst: EngineInstance) -> EngineHook | None:
+        """The engine hook of ``inst`` (None: the instance runs no shadow work)."""
+        return self.runtime.attach(inst.instance_id, inst, inst.latency)
+
+    def serving_instances(self) -> list[str]:
+        """The instances normal traffic may arrive at (not the dedicated ones), in cluster order."""
+        return [i for i in self.cluster.by_id if i not in self._dedicated]
+
+    def draw_workload(self) -> Workload:
+        """The workload when none is given: :meth:`session_plans` and :meth:`normal_traffic`."""
+        return Workload(tuple(self.session_plans()), self.normal_traffic())
+
+    def session_plans(self) -> list[SessionPlan]:
+        """The drawn sessions (default: the scenario's Markov sessions)."""
+        return draw_sessions(self.scenario)
+
+    def normal_traffic(self) -> tuple[NormalRequest, ...]:
+        """The drawn normal requests (default: the scenario's Poisson traffic,
+        the k-th serving instance drawing from ``[seed, 2, k]``)."""
+        sc = self.scenario
+        return normal_requests((inst, draw_normal(sc, k)) for k, inst in enumerate(self.serving_instances()))
+
+    # -- the run ---------------------------------------------------------------------
+    @property
+    def calls(self) -> list[CallRecord]:
+        return self.driver.calls
+
+    @property
+    def rejected(self) -> list[str]:
+        """Request ids longer than a whole KV pool: routed calls, then normal requests."""
+        return [*self.driver.rejected, *self.rejected_normal]
+
+    def run(self) -> ScenarioResult:
+        assert self.workload is not None
+        self.driver.schedule(self.workload, self.serving_instances())
+        self.loop.run()
+        return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary())
+
+    # -- the driver's serving port ---------------------------------------------------
+    def input_token_ids(self, session_id: str, call_index: int, model: str, num_tokens: int) -> None:
+        return None  # the in-memory engine looks prefixes up by block hashes of counts
+
+    def start_call(self, request_id: str, placement: CallPlacement, history: SessionHistory,
+                   num_output_tokens: int, on_tokens: OnTokens,
+                   on_finish: Callable[[CallOutcome], None]) -> None:
+        inst = self.cluster.by_id[placement.instance_id]
+        req = EngineRequest(
+            request_id, RequestKind.ROUTED, history, history.num_tokens, num_output_tokens, self.loop.now_s,
+            self.scenario.slo.ttft_s, inst.tpot_slo_s, num_oracle_tokens=placement.num_oracle_prefix_tokens,
+            on_token=lambda r, t, f=on_tokens: f(1, None),
+            on_finish=lambda r, t, f=on_finish: f(_outcome(r)),
+        )
+        self._enqueue(inst, req)
+
+    def start_normal(self, request_id: str, instance_id: str, num_prompt_tokens: int,
+                     num_output_tokens: int) -> None:
+        inst = self.cluster.by_id[instance_id]
+        history = SessionHistory(request_id)
+        history.append(num_prompt_tokens)
+        req = EngineRequest(request_id, RequestKind.NORMAL, history, num_prompt_tokens, num_output_tokens,
+                            self.loop.now_s, inst.tpot_slo_s * 40, inst.tpot_slo_s,
+                            on_token=append_output_to_history, on_finish=self._normal_done)
+        isolated = chunked_prefill_s(inst.latency, num_prompt_tokens, inst.limits.token_budget)
+        req.ttft_slo_s = max(self.scenario.slo.ttft_s, 5 * isolated)
+        self._enqueue(inst, req)
+
+    def settle(self) -> None:
+        self.cluster.kick_all()
+
+    def _enqueue(self, inst: EngineInstance, req: EngineRequest) -> None:
+        inst.enqueue(req)
+        self.cluster.kick(inst)
+
+    def _normal_done(self, req: EngineRequest, now_s: float) -> None:
+        if req.rejected:  # counted, and a miss: nothing is dropped silently
+            self.rejected_normal.append(req.request_id)
+            self.normal.append((req.arrival_s, False))
+            return
+        ttft = req.first_token_s - req.arrival_s
+        tpot = (now_s - req.first_token_s) / max(1, req.num_output_tokens - 1)
+        self.normal.append((req.arrival_s, ttft <= req.ttft_slo_s and tpot <= req.tpot_slo_s))
+
+    # -- metrics ---------------------------------------------------------------------
+    def summary(self) -> dict[str, float]:
+        sc = self.scenario
+        measured = [c for c in self.calls if c.arrival_s >= sc.warmup_s]
+        switch = [c for c in measured if c.is_switch]
+        normal = [met for arrival, met in self.normal if arrival >= sc.warmup_s]
+        insts = list(self.cluster.by_id.values())
+        shadow_tokens = sum(i.num_shadow_tokens for i in insts)
+        used = sum(i.kv.num_shadow_blocks_used * i.kv.block_size for i in insts)
+        return {
+            "calls": float(len(measured)),
+            "switch_calls": float(len(switch)),
+            "call_latency_s": mean(c.latency_s for c in measured),
+            "switch_latency_s": mean(c.latency_s for c in switch),
+            "switch_ttft_s": mean(c.ttft_s for c in switch),
+            "hit_rate": hit_rate(measured),
+            "switch_hit_rate": hit_rate(switch),
+            "normal_slo_attainment": mean(1.0 if m else 0.0 for m in normal),
+            "shadow_tokens": float(shadow_tokens),
+            "shadow_tokens_used": float(used),
+            "rejected_requests": float(len(self.driver.rejected) + len(self.rejected_normal)),
+        }
+
+
+def _outcome(req: EngineRequest) -> CallOutcome:
+    return CallOutcome(req.rejected, req.arrival_s, req.first_token_s, req.finish_s, req.num_prompt_tokens,
+                       req.num_cached_tokens)
