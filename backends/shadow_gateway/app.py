@@ -24,6 +24,8 @@ Invariants:
 * One access-log line per call (logger ``shadow_gateway.access``, JSON):
   session digest, tenant, model, instance, status, prompt and cached tokens,
   shadow outcome, latency; request bodies only with ``access_log.bodies``.
+  A call refused before it reached an upstream (400, 401, 404) gets a
+  ``refused`` line (path, status, the field at fault), never its body or key.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def read_request(endpoint: str, raw: bytes) -> dict[str, Any]:
     return body
 
 
+def log_refused(path: str, status: int, tenant: str | None, param: str | None) -> None:
+    """The access-log line of a request refused before it reached an upstream."""
+    if access_log.isEnabledFor(logging.INFO):
+        access_log.info(json.dumps({"event": "refused", "path": path, "status": status, "tenant": tenant,
+                                    "param": param}, separators=(",", ":")))
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
            code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
@@ -76,8 +85,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 class ApiKeyAuth:
     """ASGI middleware: the tenant of the request's key into the scope, or 401."""
 
-    def __init__(self, app: ASGIApp, auth: AuthConfig) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, auth: AuthConfig, log_lines: bool = True) -> None:
+        self.app, self.log_lines = app, log_lines
         self.keys = [(hashlib.sha256(k.key.encode()).digest(), k.tenant) for k in auth.api_keys]
 
     def tenant(self, authorization: bytes | None) -> str | None:
@@ -104,6 +113,8 @@ class ApiKeyAuth:
         if tenant is None:
             message = ("Missing API key: send Authorization: Bearer KEY" if auth is None
                        else "Incorrect API key provided")
+            if self.log_lines:
+                log_refused(scope["path"], 401, None, "authorization")
             await _error(401, message, code="invalid_api_key",
                          headers={"www-authenticate": "Bearer"})(scope, receive, send)
             return
@@ -131,7 +142,7 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
     app = FastAPI(title="shadowprefill gateway", lifespan=lifespan)
     app.state.gateway = gw
     if config.auth.enabled:
-        app.add_middleware(ApiKeyAuth, auth=config.auth)
+        app.add_middleware(ApiKeyAuth, auth=config.auth, log_lines=config.access_log.enabled)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException) -> Response:
@@ -169,9 +180,14 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
             session_id, task = gw.session_of(request.headers, body, tenant)
             model = gw.choose_model(endpoint, body, session_id)
         except BadRequest as e:
+            if config.access_log.enabled:
+                log_refused(path, e.status, tenant, e.param)
             return _error(e.status, str(e), param=e.param)
         except RouteError as e:
-            return _error(404 if "not served" in str(e) else 400, str(e), param="model")
+            status = 404 if "not served" in str(e) else 400
+            if config.access_log.enabled:
+                log_refused(path, status, tenant, "model")
+            return _error(status, str(e), param="model")
         ctx = gw.begin_routed(session_id, model, task, body) if session_id else None
         if ctx is None:
             gw.metrics.calls.labels(model, "plain").inc()

@@ -235,10 +235,15 @@ def test_one_access_log_line_per_call_without_bodies_or_ids(secured, client, cap
              >= len(context) // 16 * 16, what="shadow")
     _call(client, gw, A, model="b", prompt=PROMPT + out + " ok", session="secret-session-name", stream=True)
     _call(client, gw, B, session=None)
-    assert _call(client, gw, B, max_tokens=-5).status_code == 400  # refused before any call: no line
+    assert _call(client, gw, B, max_tokens=-5).status_code == 400  # refused before any call
+    assert _call(client, gw, {"Authorization": "Bearer not-a-key-not-a-key"}).status_code == 401
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "shadow_gateway.access"]
-    assert len(lines) == 3, lines
-    first, switch, plain = lines
+    assert len(lines) == 5, lines
+    first, switch, plain, bad, unauthorized = lines
+    assert bad == {"event": "refused", "path": "/v1/completions", "status": 400, "tenant": "team-b",
+                   "param": "max_tokens"}
+    assert unauthorized == {"event": "refused", "path": "/v1/completions", "status": 401, "tenant": None,
+                            "param": "authorization"}
     assert first["kind"] == "routed" and first["model"] == "a" and first["instance"] == "a/0"
     assert first["tenant"] == "team-a" and first["status"] == 200 and first["latency_ms"] >= 0
     assert first["prompt_tokens"] == len(encode(PROMPT)) and first["cached_tokens"] == 0
@@ -248,3 +253,4 @@ def test_one_access_log_line_per_call_without_bodies_or_ids(secured, client, cap
     assert plain["kind"] == "plain" and plain["tenant"] == "team-b" and "session" not in plain
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "secret-session-name" not in text and "You are an agent" not in text and KEY_A not in text
+    assert "not-a-key" not in text
