@@ -159,7 +159,7 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
                  started_s: float, body: dict[str, Any]) -> None:
         if not config.access_log.enabled or not access_log.isEnabledFor(logging.INFO):
             return
-        line: dict[str, Any] = {"event": "call", "kind": "routed" if ctx and ctx.accepted else "plain",
+        line: dict[str, Any] = {"event": "call", "kind": "plain" if ctx is None else "routed",
                                 "tenant": tenant, "model": model, "instance": instance, "status": status,
                                 "latency_ms": round((gw.clock() - started_s) * 1000, 1)}
         if ctx is not None:

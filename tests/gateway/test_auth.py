@@ -254,3 +254,18 @@ def test_one_access_log_line_per_call_without_bodies_or_ids(secured, client, cap
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "secret-session-name" not in text and "You are an agent" not in text and KEY_A not in text
     assert "not-a-key" not in text
+
+
+@pytest.mark.parametrize(("access_log", "expect"), [({"bodies": True}, "body"), ({"enabled": False}, None)])
+def test_access_log_bodies_only_when_asked_and_off_when_disabled(upstreams, gateway, client, caplog, access_log,
+                                                                 expect):
+    caplog.set_level(logging.INFO, logger="shadow_gateway.access")
+    (a,), (b,) = upstreams(1), upstreams(1)
+    gw = gateway(two_model_config([a], [b], access_log=access_log))
+    assert _call(client, gw, {}).status_code == 200
+    assert _call(client, gw, {}, max_tokens=0).status_code == 400
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "shadow_gateway.access"]
+    if expect is None:
+        assert lines == []
+    else:
+        assert lines[0]["body"]["prompt"] == PROMPT and lines[0]["kind"] == "routed"
