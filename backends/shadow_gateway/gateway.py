@@ -87,6 +87,10 @@ class TokenizerMismatch(ConfigError):
     """Two models of one gateway tokenize the same text differently."""
 
 
+class UpstreamCredentials(ConfigError):
+    """An instance refuses the credentials the gateway has for it."""
+
+
 class UpstreamFailed(Exception):
     """Every attempt failed before a byte reached the client."""
 
@@ -169,9 +173,10 @@ class Gateway:
 
     async def check_tokenizers(self) -> dict[str, list[int]]:
         """Tokenize :data:`TOKENIZER_PROBE` on the first answering instance of
-        every model; raise :class:`TokenizerMismatch` when two models disagree.
-        A model none of whose instances answers is skipped (logged): a dead
-        instance must not keep the gateway from starting."""
+        every model; raise :class:`TokenizerMismatch` when two models disagree,
+        :class:`UpstreamCredentials` when an instance refuses the gateway's
+        key for it (401/403). A model none of whose instances answers is
+        skipped (logged): a dead instance must not keep the gateway from starting."""
         async with httpx.AsyncClient(timeout=self.config.health.timeout_s) as client:
             async def probe(model: str) -> list[int] | None:
                 for inst_id in self.cluster.instances(model):
@@ -186,9 +191,13 @@ class Gateway:
                         tokens = None
                     if isinstance(tokens, list):
                         return tokens
-                    if r is not None and r.status_code in (401, 403):
-                        log.warning("tokenizer check: %s answered /tokenize with %d (check its api_key_env)",
-                                    inst.id, r.status_code)
+                    if r is not None and r.status_code in (401, 403):  # misconfigured, not down: every
+                        # shadow and routed call would be refused the same way
+                        raise UpstreamCredentials(
+                            f"models.{model}.api_key_env", inst.config.api_key_env or None,
+                            f"instance {inst.id} refused the gateway's credentials (/tokenize answered "
+                            f"{r.status_code}): give the variable holding the key it was started with "
+                            "(vLLM's --api-key)")
                 log.warning("tokenizer check: no instance of %r answered /tokenize; not checked", model)
                 return None
 

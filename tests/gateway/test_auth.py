@@ -135,12 +135,20 @@ def test_without_keys_the_gateway_says_it_trusts_every_local_client(upstreams, g
                for r in caplog.records)
 
 
-def test_a_missing_upstream_key_is_a_clear_upstream_401_not_a_silent_fallback(upstreams, gateway, client):
+def test_a_missing_upstream_key_is_a_clear_error_not_a_silent_fallback(upstreams, gateway, client):
     (a,), (b,) = upstreams(1, api_key=UPSTREAM_KEY), upstreams(1)
     gw = gateway(two_model_config([a], [b], tokenizer_check=False))
     r = _call(client, gw, {}, session="s")
     assert r.status_code == 401  # the instance's answer, as it gave it
     assert gw.gateway.manager.num_sessions == 0  # a rejected call leaves no session
+    import asyncio
+
+    from shadow_gateway.gateway import Gateway, UpstreamCredentials
+
+    # at startup (and --check) the tokenizer probe says which model's key is missing, before any call
+    with pytest.raises(UpstreamCredentials, match=r"models\.a\.api_key_env .*instance a/0 refused the gateway's "
+                       r"credentials \(/tokenize answered 401\)"):
+        asyncio.run(Gateway(gw.config).check_tokenizers())
 
 
 def test_session_state_changes_only_after_the_upstream_accepted_the_call(upstreams, gateway, client):
