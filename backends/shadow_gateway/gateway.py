@@ -181,23 +181,26 @@ class Gateway:
             async def probe(model: str) -> list[int] | None:
                 for inst_id in self.cluster.instances(model):
                     inst = self.cluster.by_id[inst_id]
-                    r = None
-                    try:
-                        r = await client.post(inst.url + "/tokenize", headers=inst.config.auth_headers,
-                                              json={"model": self.config.model(model).upstream_name,
-                                                    "prompt": TOKENIZER_PROBE})
-                        tokens = r.json().get("tokens") if r.status_code == 200 else None
+                    tokens, answers = None, []
+                    try:  # /v1/models: vLLM's --api-key guards /v1 (its /tokenize may be open)
+                        answers.append(await client.get(inst.url + "/v1/models", headers=inst.config.auth_headers))
+                        answers.append(await client.post(inst.url + "/tokenize", headers=inst.config.auth_headers,
+                                                         json={"model": self.config.model(model).upstream_name,
+                                                               "prompt": TOKENIZER_PROBE}))
+                        if answers[-1].status_code == 200:
+                            tokens = answers[-1].json().get("tokens")
                     except (httpx.HTTPError, OSError, ValueError, AttributeError):
-                        tokens = None
+                        pass
+                    for r in answers:
+                        if r.status_code in (401, 403):  # misconfigured, not down: every shadow and routed
+                            # call would be refused the same way
+                            raise UpstreamCredentials(
+                                f"models.{model}.api_key_env", inst.config.api_key_env or None,
+                                f"instance {inst.id} refused the gateway's credentials ({r.url.path} answered "
+                                f"{r.status_code}): give the variable holding the key it was started with "
+                                "(vLLM's --api-key)")
                     if isinstance(tokens, list):
                         return tokens
-                    if r is not None and r.status_code in (401, 403):  # misconfigured, not down: every
-                        # shadow and routed call would be refused the same way
-                        raise UpstreamCredentials(
-                            f"models.{model}.api_key_env", inst.config.api_key_env or None,
-                            f"instance {inst.id} refused the gateway's credentials (/tokenize answered "
-                            f"{r.status_code}): give the variable holding the key it was started with "
-                            "(vLLM's --api-key)")
                 log.warning("tokenizer check: no instance of %r answered /tokenize; not checked", model)
                 return None
 

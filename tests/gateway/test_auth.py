@@ -147,7 +147,7 @@ def test_a_missing_upstream_key_is_a_clear_error_not_a_silent_fallback(upstreams
 
     # at startup (and --check) the tokenizer probe says which model's key is missing, before any call
     with pytest.raises(UpstreamCredentials, match=r"models\.a\.api_key_env .*instance a/0 refused the gateway's "
-                       r"credentials \(/tokenize answered 401\)"):
+                       r"credentials \(/v1/models answered 401\)"):
         asyncio.run(Gateway(gw.config).check_tokenizers())
 
 

@@ -164,6 +164,16 @@ def test_the_servers_demand_their_key_and_the_gateway_sends_it_on_probes(gw, vll
     assert httpx.post(url, json=body, headers=AUTH, timeout=60).status_code == 200
     # tokenizer probes (as at startup) answered by both models
     assert asyncio.run(gw.gateway.check_tokenizers()).keys() == {"tiny-a", "tiny-b"}
+    # without the key the startup probe stops the gateway with one error naming the field
+    from shadow_gateway.config import from_dict
+    from shadow_gateway.gateway import Gateway, UpstreamCredentials
+
+    bare = _config(vllm_servers, "stock")
+    for m in bare["models"].values():
+        m.pop("api_key_env")
+    with pytest.raises(UpstreamCredentials, match=r"api_key_env = None: instance tiny-./0 refused .*/v1/models "
+                                                  r"answered 401"):
+        asyncio.run(Gateway(from_dict(bare)).check_tokenizers())
     # a warmth query that tokenizes the next prompt (/tokenize through the gateway)
     r = httpx.post(gw.url + "/v1/shadowprefill/warmth", timeout=60,
                    json={"session_id": "never-called", "model": "tiny-b", "prompt": "x"})
