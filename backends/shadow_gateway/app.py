@@ -26,6 +26,9 @@ Invariants:
   shadow outcome, latency; request bodies only with ``access_log.bodies``.
   A call refused before it reached an upstream (400, 401, 404) gets a
   ``refused`` line (path, status, the field at fault), never its body or key.
+* With keys and ``auth.isolate_caches``, every request made for a tenant
+  carries that tenant's ``cache_salt`` (:meth:`~shadow_gateway.gateway.Gateway.cache_fields`): no
+  tenant reaches another's prefix-cache entries.
 """
 
 from __future__ import annotations
@@ -188,6 +191,7 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
             if config.access_log.enabled:
                 log_refused(path, status, tenant, "model")
             return _error(status, str(e), param="model")
+        body.update(gw.cache_fields(tenant))
         ctx = gw.begin_routed(session_id, model, task, body) if session_id else None
         if ctx is None:
             gw.metrics.calls.labels(model, "plain").inc()

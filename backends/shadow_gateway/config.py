@@ -191,6 +191,10 @@ class AuthConfig:
     on a loopback address only."""
 
     api_keys: tuple[ApiKey, ...] = attrs.field(default=(), converter=tuple)
+    #: With keys: each tenant's requests (routed and plain calls, shadows) carry
+    #: a ``cache_salt`` of their own, so no tenant hits (or learns from
+    #: ``cached_tokens``) another tenant's prefix cache entries.
+    isolate_caches: bool = attrs.field(default=True, validator=lambda _i, a, v: _bool(a, v))
 
     @property
     def enabled(self) -> bool:
@@ -405,8 +409,11 @@ def _auth(data: Any, src: _Source, env: Mapping[str, str]) -> AuthConfig:
     if not isinstance(data, Mapping):
         raise src.error("auth", data, "must be a mapping with api_keys")
     for k in data:
-        if k != "api_keys":
-            raise src.error(f"auth.{k}", data[k], "unknown field (known: api_keys)")
+        if k not in ("api_keys", "isolate_caches"):
+            raise src.error(f"auth.{k}", data[k], "unknown field (known: api_keys, isolate_caches)")
+    isolate = data.get("isolate_caches", True)
+    if not isinstance(isolate, bool):
+        raise src.error("auth.isolate_caches", isolate, "must be true or false")
     raw = data.get("api_keys", [])
     if not isinstance(raw, list):
         raise src.error("auth.api_keys", raw, "must be a list of keys or {key | key_env, tenant} mappings")
@@ -448,7 +455,7 @@ def _auth(data: Any, src: _Source, env: Mapping[str, str]) -> AuthConfig:
             raise src.error(f"{field}.tenant" if field.startswith("auth") else field, tenant,
                             "a tenant name is 1 to 64 letters, digits, '.', '_' or '-'")
         keys.append(ApiKey(key, tenant))
-    return AuthConfig(tuple(keys))
+    return AuthConfig(tuple(keys), isolate)
 
 
 def _check_tokenizer_names(cfg: GatewayConfig, src: _Source) -> None:

@@ -4,7 +4,8 @@ uses) on a real loopback socket, with fault injection.
 It tokenizes bytes (token id = byte value, plus ``vocab_offset`` to play a
 model with another tokenizer), applies a one-line chat template,
 keeps a block-level prefix cache (so ``usage.prompt_tokens_details.cached_tokens``
-is real for its own requests), streams SSE like vLLM (``return_token_ids``,
+is real for its own requests; a request's ``cache_salt`` seeds its block
+hashes, as in vLLM), streams SSE like vLLM (``return_token_ids``,
 ``stream_options.include_usage``), and serves ``/tokenize``, ``/health`` and
 ``/metrics`` (``vllm:num_requests_waiting``).
 
@@ -133,26 +134,27 @@ class FakeUpstream:
             pass
 
     # -- cache ---------------------------------------------------------------------------
-    def _hashes(self, ids: list[int]) -> list[bytes]:
-        out, parent = [], b""
+    def _hashes(self, ids: list[int], salt: str | None = None) -> list[bytes]:
+        """Block hashes, chained; a ``cache_salt`` seeds the chain (as vLLM's does)."""
+        out, parent = [], (salt or "").encode()
         for i in range(len(ids) // self.block_size):
             block = ids[i * self.block_size:(i + 1) * self.block_size]
             parent = hashlib.blake2b(parent + json.dumps(block).encode(), digest_size=8).digest()
             out.append(parent)
         return out
 
-    def cached_tokens(self, ids: list[int]) -> int:
+    def cached_tokens(self, ids: list[int], salt: str | None = None) -> int:
         n = 0
         with self._lock:
-            for h in self._hashes(ids[: max(0, len(ids) - 1)]):
+            for h in self._hashes(ids[: max(0, len(ids) - 1)], salt):
                 if h not in self._cache:
                     break
                 n += self.block_size
         return n
 
-    def _insert(self, ids: list[int]) -> None:
+    def _insert(self, ids: list[int], salt: str | None = None) -> None:
         with self._lock:
-            self._cache.update(self._hashes(ids))
+            self._cache.update(self._hashes(ids, salt))
 
     def shadow_requests(self) -> list[dict[str, Any]]:
         return [b for _, b in self.requests if (b.get("vllm_xargs") or {}).get("shadowprefill_kind") == "shadow"
@@ -197,7 +199,8 @@ class FakeUpstream:
         if self.fail_status is not None and (is_shadow or not self.fail_shadows_only):
             return JSONResponse({"error": {"message": "injected failure", "code": self.fail_status}},
                                 status_code=self.fail_status)
-        cached = self.cached_tokens(ids)
+        salt = body.get("cache_salt")
+        cached = self.cached_tokens(ids, salt)
         n_out = int(body.get("max_tokens") or 8)
         out = [ord("a") + (sum(ids) + i) % 26 for i in range(n_out)]
         finish = "length"
@@ -206,13 +209,13 @@ class FakeUpstream:
         tagged = (body.get("vllm_xargs") or {}).get("shadowprefill_kind") == "shadow"
         if tagged and self.shadow_short_tokens:
             held = max(0, len(ids) - self.shadow_short_tokens) // self.block_size * self.block_size
-            self._insert(ids[:held])
+            self._insert(ids[:held], salt)
             stop = ShadowStop(ShadowEnd.BELOW_N_MIN, held).to_stop_reason()
             return JSONResponse({"id": "cmpl-1", "object": "text_completion", "model": body.get("model"),
                                  "choices": [{"index": 0, "text": "", "finish_reason": "stop", "stop_reason": stop}],
                                  "usage": {"prompt_tokens": len(ids), "completion_tokens": 0,
                                            "total_tokens": len(ids)}})
-        self._insert(ids + out[:-1])
+        self._insert(ids + out[:-1], salt)
         usage = {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out,
                  "prompt_tokens_details": {"cached_tokens": cached}}
         want_ids = bool(body.get("return_token_ids"))

@@ -150,7 +150,8 @@ class Gateway:
                                 self.cluster.shadow_instances())
         self.manager = runtime.manager
         self.router = load_router(self.config.router)
-        self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics)
+        self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics,
+                                        session_fields=self.session_cache_fields)
         self._epoch0_s = self.clock()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -265,6 +266,19 @@ class Gateway:
         return Warmth(session_id, model, best, n, best_n, job.num_inflight_tokens if job else 0)
 
     # -- entry points --------------------------------------------------------------------
+    def cache_fields(self, tenant: str | None) -> dict[str, str]:
+        """Body fields of every request made for ``tenant`` (``auth.isolate_caches``):
+        a ``cache_salt`` of its own, the same on every gateway replica."""
+        if tenant is None or not self.config.auth.isolate_caches:
+            return {}
+        return {"cache_salt": "sp-" + hashlib.sha256(b"shadowprefill cache salt\0" + tenant.encode()).hexdigest()[:32]}
+
+    def session_cache_fields(self, session_key: str) -> dict[str, str]:
+        """:meth:`cache_fields` of the tenant that owns a session (shadows)."""
+        if not self.config.auth.enabled:
+            return {}
+        return self.cache_fields(session_key.partition(":")[0])
+
     @staticmethod
     def session_key(tenant: str | None, session_id: str) -> str:
         """The gateway's key of a client's session: the id itself without

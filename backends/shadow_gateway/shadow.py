@@ -78,6 +78,8 @@ class ShadowDispatcher:
     cluster: GatewayCluster
     config: ShadowSubmitConfig
     metrics: GatewayMetrics
+    #: Body fields every shadow of a session carries (the gateway's per-tenant ``cache_salt``).
+    session_fields: Any = lambda _session_id: {}
     client: aiohttp.ClientSession = attrs.field(init=False)
     lanes: dict[str, Lane] = attrs.field(init=False, factory=dict)
     request_level: Any = attrs.field(init=False, default=None)  # RequestLevelShadower when stock instances exist
@@ -179,7 +181,7 @@ class ShadowDispatcher:
         start = job.reserve(num_missing)
         tag = ShadowTag(TagKind.SHADOW, job.key.session_id, job.key.target_model, epoch, job.switch_probability)
         body = {"model": inst.model.upstream_name, "prompt": ids[:target], "max_tokens": 1,
-                "vllm_xargs": tag.to_extra_args()}
+                "vllm_xargs": tag.to_extra_args(), **self.session_fields(job.key.session_id)}
         task = asyncio.create_task(self._send(lane, job, body, ids, target, epoch, start, num_missing))
         lane.inflight[job.key] = task
 
@@ -308,6 +310,7 @@ class ShadowDispatcher:
         inst = self.cluster.by_id[shadow.destination.instance_id]
         body = completions_body(shadow, inst.model.upstream_name)
         body["priority"] = self.config.request_level_priority
+        body.update(self.session_fields(shadow.session_id))
         ids = self._rl_context.get((inst.id, shadow.session_id))
 
         async def send() -> None:

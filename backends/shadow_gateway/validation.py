@@ -9,8 +9,10 @@ Invariants:
   (``NaN``, ``Infinity`` and numbers that overflow to infinity are rejected
   when the JSON is read), every checked field has its documented type and
   range, and it carries nothing only the gateway may set: ``priority``
-  (the gateway's shadows rank by it), a ``shadowprefill_*`` field, or a
-  ``shadowprefill_*`` key in ``vllm_xargs`` (the engine's shadow tags).
+  (the gateway's shadows rank by it), ``cache_salt`` (the gateway salts
+  caches per tenant; shadows must carry the routed calls' salt), a
+  ``shadowprefill_*`` field, or a ``shadowprefill_*`` key in ``vllm_xargs``
+  (the engine's shadow tags).
 * Every failure is one :class:`BadRequest` naming the field (``param``, a
   dotted path such as ``messages[0].content``), the value and the rule.
 * Fields outside the checked set pass through unchanged (vLLM's own sampling
@@ -32,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 MAX_SESSION_ID_CHARS = 256
 #: Fields only the gateway sets on the requests it forwards.
-RESERVED_FIELDS = ("priority",)
+RESERVED_FIELDS = ("priority", "cache_salt")
 RESERVED_PREFIX = "shadowprefill_"
 
 

@@ -277,3 +277,41 @@ def test_access_log_bodies_only_when_asked_and_off_when_disabled(upstreams, gate
         assert lines == []
     else:
         assert lines[0]["body"]["prompt"] == PROMPT and lines[0]["kind"] == "routed"
+
+
+@pytest.mark.parametrize("scheduler_b", ["shadow", "stock"])
+def test_tenants_do_not_share_prefix_caches_and_shadows_carry_their_tenants_salt(upstreams, gateway, client,
+                                                                                 scheduler_b):
+    """With keys, every request made for a tenant carries its own cache_salt
+    (the fakes salt their block hashes as vLLM does): another tenant's same
+    prompt finds nothing cached (``cached_tokens`` would tell it what the
+    first tenant sent), while the tenant's own switch still finds its shadow
+    (tagged and request-level shadows carry the salt of the session's tenant)."""
+    (a,), (b,) = upstreams(1), upstreams(1)
+    cfg = two_model_config([a], [b], scheduler_b=scheduler_b,
+                           auth={"api_keys": [{"key": KEY_A, "tenant": "team-a"}, {"key": KEY_B, "tenant": "team-b"}]})
+    gw = gateway(cfg)
+    aligned_prompt = (len(encode(PROMPT)) - 1) // 16 * 16
+    assert _call(client, gw, A, session=None).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert _call(client, gw, B, session=None).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert _call(client, gw, A, session=None).json()["usage"]["prompt_tokens_details"]["cached_tokens"] \
+        == aligned_prompt
+    salts = {body.get("cache_salt") for _, body in a.requests}
+    assert len(salts) == 2 and None not in salts
+    out = _call(client, gw, A, prompt="Another agent. " * 8).json()["choices"][0]["text"]
+    context = encode("Another agent. " * 8) + encode(out)
+    mode = "tagged" if scheduler_b == "shadow" else "request-level"
+    wait_for(lambda: gw.metric("shadowprefill_gateway_shadow_tokens_submitted_total", model="b", mode=mode) > 0,
+             what="a shadow")
+    r = _call(client, gw, A, model="b", prompt="Another agent. " * 8 + out + " ok")
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(context) // 16 * 16
+    assert {body.get("cache_salt") for body in b.shadow_requests()} == {gw.gateway.cache_fields("team-a")["cache_salt"]}
+
+
+def test_shared_caches_when_isolation_is_off(upstreams, gateway, client):
+    (a,), (b,) = upstreams(1), upstreams(1)
+    gw = gateway(two_model_config([a], [b], auth={"isolate_caches": False, "api_keys": [KEY_A, KEY_B]}))
+    _call(client, gw, A, session=None)
+    r = _call(client, gw, B, session=None)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(encode(PROMPT)) - 1) // 16 * 16
+    assert all("cache_salt" not in body for _, body in a.requests)
