@@ -286,3 +286,39 @@ def test_tagged_mode_switch_finds_the_context_the_shadow_scheduler_prefilled(gw_
     assert gw_tagged.metric("shadowprefill_gateway_shadow_tokens_used_total", model="tiny-b") == cached
     assert gw_tagged.metric("shadowprefill_gateway_shadow_requests_total", model="tiny-b", mode="tagged",
                             outcome="http-4xx") == 0  # every shadow carried the key
+
+
+def test_tenants_behind_gateway_keys_get_salted_caches_and_their_own_switches(vllm_servers):
+    """A gateway with two client keys over the same servers (tagged mode):
+    team-a's switch finds the context its (salted) shadow prefilled on tiny-b;
+    team-b sending the very same tokens finds none of them cached (vLLM's own
+    count), and cannot see team-a's session."""
+    keys = {"team-a": "e2e-client-key-team-a-" + os.urandom(4).hex(),
+            "team-b": "e2e-client-key-team-b-" + os.urandom(4).hex()}
+    cfg = _config(vllm_servers, "shadow")
+    cfg["auth"] = {"api_keys": [{"key": k, "tenant": t} for t, k in keys.items()]}
+    g = GatewayServer(cfg).start()
+    try:
+        c = httpx.Client(timeout=120)
+        a = {"Authorization": f"Bearer {keys['team-a']}", "X-Session-Id": "tenant-session"}
+        b = {"Authorization": f"Bearer {keys['team-b']}"}
+        prompt = _context(11)
+        first = c.post(g.url + "/v1/completions", headers=a,
+                       json={"model": "tiny-a", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                             "return_token_ids": True})
+        assert first.status_code == 200, first.text
+        context = prompt + first.json()["choices"][0]["token_ids"]
+        expected = len(context) // BLOCK * BLOCK
+        wait_for(lambda: g.metric("shadowprefill_gateway_shadow_tokens_submitted_total", model="tiny-b",
+                                  mode="tagged") >= expected, timeout_s=60, what="team-a's salted shadow")
+        warmth = {"session_id": "tenant-session", "model": "tiny-b"}
+        assert c.get(g.url + "/v1/shadowprefill/warmth", params=warmth, headers=b).status_code == 404
+        plain = c.post(g.url + "/v1/completions", headers=b,
+                       json={"model": "tiny-b", "prompt": context + _context(12, 40), "max_tokens": 4})
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another tenant's cache
+        switch = c.post(g.url + "/v1/completions", headers=a,
+                        json={"model": "tiny-b", "prompt": context + _context(13, 40), "max_tokens": 4})
+        assert switch.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == expected > 0
+    finally:
+        g.stop()
