@@ -93,6 +93,8 @@ def _simulate(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     if args.duration is not None:
         scenario["duration_s"] = args.duration
+    if args.latency_profile:
+        scenario["latency_profile"] = args.latency_profile
     if args.policy and args.policies is not None:
         raise ConfigError("--policy", args.policy, "give --policies or --policy, not both")
     if args.policy:
@@ -158,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "(repeat it; instead of --policies)")
     sim.add_argument("--scenario", help="JSON file with scenario fields (default: the embedded scenario)")
     sim.add_argument("--duration", type=float, help="simulated seconds of arrivals")
+    sim.add_argument("--latency-profile", metavar="NAME|FILE",
+                     help="calibrate the latency model: a shipped profile or a JSON file (shadowprefill latency)")
     sim.add_argument("--seed", type=int, default=0, help="policy seed")
     sim.set_defaults(func=_simulate)
     plug = sub.add_parser("plugins", help="list registered policies, backends and commands")

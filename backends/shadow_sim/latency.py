@@ -13,12 +13,18 @@ installed, else the roofline model.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from shadow_sim.hardware import DeviceSpec
 from shadow_sim.models import ModelConfig
+from shadowcore.calibration import LatencyProfile
 from shadowcore.errors import ConfigError
 from shadowcore.latency import LatencyModel
+
+#: Shipped latency profiles (``<name>.json`` next to this module, in ``profiles/``).
+PROFILES_DIR = Path(__file__).with_name("profiles")
 
 KINDS = ("vidur", "roofline", "auto")
 
@@ -56,4 +62,28 @@ def latency_model(
     raise ConfigError("kind", kind, f"must be one of {KINDS}")
 
 
-__all__ = ["KINDS", "latency_model", "vidur_available"]
+def shipped_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+def resolve_profile(value: str | Mapping[str, Any] | LatencyProfile | None, field: str = "latency_profile",
+                    ) -> LatencyProfile:
+    """A :class:`~shadowcore.calibration.LatencyProfile` from a shipped name, a
+    JSON file path, its fields, or ``""``/None (the identity: no calibration)."""
+    if value is None or value == "":
+        return LatencyProfile()
+    if isinstance(value, LatencyProfile):
+        return value
+    if isinstance(value, Mapping):
+        return LatencyProfile.from_dict(dict(value), where=field)
+    if not isinstance(value, str):
+        raise ConfigError(field, value, "must be a shipped profile name, a JSON file or an object")
+    shipped = PROFILES_DIR / f"{value}.json"
+    if shipped.exists():
+        return LatencyProfile.from_file(shipped)
+    if not Path(value).exists():
+        raise ConfigError(field, value, f"no such file and not a shipped profile ({', '.join(shipped_profiles())})")
+    return LatencyProfile.from_file(value)
+
+
+__all__ = ["KINDS", "PROFILES_DIR", "latency_model", "resolve_profile", "shipped_profiles", "vidur_available"]

@@ -19,7 +19,7 @@ import attrs
 
 from shadow_sim.hardware import get_device, tensor_parallel_degree
 from shadow_sim.latency import KINDS as LATENCY_KINDS
-from shadow_sim.latency import latency_model, vidur_available
+from shadow_sim.latency import latency_model, resolve_profile, vidur_available
 from shadow_sim.models import get_model
 from shadowcore._validators import fraction_open_closed, positive, positive_int
 from shadowcore.config import build_attrs
@@ -74,6 +74,10 @@ class SimScenario(ScenarioSpec):
 
     device: str = "H100-80GB"
     latency: str = "vidur"  # "vidur" (needs the sim extra), "roofline" or "auto"
+    #: A latency profile applied to every instance's latency model
+    #: (:mod:`shadowcore.calibration`): a shipped name
+    #: (:func:`shadow_sim.latency.shipped_profiles`), a JSON file, or "" for none.
+    latency_profile: str = ""
     tp: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
     max_num_seqs: int = attrs.field(default=256, validator=positive_int)
     memory_utilization: float = attrs.field(default=0.9, validator=fraction_open_closed)
@@ -96,6 +100,7 @@ class SimScenario(ScenarioSpec):
             raise ConfigError("latency", self.latency, f"must be one of {', '.join(LATENCY_KINDS)}")
         if self.latency == "vidur" and not vidur_available():
             raise ConfigError("latency", self.latency, "needs the sim extra: pip install -e '.[sim]' (or use roofline)")
+        resolve_profile(self.latency_profile)  # a bad file or name fails here, before anything runs
         if self.tp and len(self.tp) != len(self.models):
             raise ConfigError("tp", self.tp, f"needs one entry per model ({len(self.models)})")
         for i, t in enumerate(self.tp):
@@ -137,7 +142,7 @@ class SimRun(ScenarioRun):
     ) -> EngineInstance:
         sc: SimScenario = self.scenario
         config, device, tp = get_model(model), get_device(sc.device), sc.tp_of(model)
-        latency = latency_model(config, device, tp, kind=sc.latency)
+        latency = resolve_profile(sc.latency_profile).apply(latency_model(config, device, tp, kind=sc.latency))
         kv_bytes = float(config.kv_bytes_per_token())
         blocks = pool_blocks(device.hbm_bytes * tp, config.serving_weight_bytes, kv_bytes, sc.block_size,
                              sc.memory_utilization)

@@ -44,7 +44,7 @@ import numpy as np
 from shadow_sim.experiments.normal import poisson
 from shadow_sim.experiments.spec import SIMULATE_DEFAULT, Experiment, NormalOnlyRun
 from shadow_sim.hardware import get_device
-from shadow_sim.latency import latency_model, vidur_available
+from shadow_sim.latency import latency_model, resolve_profile, vidur_available
 from shadow_sim.models import get_model
 from shadow_sim.simulator import SimScenario
 from shadow_sim.vidur_latency import ENV_CACHE
@@ -85,7 +85,7 @@ def cache_dir() -> Path:
 def _probe_scenario(ex: Experiment, model: str) -> dict:
     other = next(m for m in ("Llama-3.1-8B", "Qwen2.5-7B") if m != model)
     return {**ex.scenario, "models": [model, other], "device": ex.device, "latency": ex.latency,
-            "instances_per_model": 1, "normal_rate_per_s": 0.0, "seed": 0}
+            "latency_profile": ex.latency_profile, "instances_per_model": 1, "normal_rate_per_s": 0.0, "seed": 0}
 
 
 def latency_key(kind: str, model: str, device: str, tp: int) -> str:
@@ -115,6 +115,9 @@ def _key(ex: Experiment, model: str, settings: ProbeSettings) -> str:
         "settings": attrs.asdict(settings),
         "latency_key": latency_key(sc.latency, model, sc.device, sc.tp_of(model)),
     }
+    profile = resolve_profile(sc.latency_profile)
+    if not profile.is_identity:  # absent otherwise: the keys of uncalibrated runs (and shipped capacities) stay
+        fields["latency_profile"] = profile.to_dict()
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -113,13 +113,15 @@ class Experiment:
     session_rate_per_s: float = attrs.field(default=0.05, validator=positive)
     normal: NormalTraffic = attrs.field(default=attrs.Factory(NormalTraffic), converter=_normal)
     latency: str = "vidur"
+    #: A latency profile (shipped name or JSON file; "" for none): see SimScenario.
+    latency_profile: str = ""
     device: str = "H100-80GB"
     #: Further SimScenario fields (tp, slo, token_budget, block_size, Markov session fields...).
     scenario: dict = attrs.field(factory=dict, converter=_dict)
 
     def __attrs_post_init__(self) -> None:
         for key in ("models", "preset", "instances_per_model", "duration_s", "warmup_s", "session_rate_per_s",
-                    "latency", "device", "seed", "normal_rate_per_s"):
+                    "latency", "latency_profile", "device", "seed", "normal_rate_per_s"):
             if key in self.scenario:
                 raise ConfigError(f"scenario.{key}", self.scenario[key], "set it on the experiment, not in scenario")
         self.sim_scenario(0)  # validates the cluster (models fit the device, latency kind...)
@@ -146,7 +148,7 @@ class Experiment:
     def sim_scenario(self, seed: int) -> SimScenario:
         return SimScenario.from_dict({
             **self.scenario, "models": list(self.models), "device": self.device, "latency": self.latency,
-            "instances_per_model": self.instances_per_model, "duration_s": self.end_s, "warmup_s": self.warmup_s,
+            "latency_profile": self.latency_profile, "instances_per_model": self.instances_per_model, "duration_s": self.end_s, "warmup_s": self.warmup_s,
             "session_rate_per_s": self.session_rate_per_s, "normal_rate_per_s": 0.0, "seed": seed,
         })
 

@@ -46,7 +46,7 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
     ``jobs`` (default: one process per run, at most one more than the CPUs; three
     runs on two cores finish in 1.5 run-times instead of 2)."""
     data = dict(scenario)
-    if set(data) <= {"duration_s"}:
+    if set(data) <= {"duration_s", "latency_profile"}:
         ex = Experiment.from_dict({**SIMULATE_DEFAULT, **data})
     elif "experiment" in data:
         extra = {k: v for k, v in data.items() if k != "experiment"}
@@ -98,6 +98,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rho", type=float, help="normal-traffic load relative to capacity")
     p.add_argument("--normal-trace", help="replay this trace file as normal traffic (Azure, BurstGPT, ...)")
     p.add_argument("--latency", choices=("vidur", "roofline", "auto"), help="latency model")
+    p.add_argument("--latency-profile", metavar="NAME|FILE",
+                   help="calibrate the latency model: a shipped profile or a JSON file (shadowprefill latency)")
     p.add_argument("--instances", type=int, help="instances per model")
     p.add_argument("--capacity", help="skip calibration: MODEL=REQ_PER_S,... per instance (every model of the grid)")
     p.add_argument("--jobs", type=int, default=2, help="local worker processes")
@@ -117,7 +119,8 @@ def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.experiment:
         data = load_scenario(args.experiment)
     for flag, key in (("preset", "preset"), ("duration", "duration_s"), ("warmup", "warmup_s"),
-                      ("latency", "latency"), ("instances", "instances_per_model")):
+                      ("latency", "latency"), ("latency_profile", "latency_profile"),
+                      ("instances", "instances_per_model")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
     normal = dict(data.get("normal", {}))
