@@ -61,6 +61,9 @@ from typing import Any
 
 import numpy as np
 
+from shadowcore.config import PluginRef, parse_ref
+from shadowcore.errors import ConfigError
+
 TTFT_TARGET = 1.1
 
 
@@ -233,8 +236,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", nargs=2, default=["Qwen2.5-7B", "Llama-3.1-8B"])
     p.add_argument("--latency", default="vidur", choices=("vidur", "roofline"),
                    help="the simulator's H100 latency model timing each batch")
-    p.add_argument("--policy", default="harvest-slo", help="shadow policy of the engine-level arm")
-    p.add_argument("--policy-args", default="{}", help='its arguments as JSON, e.g. \'{"delta": 0}\'')
+    p.add_argument("--policy", default="harvest-slo", metavar="NAME[:JSON]",
+                   help='shadow policy of the engine-level arm, with arguments if any, e.g. \'harvest-slo:{"delta": 0}\'')
+    p.add_argument("--policy-args", default=None, help="its arguments as JSON (older spelling; not both)")
     p.add_argument("--duration", type=float, default=240.0, help="simulated seconds of arrivals")
     p.add_argument("--session-rate", type=float, default=0.2, help="agent sessions per second")
     p.add_argument("--calls", type=int, default=6, help="calls per session")
@@ -257,11 +261,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--seeds: {args.seeds!r} is not a comma-separated list of integers")
     try:
-        args.policy_kwargs = json.loads(args.policy_args)
+        ref = parse_ref(args.policy, "--policy")
+        if args.policy_args is not None:
+            if ref.args:
+                raise ConfigError("--policy-args", args.policy_args, "--policy already gives the arguments")
+            ref = PluginRef.parse("--policy-args", {"name": ref.name, "args": json.loads(args.policy_args)})
     except json.JSONDecodeError as e:
         p.error(f"--policy-args: not JSON ({e})")
-    if not isinstance(args.policy_kwargs, dict):
-        p.error(f"--policy-args: {args.policy_args!r} is not a JSON object")
+    except ConfigError as e:
+        p.error(str(e))
+    args.policy, args.policy_kwargs = ref.name, dict(ref.args)
     return args
 
 

@@ -7,7 +7,7 @@ classes (:mod:`shadowcore.kv`) -> metrics (:mod:`shadowcore.metrics`), wired
 in one composition root (:mod:`shadowcore.pipeline`).
 """
 
-from shadowcore.config import PluginRef, ShadowConfig, SloConfig
+from shadowcore.config import PluginRef, ShadowConfig, SloConfig, parse_ref, parse_refs
 from shadowcore.errors import ConfigError, PluginError, ShadowError
 from shadowcore.hook import EngineHook, EnginePort
 from shadowcore.job import SessionHistory, ShadowJob
@@ -37,5 +37,5 @@ __all__ = [
     "LinearLatencyModel", "PluginError", "PluginRef", "PolicySpec", "PrefillChunk", "RequestKind", "RequestView",
     "SessionHistory", "ShadowConfig", "ShadowError", "ShadowGrant", "ShadowJob", "ShadowManager", "ShadowRuntime",
     "SlackBudget", "SlackController", "SloConfig", "StepOutcome", "StepPlan", "StepSnapshot", "SwitchPredictor",
-    "Targeting", "build_runtime", "load_policy",
+    "Targeting", "build_runtime", "load_policy", "parse_ref", "parse_refs",
 ]

@@ -3,7 +3,8 @@
 ``shadowprefill simulate`` runs one scenario under several policies (same
 workload seed for all) and prints a comparison table; with no arguments it
 runs the embedded default on the default backend (``--policy
-'NAME:{json}'``, repeated, gives policies with arguments). ``shadowprefill plugins``
+'NAME:{json}'``, repeated, or ``--policies a,b:{json}`` give the policies; see
+:func:`add_policy_options`, shared by every command). ``shadowprefill plugins``
 lists registered policies and backends and whether each loads.
 
 Other subcommands (``sweep``, ``reproduce``, ``serve``, ``vllm-serve``...) are
@@ -16,17 +17,22 @@ the error.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
+import re
+import signal
 import sys
+import textwrap
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.config import PluginRef, ShadowConfig, parse_refs
 from shadowcore.errors import ConfigError, PluginError
 from shadowcore.policy import load_policy
-from shadowcore.registry import Registry, backends, commands, policies
+from shadowcore.registry import Registry, backends, commands, policies, routers
 
 DEFAULT_POLICIES = ("no-shadow", "harvest-slo-host", "oracle-host")
 DEFAULT_BACKEND = "sim"
@@ -41,20 +47,86 @@ COLUMNS = (
 )
 
 
+#: The entry-point groups ``shadowprefill plugins`` lists, with what each holds.
+GROUPS: tuple[tuple[str, Registry, str], ...] = (
+    ("policies", policies, "shadow policies: factories returning a PolicySpec"),
+    ("backends", backends, "engines that run a scenario under a policy"),
+    ("routers", routers, "the gateway's per-step model routers"),
+    ("commands", commands, "subcommands of shadowprefill"),
+)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` of every command: each option with a default shows it (options without
+    one, flags and help texts that state their default stay as written)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or any(action.default is x for x in (None, False, argparse.SUPPRESS))
+                or "%(default)" in text or "default:" in text or "(default)" in text):
+            return text
+        return text + " (default: %(default)s)"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:  # no line break inside harvest-slo
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
+
+
+def describe(doc: str | None) -> str:
+    """A docstring's first paragraph as one line (reST quotes dropped), for ``--help``."""
+    text = inspect.cleandoc(doc or "").split("\n\n", 1)[0]
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return " ".join(text.replace("``", "").split())
+
+
+def summary(obj: Any) -> str:
+    """A plugin's one-line description: the first sentence of its own docstring (or
+    of its module's), or ``(no description)``."""
+    doc = obj.__doc__ if isinstance(obj, type) else inspect.getdoc(obj)
+    if not doc:
+        doc = getattr(inspect.getmodule(obj), "__doc__", None)
+    text = describe(doc)
+    end = text.find(". ")
+    return (text[:end + 1] if end >= 0 else text) or "(no description)"
+
+
 def _plugins(_args: argparse.Namespace) -> int:
-    for title, registry in (("policies", policies), ("backends", backends), ("commands", commands)):
-        print(f"{title} ({registry.group}):")
-        for name, entries in registry.entries().items():
-            print(f"  {name:<20} {_status(registry, name)}  {', '.join(e.target for e in entries)}")
+    broken = []
+    for title, registry, what in GROUPS:
+        print(f"{title} ({registry.group}): {what}")
+        entries = registry.entries()
+        if not entries:
+            print("  (none registered)")
+        for name, found in entries.items():
+            status, description = _check_plugin(registry, name)
+            if status != "ok":
+                broken.append(f"{registry.group}:{name}")
+            print(f"  {name:<20} {status}  {description}  [{', '.join(e.target for e in found)}]")
+    if broken:
+        print(f"shadowprefill plugins: {len(broken)} broken: {', '.join(broken)}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _status(registry: Registry, name: str) -> str:
+def _check_plugin(registry: Registry, name: str) -> tuple[str, str]:
+    """(``ok`` or ``BROKEN (why)``, one-line description). A policy is also built with its
+    default arguments, so that a factory that fails is found here, not in a run."""
     try:
-        registry.load(name)
+        obj = registry.load(name)
     except PluginError as exc:
-        return f"BROKEN ({exc})"
-    return "ok"
+        return f"BROKEN ({exc})", "-"
+    if registry is not policies:
+        return "ok", summary(obj)
+    try:
+        spec = load_policy(PluginRef(name), registry)
+    except ConfigError as e:
+        if e.field.startswith("policy.args"):  # needs arguments: loads, cannot be built bare
+            return "ok", f"{summary(obj)} (needs arguments: {e.problem})"
+        return f"BROKEN ({e.problem})", "-"
+    return "ok", spec.description or summary(obj)
 
 
 def load_scenario(path: str | None) -> dict[str, Any]:
@@ -74,36 +146,53 @@ def load_scenario(path: str | None) -> dict[str, Any]:
     return data
 
 
-def policy_ref(text: str) -> PluginRef:
-    """``--policy``'s value: ``NAME`` or ``NAME:{JSON object of arguments}``,
-    e.g. ``harvest-slo:{"eviction_order": "lru"}``."""
-    name, sep, rest = text.partition(":{")
-    name = name.strip()
-    if not sep:
-        return PluginRef(name)
-    try:
-        args = json.loads("{" + rest)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--policy {name}", "{" + rest, f"arguments are not JSON: {e.msg} (column {e.colno})") \
-            from None
-    return PluginRef.parse(f"--policy {name}", {"name": name, "args": args})
+class _PolicyText(argparse.Action):
+    """``--policy``/``--policies``: keeps ``(flag, text)`` in command-line order (parsed later, so an
+    error is one line naming the flag rather than argparse's "invalid value")."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest, []), (option_string, values)])
+
+
+def add_policy_options(parser: argparse.ArgumentParser, default: Sequence[str] = (), note: str = "") -> None:
+    """The policy options every command shares: ``--policy 'NAME:{json}'`` (repeatable) and
+    ``--policies a,b`` (a comma list, entries may carry ``:{json}`` too); both may be given and
+    mixed, and keep their order. Read them with :func:`policies_from_args`. ``note`` ends both
+    help texts (what the command does with them)."""
+    shown = (f"; {note}" if note else "") + (f" (default: {','.join(default)})" if default else "")
+    parser.add_argument("--policy", dest="policy_texts", action=_PolicyText, default=argparse.SUPPRESS,
+                        metavar="NAME[:JSON]",
+                        help='one policy, with JSON arguments if any, e.g. \'harvest-slo:{"beta": 0.3, '
+                             '"delta": 0.1}\'; repeat it, mix it with --policies' + (f"; {note}" if note else ""))
+    parser.add_argument("--policies", dest="policy_texts", action=_PolicyText, default=argparse.SUPPRESS,
+                        metavar="A,B,...",
+                        help="comma-separated policies, each NAME or NAME:{JSON} (commas inside the JSON do "
+                             "not split)" + shown)
+
+
+def policies_from_args(args: argparse.Namespace, default: Sequence[str] = ()) -> list[PluginRef]:
+    """The policies of ``--policy``/``--policies`` (``default`` when neither is given), each
+    loaded once so that a bad name or argument is one error naming the flag and the
+    policy before anything runs."""
+    given = getattr(args, "policy_texts", None) or ([("--policies", ",".join(default))] if default else [])
+    refs = []
+    for flag, text in given:
+        for ref in parse_refs(text, flag):
+            load_policy(ref, field=f"{flag} {ref.name}")
+            refs.append(ref)
+    return refs
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    """Run one scenario under several policies, same workload seed for all, and print a
+    comparison table. Without --scenario: the embedded default experiment on the chosen
+    backend (see README); --policy/--policies pick the policies."""
     scenario = load_scenario(args.scenario)
     if args.duration is not None:
         scenario["duration_s"] = args.duration
     if args.latency_profile:
         scenario["latency_profile"] = args.latency_profile
-    if args.policy and args.policies is not None:
-        raise ConfigError("--policy", args.policy, "give --policies or --policy, not both")
-    if args.policy:
-        refs = [policy_ref(p) for p in args.policy]
-    else:
-        names = args.policies if args.policies is not None else ",".join(DEFAULT_POLICIES)
-        refs = [PluginRef(n.strip()) for n in names.split(",") if n.strip()]
-    for i, ref in enumerate(refs):  # every policy loads before anything runs (a bad argument costs no run)
-        load_policy(ref, field=f"--policy {ref.name}" if args.policy else f"--policies[{i}]")
+    refs = policies_from_args(args, DEFAULT_POLICIES)  # every policy loads before anything runs
     configs = [ShadowConfig(ref, seed=args.seed) for ref in refs]
     backend = backends.load(args.backend)()
     compare = getattr(backend, "compare", None)  # a backend's own runner (sim: matched calls, reductions, +-SE)
@@ -135,39 +224,69 @@ def format_table(results: Sequence[Any]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit(143)`` in this (main) thread, as Ctrl-C raises
+    KeyboardInterrupt, so that ``finally`` blocks run: worker pools terminate their
+    workers (:func:`shadow_sim.experiments.runner.execute`) instead of orphaning them."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _plugins_doc() -> str:
+    return ("List every registered plugin of each entry-point group (policies, backends, routers, commands) "
+            "with whether it loads and a one-line description; exits 1 when any is broken.")
+
+
+def _command_help(name: str, target: str) -> str:
+    """A plugin command's line in ``shadowprefill --help`` (imports it: only for --help)."""
+    try:
+        return summary(commands.load(name))
+    except PluginError as e:
+        return f"BROKEN plugin {target}: {e}"
+
+
 def _run_plugin_command(name: str, argv: list[str]) -> int:
     try:
         return int(commands.load(name)(argv) or 0)
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill {name}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"shadowprefill {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    exit_on_sigterm()
     builtin = {"simulate", "plugins"}
     plugin_commands = {n: e for n, e in commands.entries().items() if n not in builtin}
     if argv and argv[0] in plugin_commands:  # its own parser handles its arguments and --help
         return _run_plugin_command(argv[0], argv[1:])
-    parser = argparse.ArgumentParser(prog="shadowprefill", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command")
-    sim = sub.add_parser("simulate", help="run one scenario under several policies")
-    sim.add_argument("--backend", default=DEFAULT_BACKEND, help="registered backend name")
-    sim.add_argument("--policies", default=None,
-                     help=f"comma-separated policy names (default: {','.join(DEFAULT_POLICIES)})")
-    sim.add_argument("--policy", action="append", metavar="NAME[:JSON]",
-                     help='one policy, with arguments if any, e.g. \'harvest-slo:{"eviction_order": "lru"}\' '
-                          "(repeat it; instead of --policies)")
+    parser = argparse.ArgumentParser(prog="shadowprefill", formatter_class=HelpFormatter,
+                                     description="Shadow prefill for per-step model routing in agentic LLM "
+                                                 "serving: simulate, sweep, reproduce, serve.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sim = sub.add_parser("simulate", help="run one scenario under several policies, print a comparison table",
+                         formatter_class=HelpFormatter, description=describe(_simulate.__doc__))
+    sim.add_argument("--backend", default=DEFAULT_BACKEND, help="registered backend name (shadowprefill plugins)")
+    add_policy_options(sim, DEFAULT_POLICIES)
     sim.add_argument("--scenario", help="JSON file with scenario fields (default: the embedded scenario)")
     sim.add_argument("--duration", type=float, help="simulated seconds of arrivals")
     sim.add_argument("--latency-profile", metavar="NAME|FILE",
                      help="calibrate the latency model: a shipped profile or a JSON file (shadowprefill latency)")
     sim.add_argument("--seed", type=int, default=0, help="policy seed")
     sim.set_defaults(func=_simulate)
-    plug = sub.add_parser("plugins", help="list registered policies, backends and commands")
+    plug = sub.add_parser("plugins", help="list registered policies, backends, routers and commands",
+                          formatter_class=HelpFormatter, description=describe(_plugins_doc()))
     plug.set_defaults(func=_plugins)
+    wants_help = any(a in ("-h", "--help") for a in argv)
     for name, entries in plugin_commands.items():  # listed in --help; run above
-        sub.add_parser(name, help=f"(plugin {entries[0].target}; see shadowprefill {name} --help)")
+        sub.add_parser(name, help=_command_help(name, entries[0].target) if wants_help else entries[0].target)
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["simulate", *argv])
@@ -176,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("shadowprefill: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -56,8 +56,10 @@ class PluginRef:
 
     @classmethod
     def parse(cls, field: str, value: Any) -> PluginRef:
+        """From configuration: a string in the command-line syntax (``NAME`` or
+        ``NAME:{json}``, see :func:`parse_ref`) or ``{"name": ..., "args": {...}}``."""
         if isinstance(value, str):
-            return cls(value)
+            return parse_ref(value, field)
         if not isinstance(value, Mapping):
             raise ConfigError(field, value, "must be a plugin name or {'name': ..., 'args': {...}}")
         unknown = set(value) - {"name", "args"}
@@ -67,6 +69,95 @@ class PluginRef:
             return cls(value.get("name", ""), value.get("args", {}))
         except ConfigError as e:
             raise ConfigError(f"{field}.{e.field}", e.value, e.problem) from None
+
+
+# -- the one text syntax of plugin references ------------------------------------------------
+#
+# ``NAME`` or ``NAME:{JSON object of arguments}``, several separated by commas:
+#     no-shadow,harvest-slo:{"beta": 0.3, "delta": 0.1},my_pkg.policies:factory
+# A comma splits only outside the JSON (strings, nested objects and lists are read by
+# the JSON decoder itself); a colon starts arguments only when a ``{`` follows it, so
+# ``package.module:Object`` names keep their colon. Every command and configuration
+# file reads references through these two functions (one owner of the syntax).
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys)
+
+
+def _args_start(text: str, colon: int) -> int | None:
+    """Index of the ``{`` that opens arguments after the colon at ``colon``, else None."""
+    k = colon + 1
+    while k < len(text) and text[k].isspace():
+        k += 1
+    return k if k < len(text) and text[k] == "{" else None
+
+
+def _decode_args(text: str, start: int, name: str, field: str) -> tuple[dict[str, Any], int]:
+    try:
+        return _DECODER.raw_decode(text, start)
+    except json.JSONDecodeError as e:
+        raise ConfigError(field, text, f"{name}: arguments are not JSON: {e.msg} at column {e.pos + 1}") from None
+    except ValueError as e:  # a duplicate key
+        raise ConfigError(field, text, f"{name}: arguments are not JSON: {e} (at column {start + 1})") from None
+
+
+def split_refs(text: str, field: str = "--policies") -> list[tuple[str, dict[str, Any]]]:
+    """``(name, args)`` of each reference in the comma list ``text``, in order.
+
+    Errors are one :class:`ConfigError` on ``field`` whose problem names the
+    reference and the 1-based column in ``text``: bad JSON, an empty name (``a,,b``,
+    a trailing comma), a bracket or quote in a name, text after the arguments."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    i = 0
+    while True:
+        j, args_at = i, None
+        while j < len(text) and text[j] != ",":
+            if text[j] == ":" and (args_at := _args_start(text, j)) is not None:
+                break
+            if text[j] in '{}[]"':
+                raise ConfigError(field, text, f"{text[j]!r} at column {j + 1} inside a name "
+                                               "(arguments go after a colon: NAME:{...})")
+            j += 1
+        name = text[i:j].strip()
+        if not name:
+            raise ConfigError(field, text, f"empty name at column {i + 1}")
+        args: dict[str, Any] = {}
+        if args_at is not None:
+            args, j = _decode_args(text, args_at, name, field)
+            while j < len(text) and text[j].isspace():
+                j += 1
+            if j < len(text) and text[j] != ",":
+                raise ConfigError(field, text, f"{name}: {text[j]!r} at column {j + 1} after the arguments "
+                                               "(separate references with commas)")
+        out.append((name, args))
+        if j >= len(text):
+            return out
+        i = j + 1
+
+
+def parse_refs(text: str, field: str = "--policies") -> list[PluginRef]:
+    """The plugin references in the comma list ``text`` (see :func:`split_refs`);
+    a bad argument value is reported on ``"{field} {name}.args..."``."""
+    return [PluginRef.parse(f"{field} {name}", {"name": name, "args": args}) for name, args in split_refs(text, field)]
+
+
+def parse_ref(text: str, field: str = "--policy") -> PluginRef:
+    """Exactly one plugin reference, ``NAME`` or ``NAME:{json}``; errors name ``field``."""
+    items = split_refs(text, field)
+    if len(items) != 1:
+        raise ConfigError(field, text, f"one reference expected, got {len(items)} "
+                                       f"({', '.join(n for n, _ in items)})")
+    name, args = items[0]
+    return PluginRef.parse(field, {"name": name, "args": args})
 
 
 @attrs.frozen

@@ -2,9 +2,10 @@
 
 Groups: ``shadowprefill.policies`` (factories returning a
 :class:`~shadowcore.policy.PolicySpec`), ``shadowprefill.backends``
-(backend factories) and ``shadowprefill.commands`` (subcommands of the
-``shadowprefill`` command: ``main(argv) -> int`` callables that parse their
-own arguments). Built-in policies and backends register through the same
+(backend factories), ``shadowprefill.routers`` (the gateway's per-step
+routers) and ``shadowprefill.commands`` (subcommands of the ``shadowprefill``
+command: ``main(argv) -> int`` callables that parse their own arguments; the
+first line of the callable's docstring is the command's description). Built-in policies and backends register through the same
 entry points as third-party ones (see ``pyproject.toml``).
 
 Invariants:
@@ -31,6 +32,7 @@ from shadowcore.errors import ConfigError, PluginError
 POLICY_GROUP = "shadowprefill.policies"
 BACKEND_GROUP = "shadowprefill.backends"
 COMMAND_GROUP = "shadowprefill.commands"
+ROUTER_GROUP = "shadowprefill.routers"
 
 
 @attrs.frozen
@@ -104,16 +106,28 @@ class Registry:
         self._loaded[name] = obj
         return obj
 
+    def describe_target(self, name: str) -> str:
+        """``'name' in group G (target, from dist)`` for messages; ``name`` alone for ``pkg.mod:Obj``."""
+        if ":" in name:
+            return repr(name)
+        found = self.entries().get(name) or []
+        where = f" ({found[0].target}, from {found[0].distribution})" if len(found) == 1 else ""
+        return f"{name!r} in group {self.group}{where}"
+
 
 policies = Registry(POLICY_GROUP)
 backends = Registry(BACKEND_GROUP)
 commands = Registry(COMMAND_GROUP)
+routers = Registry(ROUTER_GROUP)  # the gateway's per-step routers (shadow_gateway.router)
 
 
 def build_plugin(registry: Registry, name: str, args: Any, field: str, kind: type) -> Any:
     """Call the factory registered as ``name`` with ``args`` and check it built a
     ``kind``; every failure is one :class:`ConfigError` naming ``field``
-    (``field.name`` for the plugin, ``field.args...`` for its arguments)."""
+    (``field.name`` for the plugin, ``field.args...`` for its arguments; a
+    TypeError counts as the arguments'). Any other exception from inside the factory
+    (a bug) is reported on ``field.name`` naming the plugin, its target and the
+    exception, with the original chained as ``__cause__`` for a debugger."""
     try:
         factory = registry.load(name)
     except PluginError as e:
@@ -122,8 +136,12 @@ def build_plugin(registry: Registry, name: str, args: Any, field: str, kind: typ
         built = factory(**args)
     except ConfigError as e:
         raise ConfigError(f"{field}.args.{e.field}", e.value, e.problem) from None
-    except TypeError as e:
+    except TypeError as e:  # arguments that do not fit (also a factory's own "give a or b, not both")
         raise ConfigError(f"{field}.args", dict(args), str(e)) from None
+    except Exception as e:
+        # A bug inside the factory: one line naming the plugin; the traceback stays chained.
+        raise ConfigError(f"{field}.name", name, f"plugin {registry.describe_target(name)} failed while "
+                                                 f"building: {type(e).__name__}: {e}") from e
     if not isinstance(built, kind):
         raise ConfigError(f"{field}.name", name, f"returned {type(built).__name__}, not a {kind.__name__}")
     return built

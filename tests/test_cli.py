@@ -84,7 +84,8 @@ def test_policy_flag_takes_arguments_as_json(capsys) -> None:
 
 
 @pytest.mark.parametrize(("value", "where"), [
-    ('harvest-slo:{"eviction_order": lru}', "--policy harvest-slo"),  # not JSON: the flag, the policy, the column
+    ('harvest-slo:{"eviction_order": lru}', ("--policy = 'harvest-slo:{\"eviction_order\": lru}': harvest-slo: "
+                                             "arguments are not JSON: Expecting value at column 32")),  # the flag, the policy, the column
     ('harvest-slo:{"eviction_ordr": "lru"}', "eviction_ordr"),  # unknown argument
     ('harvest-slo:{"eviction_order": "fifo"}', "eviction_order = 'fifo'"),  # bad value
 ])
@@ -94,6 +95,48 @@ def test_bad_policy_flag_is_one_error_line_naming_it(capsys, value: str, where: 
     assert err.count("\n") == 1 and where in err, err
 
 
-def test_policy_and_policies_exclude_each_other(capsys) -> None:
-    assert main(["simulate", "--backend", "fake", "--policies", "no-shadow", "--policy", "harvest-slo"]) == 2
-    assert "not both" in capsys.readouterr().err
+def _help(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # unwrapped
+
+
+@pytest.mark.parametrize(("command", "description", "default"), [
+    ("simulate", "Run one scenario under several policies", "(default: no-shadow,harvest-slo-host,oracle-host)"),
+    ("plugins", "List every registered plugin of each entry-point group", None),
+    ("sweep", "Run a grid of pairs x policies x seeds x windows", "(default: sweep-out)"),
+    # the whole first paragraph of reproduce's docstring, not its first line
+    ("reproduce", ("analogues of the paper's Figures 4, 5, 6, 8, 9 (load panel), 15 (switch rate) and 16 (models "
+                   "per router) as PNG, and a Markdown table of our numbers next to the paper's (paper_numbers)."),
+     "(default: reproduce-out)"),
+    ("serve", "Run the session gateway", "(default: info)"),
+    ("vllm-serve", "Start vLLM's OpenAI-compatible server with the shadow scheduler", "(default: harvest-slo)"),
+    ("latency", "Fit a latency profile (or a linear model) to an engine's measured iterations", None),
+])
+def test_every_command_has_a_description_and_shows_defaults(capsys, command, description, default) -> None:
+    out = _help(capsys, [command])
+    assert description in out, out
+    if default is not None:
+        assert default in out, out
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_top_level_help_describes_every_command(capsys) -> None:
+    out = _help(capsys, [])
+    for line in ("simulate run one scenario", "plugins list registered policies, backends, routers and commands",
+                 "sweep Run a grid of pairs", "reproduce Reproduce the paper's figure types",
+                 "serve Run the session gateway", "vllm-serve Start vLLM's OpenAI-compatible server",
+                 "latency Fit a latency profile"):
+        assert line in out, out
+
+
+def test_install_script_ends_explaining_the_pip_check_warnings() -> None:
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[1] / "install.sh").read_text()
+    removed = next(line for line in script.splitlines() if "pip uninstall" in line)
+    last = script.rstrip().splitlines()[-1]
+    assert last.startswith("echo ") and "pip check" in last and "on purpose" in last
+    for package in ("torchvision", "torchaudio", "torchcodec"):  # exactly what it removes
+        assert package in removed and package in last

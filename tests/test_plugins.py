@@ -50,6 +50,10 @@ def factory(**_):
 def harvest(**_):
     return PolicySpec("fake-harvest", "duplicate of harvest", Component(NoShadowController),
                       Component(EmpiricalSwitchPredictor), NoTargets())
+
+
+def buggy(beta=0.5):
+    return {"beta": beta}["delta-c81e"]  # a bug inside the factory: KeyError
 """
 
 BROKEN_MODULE = """
@@ -299,6 +303,26 @@ def test_module_reference_errors_name_the_reference(unpackaged):
 # -- the CLI -------------------------------------------------------------------------------
 
 
+def test_a_bug_inside_a_factory_is_one_error_naming_the_plugin(fake_dist, capsys):
+    fake_dist({"fake-buggy": "fakeplug_good:buggy"}, {"fakeplug_good": GOOD_MODULE})
+    registry = Registry(POLICY_GROUP)
+    with pytest.raises(ConfigError) as info:
+        load_policy(PluginRef("fake-buggy"), registry=registry)
+    msg = str(info.value)
+    assert info.value.field == "policy.name" and "'fake-buggy' in group shadowprefill.policies" in msg, msg
+    assert "(fakeplug_good:buggy, from fakeplug)" in msg and "KeyError: 'delta-c81e'" in msg, msg
+    assert isinstance(info.value.__cause__, KeyError)  # the traceback stays chained for a debugger
+    # wrong arguments are still the arguments' fault, not a bug
+    with pytest.raises(ConfigError) as info:
+        load_policy(PluginRef("fake-buggy", {"gamma": 1}), registry=registry)
+    assert info.value.field == "policy.args" and "gamma" in str(info.value)
+    from shadowcore.cli import main
+
+    assert main(["simulate", "--backend", "fake", "--policy", "fakeplug_good:buggy"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fakeplug_good:buggy" in err and "KeyError" in err, err
+
+
 def _plugins_cli(extra_path: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if extra_path is not None:
@@ -318,9 +342,14 @@ def _status_of(stdout: str, name: str) -> str:
 def test_cli_plugins_lists_all_paper_policies():
     proc = _plugins_cli()
     assert proc.returncode == 0, proc.stderr
-    assert POLICY_GROUP in proc.stdout
+    for group in ("policies", "backends", "routers", "commands"):  # every group, with what it holds
+        assert re.search(rf"^{group} \(shadowprefill\.{group}\): \S", proc.stdout, flags=re.MULTILINE), proc.stdout
     for name in PAPER:
         assert _status_of(proc.stdout, name) == "ok"
+    # one-line descriptions: the policy's own, a router's and a command's docstring
+    assert re.search(r"^\s+no-shadow\s+ok  Cold switch; the baseline\.  \[shadow_policies", proc.stdout, re.MULTILINE)
+    assert re.search(r"^\s+client-model\s+ok  Honour the model the client named", proc.stdout, re.MULTILINE)
+    assert re.search(r"^\s+sweep\s+ok  Run a grid of pairs", proc.stdout, re.MULTILINE)
     assert "fake" in proc.stdout  # the fake backend
 
 
@@ -328,14 +357,17 @@ def test_cli_plugins_reports_broken_and_duplicate_plugins(tmp_path):
     root = install_fake_dist(
         tmp_path / "site",
         {"fake-broken": "fakeplug_broken:factory", "harvest": "fakeplug_good:harvest",
-         "fake-good": "fakeplug_good:factory"},
+         "fake-good": "fakeplug_good:factory", "fake-buggy": "fakeplug_good:buggy"},
         {"fakeplug_broken": BROKEN_MODULE, "fakeplug_good": GOOD_MODULE},
     )
     proc = _plugins_cli(root)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # any broken plugin fails the command
+    assert proc.stderr.count("\n") == 1 and "3 broken" in proc.stderr, proc.stderr
     assert _status_of(proc.stdout, "fake-good") == "ok"
     assert _status_of(proc.stdout, "fake-broken").startswith("BROKEN")
     assert "boom-7f3a" in proc.stdout
+    buggy = _status_of(proc.stdout, "fake-buggy")  # imports fine, its factory raises
+    assert buggy.startswith("BROKEN") and "fakeplug_good:buggy" in buggy and "KeyError" in buggy, buggy
     dup = _status_of(proc.stdout, "harvest")
     assert dup.startswith("BROKEN")
     assert "shadow_policies.paper:harvest" in dup and "fakeplug_good:harvest" in dup

@@ -1,4 +1,5 @@
-"""Normal-traffic trace loaders: the real Azure 2023 traces, peak/median/trough
+"""Normal-traffic trace loaders: the project's own Azure-format sample (always) and the
+real Azure 2023 traces (skipped with a reason when absent, a failure under CI=true), peak/median/trough
 windows, capping, one TraceError per malformed row (file, line, column and value in
 the message, nothing returned) for every format, and write-then-load round trips."""
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trace_sample import SAMPLES, sample_path, sample_text
 
 from shadowcore.errors import ConfigError, ShadowError
 from shadowcore.workloads import (
@@ -31,8 +33,7 @@ from shadowcore.workloads import (
     load_trace,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-AZURE_DIR = ROOT.parent / "shared" / "traces" / "azure-llm-2023"
+AZURE_SET = "azure-llm-2023"
 CODE = "AzureLLMInferenceTrace_code.csv"
 CONV = "AzureLLMInferenceTrace_conv.csv"
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
@@ -40,11 +41,9 @@ BURST_HEADER = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log 
 
 
 @pytest.fixture(scope="module")
-def azure_dir() -> Path:
-    if not (AZURE_DIR / CODE).is_file() or not (AZURE_DIR / CONV).is_file():
-        pytest.fail(f"Azure LLM inference traces 2023 not found at {AZURE_DIR} "
-                    f"(expected {CODE} and {CONV}); they live outside the repository")
-    return AZURE_DIR
+def azure_dir(shared_traces) -> Path:
+    """The real traces: skipped with a reason when absent, a failure under CI=true."""
+    return shared_traces(AZURE_SET, CODE, CONV)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +54,21 @@ def code_trace(azure_dir: Path) -> Trace:
 @pytest.fixture(scope="module")
 def conv_trace(azure_dir: Path) -> Trace:
     return load_azure(azure_dir / CONV)
+
+
+@pytest.fixture(scope="module")
+def sample_code_trace() -> Trace:
+    return load_azure(sample_path("code"))
+
+
+@pytest.fixture(scope="module")
+def sample_conv_trace() -> Trace:
+    return load_azure(sample_path("conv"))
+
+
+#: Every Azure-format trace the generic tests below run on: the project's own
+#: samples always, the real traces when present.
+AZURE_TRACES = ["sample_code", "sample_conv", "code", "conv"]
 
 
 def write(path: Path, text: str) -> Path:
@@ -73,6 +87,38 @@ def raises_at(fn, path: Path, line: int, column, value) -> TraceError:
     assert msg.startswith(f"{path}:{line}:{column}: "), msg
     assert msg.endswith(f"({value!r})"), msg
     return err
+
+
+# -- the project's own sample ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", sorted(SAMPLES))
+def test_committed_sample_is_what_the_generator_writes(which: str) -> None:
+    # The shipped sample is written by tests/trace_sample.py from the embedded quantile
+    # tables, not copied from the real traces; regenerate it with that script.
+    assert sample_path(which).read_bytes() == sample_text(which)
+
+
+@pytest.mark.parametrize("which", sorted(SAMPLES))
+def test_sample_loads_with_the_published_quirks(which: str, request: pytest.FixtureRequest) -> None:
+    raw = sample_path(which).read_bytes()
+    assert raw.startswith(AZURE_HEADER.encode() + b"\r\n") and not raw.endswith(b"\n")
+    trace: Trace = request.getfixturevalue(f"sample_{which}_trace")
+    _table, rows, _seed = SAMPLES[which]
+    assert len(trace) == rows  # the last row, without a newline, is kept
+    assert trace.requests[0].arrival_s == 0.0 and 25 * 60 < trace.duration_s < 30 * 60
+    assert np.all(np.diff(trace.arrivals_s) >= 0)
+    first = raw.split(b"\r\n")[1].decode().split(",")
+    assert (trace.requests[0].num_prompt_tokens, trace.requests[0].num_output_tokens) == (int(first[1]), int(first[2]))
+    # 7 fraction digits are kept exactly (100 ns ticks).
+    second = raw.split(b"\r\n")[2].decode().split(",")[0]
+
+    def ns(stamp: str) -> int:
+        whole = datetime.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
+        return int(whole.timestamp()) * 10**9 + int(stamp[20:27]) * 100
+
+    assert trace.requests[1].arrival_s == (ns(second) - ns(first[0])) / 1e9
+    assert trace.name == f"AzureLLMInferenceTrace_{which}_sample"
 
 
 # -- the real Azure 2023 traces -----------------------------------------------------------
@@ -112,6 +158,13 @@ def test_load_trace_detects_azure(azure_dir: Path, code_trace: Trace) -> None:
     assert load_trace(azure_dir / CODE, "azure") == code_trace
 
 
+@pytest.mark.parametrize("which", sorted(SAMPLES))
+def test_load_trace_detects_azure_on_the_sample(which: str, request: pytest.FixtureRequest) -> None:
+    trace = request.getfixturevalue(f"sample_{which}_trace")
+    assert load_trace(sample_path(which)) == trace
+    assert load_trace(sample_path(which), "azure") == trace
+
+
 def brute_counts(arrivals: np.ndarray, length: float, step: float, duration: float) -> list[int]:
     counts = []
     k = 0
@@ -122,13 +175,13 @@ def brute_counts(arrivals: np.ndarray, length: float, step: float, duration: flo
     return counts
 
 
-@pytest.mark.parametrize("which", ["code", "conv"])
-def test_real_trace_windows_order_by_rate(which: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("which", AZURE_TRACES)
+def test_trace_windows_order_by_rate(which: str, request: pytest.FixtureRequest) -> None:
     trace: Trace = request.getfixturevalue(f"{which}_trace")
     w = trace.windows(length_s=600, step_s=60)
     assert set(w) == {"peak", "median", "trough"}
     assert w["peak"].rate_per_s >= w["median"].rate_per_s >= w["trough"].rate_per_s
-    assert w["peak"].rate_per_s > w["trough"].rate_per_s  # real traffic is not flat
+    assert w["peak"].rate_per_s > w["trough"].rate_per_s  # real (and sampled) traffic is not flat
     counts = brute_counts(trace.arrivals_s, 600, 60, trace.duration_s)
     assert len(w["peak"]) == max(counts)
     assert len(w["trough"]) == min(counts)
@@ -138,22 +191,26 @@ def test_real_trace_windows_order_by_rate(which: str, request: pytest.FixtureReq
         assert all(0 <= a < 600 for a in win.arrivals_s)
 
 
-def test_real_trace_shorter_than_an_hour_has_no_hour_window(code_trace: Trace) -> None:
+@pytest.mark.parametrize("which", ["sample_code", "code"])
+def test_trace_shorter_than_an_hour_has_no_hour_window(which: str, request: pytest.FixtureRequest) -> None:
+    trace: Trace = request.getfixturevalue(f"{which}_trace")
     with pytest.raises(ConfigError) as info:
-        code_trace.windows()  # default 3600 s; the trace spans about 57 min
+        trace.windows()  # default 3600 s; the trace spans under an hour
     assert info.value.field == "length_s" and "spans only" in str(info.value)
 
 
-def test_real_trace_capped_reports_the_count(conv_trace: Trace) -> None:
-    expected = sum(1 for r in conv_trace.requests
+@pytest.mark.parametrize("which", ["sample_conv", "conv"])
+def test_trace_capped_reports_the_count(which: str, request: pytest.FixtureRequest) -> None:
+    trace: Trace = request.getfixturevalue(f"{which}_trace")
+    expected = sum(1 for r in trace.requests
                    if r.num_prompt_tokens > 2048 or r.num_output_tokens > 256)
     assert expected > 0
-    capped, n = conv_trace.capped(max_prompt=2048, max_output=256)
+    capped, n = trace.capped(max_prompt=2048, max_output=256)
     assert n == expected
-    assert len(capped) == len(conv_trace)
+    assert len(capped) == len(trace)
     assert max(r.num_prompt_tokens for r in capped.requests) == 2048
     assert max(r.num_output_tokens for r in capped.requests) == 256
-    changed = sum(a != b for a, b in zip(capped.requests, conv_trace.requests, strict=True))
+    changed = sum(a != b for a, b in zip(capped.requests, trace.requests, strict=True))
     assert changed == n
 
 

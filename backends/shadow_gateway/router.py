@@ -29,10 +29,7 @@ import attrs
 
 from shadowcore._validators import non_negative_int, probability
 from shadowcore.config import PluginRef
-from shadowcore.registry import Registry, build_plugin
-
-ROUTER_GROUP = "shadowprefill.routers"
-routers = Registry(ROUTER_GROUP)
+from shadowcore.registry import Registry, build_plugin, routers
 
 
 class RouteError(ValueError):

@@ -12,17 +12,21 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from shadowcore.cli import HelpFormatter, describe
 from shadowcore.errors import ConfigError, PluginError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shadowprefill serve",
-                                     description="OpenAI-compatible session gateway with shadow prefill")
+    """Run the session gateway: an OpenAI-compatible API that routes agent calls and keeps the next model warm."""
+    parser = argparse.ArgumentParser(prog="shadowprefill serve", formatter_class=HelpFormatter,
+                                     description=describe(main.__doc__) + " The configuration file names the "
+                                     "models and their vLLM instances, the router and the shadow policy "
+                                     "(docs/gateway.md, examples/gateway.yaml).")
     parser.add_argument("--config", required=True, help="gateway YAML file (see docs/gateway.md)")
     parser.add_argument("--host", help="override listen.host")
     parser.add_argument("--port", type=int, help="override listen.port")
     parser.add_argument("--check", action="store_true", help="validate the configuration and exit")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", help="log level of the gateway and uvicorn")
     args = parser.parse_args(list(argv or []))
     try:
         import uvicorn

@@ -18,7 +18,7 @@ from shadowcore.engine.records import ScenarioResult
 
 
 class SimBackend:
-    """The ``sim`` backend."""
+    """The ``sim`` backend: the simulator (catalog models on H100/H200, Vidur-grounded latency, P/D, energy)."""
 
     name = "sim"
 

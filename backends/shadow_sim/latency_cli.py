@@ -28,6 +28,7 @@ import attrs
 import numpy as np
 
 from shadowcore.calibration import LatencyProfile, fit_linear, fit_profile, prediction_errors, read_steps
+from shadowcore.cli import HelpFormatter, describe
 from shadowcore.errors import ConfigError, PluginError
 
 
@@ -77,11 +78,11 @@ def _show(a: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shadowprefill latency", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="shadowprefill latency", description=describe(main.__doc__),
+                                formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="verb", required=True)
     c = sub.add_parser("calibrate", help="fit a profile (or a linear model) to measured steps",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter, description=describe(__doc__.split("\n\n", 2)[2]))
     c.add_argument("--steps", required=True, help="measured iterations, JSON Lines")
     c.add_argument("--model", help="catalog model the steps ran (the kernel-level base)")
     c.add_argument("--device", default="H100-80GB", help="catalog device")
@@ -99,6 +100,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Fit a latency profile (or a linear model) to an engine's measured iterations, or show a profile."""
     a = parser().parse_args(argv)
     try:
         return a.run(a)

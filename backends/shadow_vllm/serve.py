@@ -3,7 +3,7 @@ shadow scheduler, from a policy name.
 
 ::
 
-    shadowprefill vllm-serve --policy harvest-slo --model DIR [vLLM arguments...]
+    shadowprefill vllm-serve --policy 'harvest-slo:{"beta": 0.3}' --model DIR [vLLM arguments...]
 
 runs ``python -m vllm.entrypoints.openai.api_server --model DIR ...
 --scheduler-cls shadow_vllm.scheduler.ShadowScheduler --additional-config
@@ -28,6 +28,8 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from shadowcore.cli import HelpFormatter, describe
+from shadowcore.config import PluginRef, parse_ref
 from shadowcore.errors import ConfigError, PluginError
 
 RESERVED = ("--scheduler-cls", "--additional-config")
@@ -35,12 +37,16 @@ RESERVED = ("--scheduler-cls", "--additional-config")
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="shadowprefill vllm-serve",
-        description="Start vLLM's OpenAI-compatible server with the shadow scheduler. "
-        "Unknown arguments (--model, --port, --block-size, ...) go to vLLM.",
+        prog="shadowprefill vllm-serve", formatter_class=HelpFormatter,
+        description=describe(main.__doc__) + " Unknown arguments (--model, --port, --block-size, ...) go to vLLM "
+        "unchanged; the policy and its arguments are validated before vLLM starts (docs/vllm.md).",
     )
-    p.add_argument("--policy", default="harvest-slo", help="registered policy name or package.module:factory")
-    p.add_argument("--policy-args", default="{}", help="JSON object of the policy's keyword arguments")
+    p.add_argument("--policy", default="harvest-slo", metavar="NAME[:JSON]",
+                   help="the policy: a registered name or package.module:factory, with JSON arguments if any, "
+                        'e.g. \'harvest-slo:{"beta": 0.3, "delta": 0.1}\' (one policy per engine)')
+    p.add_argument("--policy-args", default=None, metavar="JSON",
+                   help="the policy's arguments as a JSON object (the older spelling of --policy NAME:JSON; "
+                        "not both)")
     p.add_argument("--seed", type=int, default=0, help="policy seed")
     p.add_argument("--instance-id", default="vllm", help="this engine's instance id (metrics, logs)")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT SLO of routed and normal requests (s)")
@@ -60,11 +66,11 @@ def build_command(argv: Sequence[str]) -> list[str]:
     args, rest = parser().parse_known_args(list(argv))
     for flag in RESERVED:
         if any(a == flag or a.startswith(flag + "=") for a in rest):
-            raise ConfigError(flag, "given", "vllm-serve sets it; use --policy/--policy-args instead")
-    policy_args = _json("--policy-args", args.policy_args)
+            raise ConfigError(flag, "given", "vllm-serve sets it; use --policy NAME:{json} instead")
+    policy = _policy(args.policy, args.policy_args)
     latency = _json("--latency", args.latency)
     data = {
-        "shadow": {"policy": {"name": args.policy, "args": policy_args}, "seed": args.seed},
+        "shadow": {"policy": policy.to_dict(), "seed": args.seed},
         "instance_id": args.instance_id,
         "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
         "latency": latency,
@@ -77,6 +83,19 @@ def build_command(argv: Sequence[str]) -> list[str]:
         "--scheduler-cls", ASYNC_SCHEDULER_CLS if asynchronous else SCHEDULER_CLS,
         "--additional-config", json.dumps({CONFIG_KEY: config.to_dict()}, sort_keys=True),
     ]
+
+
+def _policy(text: str, args_text: str | None) -> PluginRef:
+    """``--policy NAME[:JSON]`` plus the alias ``--policy-args JSON`` (arguments in one place only)."""
+    ref = parse_ref(text, "--policy")
+    if args_text is None:
+        return ref
+    if ref.args:
+        raise ConfigError("--policy-args", args_text, f"--policy {text!r} already gives the arguments; give them once")
+    args = _json("--policy-args", args_text)
+    if not isinstance(args, dict):
+        raise ConfigError("--policy-args", args_text, "must be a JSON object")
+    return PluginRef.parse("--policy-args", {"name": ref.name, "args": args})
 
 
 def _json(flag: str, text: str):
@@ -95,6 +114,7 @@ def _gpu_vllm() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Start vLLM's OpenAI-compatible server with the shadow scheduler running a policy."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         command = build_command(argv)

@@ -65,7 +65,7 @@ class FakeRun(ScenarioRun):
 
 
 class FakeBackend:
-    """The ``fake`` backend: runs a :class:`FakeScenario` in memory."""
+    """The ``fake`` backend: runs a :class:`FakeScenario` in memory on linear latencies (no extras needed)."""
 
     name = "fake"
 

@@ -112,6 +112,15 @@ def test_serve_without_client_keys_listens_on_loopback_only(tmp_path, capsys, mo
     assert cli_main(["serve", "--config", str(cfg), "--check", "--host", "0.0.0.0"]) == 0
 
 
+def test_policy_field_takes_the_command_line_syntax():
+    cfg = parse_config(GOOD + 'shadow: {policy: \'harvest-slo:{"beta": 0.3, "delta": 0.1}\'}\n', "gw.yaml")
+    assert cfg.shadow.policy == PluginRef("harvest-slo", {"beta": 0.3, "delta": 0.1})
+    with pytest.raises(ConfigError) as info:
+        parse_config(GOOD + 'shadow: {policy: \'harvest-slo:{"beta": 0.3,}\'}\n', "gw.yaml")
+    assert info.value.field == "shadow.policy", str(info.value)
+    assert "harvest-slo: arguments are not JSON" in str(info.value) and "column 26" in str(info.value)
+
+
 def test_serve_command_reports_bad_config(tmp_path, capsys):
     bad = tmp_path / "g.yaml"
     bad.write_text(GOOD + "listen: {port: -1}\n")

@@ -91,7 +91,7 @@ def test_policy_loads_with_its_defaults_and_names_bad_arguments() -> None:
 def test_wasted_tokens_are_shadow_tokens_times_the_unused_share() -> None:
     import math
 
-    from shadow_sim.experiments.nmodels import _split, wasted_tokens
+    from shadow_sim.experiments.nmodels import wasted_tokens
     from shadow_sim.experiments.reproduce import _wasted_ratio
     from shadow_sim.experiments.runner import Comparison
 
@@ -101,8 +101,6 @@ def test_wasted_tokens_are_shadow_tokens_times_the_unused_share() -> None:
     assert wasted_tokens(per["ours"]) == 100.0 and wasted_tokens(per["no-shadow"]) == 0.0
     c = Comparison("N=5", tuple(per), "no-shadow", None, ((0, "peak", per), (1, "peak", per)), {})
     assert _wasted_ratio(c, "ours", "all") == pytest.approx(0.2)
-    assert _split('no-shadow,harvest-slo-host:{"delta":0,"top_k":1},x') == [
-        "no-shadow", 'harvest-slo-host:{"delta":0,"top_k":1}', "x"]
 
 
 def _targets_per_retarget(policy: PluginRef, scenario: dict, monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -23,6 +23,7 @@ from shadow_sim.experiments.normal import LengthSource, NormalTraffic, poisson
 from shadow_sim.experiments.spec import Experiment, fit_preset
 from shadow_sim.experiments.sweep import main as sweep_main
 
+from shadowcore.config import PluginRef
 from shadowcore.errors import ConfigError
 from shadowcore.workloads.sessions import get_preset
 from shadowcore.workloads.traces import TraceError
@@ -207,7 +208,8 @@ def test_shipped_capacity_is_what_calibration_finds(tmp_path, monkeypatch) -> No
 def test_sweep_writes_rows_and_summary(tmp_path, capsys) -> None:
     out = tmp_path / "out"
     (tmp_path / "ex.json").write_text(json.dumps({"drain_s": 5.0}))  # no long normal-only tail
-    rc = sweep_main(["--pairs", "Q7/L70", "--policies", "no-shadow,harvest-slo-host,oracle-host",
+    rc = sweep_main(["--pairs", "Q7/L70", "--policies", 'no-shadow,harvest-slo-host:{"beta": 0.3, "delta": 0.1}',
+                     "--policy", "oracle-host",
                      "--experiment", str(tmp_path / "ex.json"),
                      "--seeds", "0,1", "--latency", "roofline", "--duration", "20", "--warmup", "5",
                      "--instances", "1", "--capacity", "Qwen2.5-7B=4,Llama-3.1-70B=2", "--jobs", "1",
@@ -215,13 +217,14 @@ def test_sweep_writes_rows_and_summary(tmp_path, capsys) -> None:
     assert rc == 0
     with (out / "runs.csv").open() as fh:
         table = list(csv.DictReader(fh))
-    assert len(table) == 2 * 3 and {r["policy"] for r in table} == {"no-shadow", "harvest-slo-host", "oracle-host"}
+    hsh_name = "harvest-slo-host(beta=0.3,delta=0.1)"  # the JSON arguments reached the run
+    assert len(table) == 2 * 3 and {r["policy"] for r in table} == {"no-shadow", hsh_name, "oracle-host"}
     for r in table:
         if r["policy"] == "no-shadow":
             assert float(r["call_latency_red"]) == 0.0
     summary = json.loads((out / "summary.json").read_text())["Q7/L70"]
     assert summary["runs"] == 2 and summary["baseline"] == "no-shadow"
-    hsh = summary["policies"]["harvest-slo-host"]
+    hsh = summary["policies"][hsh_name]
     assert hsh["shadow_tokens"]["mean"] > 0 and hsh["switch_hit_rate"]["mean"] >= 0
     assert "harvest-slo-host" in capsys.readouterr().out
 
@@ -237,6 +240,71 @@ def test_sweep_bad_input_names_valid_choices(argv, needle, tmp_path, capsys) -> 
     assert sweep_main([*argv, "--out", str(tmp_path), "--latency", "roofline"]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+HSLO_REF = PluginRef("harvest-slo", {"beta": 0.3, "delta": 0.1})
+AS_LIST = ["--policies", 'harvest-slo:{"beta": 0.3, "delta": 0.1},no-shadow']
+AS_FLAGS = ["--policy", 'harvest-slo:{"beta":0.3,"delta":0.1}', "--policy", "no-shadow"]
+
+
+class _Stop(Exception):
+    """Raised by a stand-in for the run, once the command has handed over its policies."""
+
+
+def _capture(monkeypatch, module, attr: str, position: int, keyword: str) -> list:
+    seen: list = []
+
+    def stand_in(*args, **kwargs):
+        seen.append(kwargs[keyword] if keyword in kwargs else args[position])
+        raise _Stop
+
+    monkeypatch.setattr(module, attr, stand_in)
+    return seen
+
+
+@pytest.mark.parametrize("argv", [AS_LIST, AS_FLAGS])
+def test_sweep_takes_policies_with_json_arguments(argv, monkeypatch, tmp_path) -> None:
+    from shadow_sim.experiments import sweep
+
+    seen = _capture(monkeypatch, sweep, "run_grid", 2, "refs")
+    with pytest.raises(_Stop):
+        sweep.main([*argv, "--out", str(tmp_path)])
+    assert seen == [[HSLO_REF, PluginRef("no-shadow")]]
+
+
+@pytest.mark.parametrize("argv", [AS_LIST, AS_FLAGS])
+def test_reproduce_adds_policies_with_json_arguments_to_every_study(argv, monkeypatch, tmp_path) -> None:
+    from shadow_sim.experiments import reproduce
+
+    seen = _capture(monkeypatch, reproduce, "run_all", 4, "extra")
+    with pytest.raises(_Stop):
+        reproduce.main(["--quick", *argv, "--out", str(tmp_path)])
+    assert seen == [[HSLO_REF, PluginRef("no-shadow")]]
+    studies = reproduce.studies(True, extra=seen[0])
+    assert studies and all(p[-2:] == (HSLO_REF, PluginRef("no-shadow")) for *_f, p in studies)
+
+
+@pytest.mark.parametrize("argv", [AS_LIST, AS_FLAGS])
+def test_nmodels_takes_policies_with_json_arguments(argv, monkeypatch) -> None:
+    from shadow_sim.experiments import nmodels
+
+    monkeypatch.setattr(nmodels, "capacities", lambda ex, progress: {})  # no calibration: the run is not the point
+    seen = _capture(monkeypatch, nmodels, "tasks_for", 1, "policies")
+    with pytest.raises(_Stop):
+        nmodels.main(["--n", "2", *argv])
+    assert seen == [[HSLO_REF, PluginRef("no-shadow")]]
+
+
+@pytest.mark.parametrize("command", ["sweep", "reproduce", "nmodels"])
+def test_bad_policy_json_is_one_error_line_naming_policy_and_column(command, tmp_path, capsys) -> None:
+    from shadow_sim.experiments import nmodels, reproduce, sweep
+
+    main = {"sweep": sweep.main, "reproduce": reproduce.main, "nmodels": nmodels.main}[command]
+    out = [] if command == "nmodels" else ["--out", str(tmp_path)]
+    assert main(["--policies", 'no-shadow,harvest-slo:{"beta": 0.3, "delta" 0.1}', *out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "--policies" in err and "harvest-slo: arguments are not JSON: Expecting ':' delimiter at column 45" in err
 
 
 def test_experiment_bad_models_list_valid_ones() -> None:

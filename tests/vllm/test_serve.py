@@ -32,8 +32,24 @@ def test_command_runs_the_api_server_module_with_the_scheduler_and_policy() -> N
     assert async_cmd[async_cmd.index("--scheduler-cls") + 1] == "shadow_vllm.scheduler.AsyncShadowScheduler"
 
 
+@pytest.mark.parametrize("argv", [
+    ["--policy", 'harvest-slo:{"beta": 0.4, "delta": 0.1}'],
+    ["--policy", "harvest-slo", "--policy-args", '{"beta": 0.4, "delta": 0.1}'],  # the older spelling
+])
+def test_policy_takes_json_arguments_inline_or_as_policy_args(argv) -> None:
+    cmd = build_command([*argv, "--model", "/m", "--scheduler", "sync"])
+    config = json.loads(cmd[cmd.index("--additional-config") + 1])["shadowprefill"]
+    assert config["shadow"]["policy"] == {"name": "harvest-slo", "args": {"beta": 0.4, "delta": 0.1}}
+
+
 @pytest.mark.parametrize(("argv", "field"), [
     (["--policy", "nope"], "additional_config.shadowprefill.shadow.policy.name = 'nope'"),
+    (["--policy", 'harvest-slo:{"beta": 0.4,}'], ("--policy = 'harvest-slo:{\"beta\": 0.4,}': harvest-slo: arguments "
+                                                "are not JSON: Expecting property name enclosed in double quotes at "
+                                                "column 26")),
+    (["--policy", "harvest-slo,no-shadow"], "--policy = 'harvest-slo,no-shadow': one reference expected, got 2"),
+    (["--policy", 'harvest-slo:{"beta": 0.4}', "--policy-args", '{"beta": 0.3}'],
+     "--policy-args = '{\"beta\": 0.3}': --policy 'harvest-slo:{\"beta\": 0.4}' already gives the arguments"),
     (["--policy-args", '{"beta": -1}'], "additional_config.shadowprefill.shadow.policy.args.beta = -1"),
     (["--policy-args", '{"beta": '], "--policy-args:1:10"),
     (["--latency", '{"name": "linear", "args": {"overhead_s": -2}}'],

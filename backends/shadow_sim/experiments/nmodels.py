@@ -24,27 +24,36 @@ from shadow_sim.experiments.metrics import mean_se
 from shadow_sim.experiments.reproduce import N_MODELS, studies
 from shadow_sim.experiments.runner import compare, format_table, summary_json, tasks_for, with_progress
 from shadow_sim.experiments.spec import Experiment
-from shadow_sim.experiments.sweep import _csv_list, _policy_refs, no_nan
+from shadow_sim.experiments.sweep import csv_list, no_nan
+from shadowcore.cli import HelpFormatter, add_policy_options, describe, exit_on_sigterm, policies_from_args
+from shadowcore.errors import ConfigError, PluginError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shadow_sim.experiments.nmodels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m shadow_sim.experiments.nmodels", description=describe(__doc__),
+                                formatter_class=HelpFormatter)
     p.add_argument("--n", type=int, default=5, help="models per router (2-5)")
     p.add_argument("--quick", action=argparse.BooleanOptionalAction, default=True,
                    help="the --quick measurement settings of reproduce (default) or the full ones")
-    p.add_argument("--policies", required=True, help="comma-separated policies, name or name:{json}")
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--jobs", type=int, default=2)
+    add_policy_options(p)
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--jobs", type=int, default=2, help="local worker processes")
     p.add_argument("--out", help="write summary.json here")
     args = p.parse_args(argv)
+    try:
+        refs = policies_from_args(args)
+    except (ConfigError, PluginError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    if not refs:
+        p.error("give the policies to compare: --policies a,b or --policy 'NAME:{json}' (repeatable)")
     fields = next((f for s, label, f, _ in studies(args.quick) if s == "nmodels" and label == f"N={args.n}"), None)
     if fields is None:
         fields = next(f for s, _l, f, _ in studies(args.quick) if s == "nmodels")
         fields = {**fields, "models": list(N_MODELS[:args.n])}
     ex = Experiment.from_dict(fields)
     caps = {m: c.capacity_per_s for m, c in capacities(ex, progress=False).items()}
-    refs = _policy_refs(_split(args.policies))
-    seeds = [int(s) for s in _csv_list(args.seeds)]
+    seeds = [int(s) for s in csv_list(args.seeds)]
     start = time.time()
     tasks = tasks_for(ex, refs, seeds, ("peak",), caps, f"N={args.n}")
     c = compare(with_progress(tasks, args.jobs, False), tasks)[f"N={args.n}"]
@@ -69,21 +78,6 @@ def wasted_tokens(m: dict[str, float]) -> float:
     return 0.0 if math.isnan(u) else m["shadow_tokens"] * u
 
 
-def _split(text: str) -> list[str]:
-    """Comma-separated policies; commas inside a {json} argument do not split."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch == "{"
-        depth -= ch == "}"
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
-
-
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

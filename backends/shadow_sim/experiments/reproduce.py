@@ -27,6 +27,7 @@ from shadow_sim.experiments.paper_numbers import PAPER
 from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, tasks_for
 from shadow_sim.experiments.spec import PAIRS, Experiment
 from shadow_sim.experiments.sweep import no_nan, rows, summary_json, write_rows
+from shadowcore.cli import HelpFormatter, add_policy_options, describe, policies_from_args
 from shadowcore.config import PluginRef
 from shadowcore.errors import ConfigError, PluginError
 
@@ -41,11 +42,12 @@ FULL = {"instances_per_model": 4, "duration_s": 600.0, "warmup_s": 120.0, "drain
         "session_rate_per_s": 0.05}
 
 
-def studies(quick: bool, override: Mapping[str, Any] | None = None,
+def studies(quick: bool, override: Mapping[str, Any] | None = None, extra: Sequence[PluginRef] = (),
             ) -> list[tuple[str, str, dict[str, Any], tuple[PluginRef, ...]]]:
-    """(study, label, experiment fields, policies); ``override`` replaces base fields everywhere."""
+    """(study, label, experiment fields, policies); ``override`` replaces base fields everywhere;
+    ``extra`` policies (``--policy``/``--policies``) are added to every study, after its own."""
     base = {**(QUICK if quick else FULL), **(override or {})}
-    refs = lambda names: tuple(PluginRef(n) for n in names)
+    refs = lambda names: tuple(PluginRef(n) for n in names) + tuple(extra)
     pairs = ("Q7/L70", "L8/L70") if quick else ("Q7/L70", "L8/L70", "M7/L70", "L8/Nemo12")
     out = [("main", p, {**base, "models": list(PAIRS[p])}, refs(MAIN_POLICIES)) for p in pairs]
     for rho in ((0.3, 0.9) if quick else (0.2, 0.5, 0.8, 0.9)):
@@ -57,18 +59,18 @@ def studies(quick: bool, override: Mapping[str, Any] | None = None,
                                                       "input_tokens_median": 1000}}, refs(SHORT)))
     nm = {**base, "instances_per_model": base.get("instances_per_model", 2) // 2 or 1}
     n_policies = (PluginRef("no-shadow"), PluginRef("harvest-slo-host"), PluginRef("harvest-slo-host", {"top_k": 1}),
-                  PluginRef("adaptive-host"), PluginRef("benefit-host"), PluginRef("oracle-host"))
+                  PluginRef("adaptive-host"), PluginRef("benefit-host"), PluginRef("oracle-host"), *extra)
     for n in ((2, 5) if quick else (2, 3, 4, 5)):
         out.append(("nmodels", f"N={n}", {**nm, "models": list(N_MODELS[:n])}, n_policies))
     return out
 
 
 def run_all(quick: bool, jobs: int, progress: bool = True, override: Mapping[str, Any] | None = None, *,
-            store: ResultStore | None = None, ray_address: str | None = None,
+            store: ResultStore | None = None, ray_address: str | None = None, extra: Sequence[PluginRef] = (),
             ) -> dict[str, tuple[str, Comparison]]:
     tasks: list[Task] = []
     study_of: dict[str, str] = {}
-    for study, label, fields, policies in studies(quick, override):
+    for study, label, fields, policies in studies(quick, override, extra):
         ex = Experiment.from_dict(fields)
         caps = {m: c.capacity_per_s for m, c in capacities(ex, progress=progress).items()}
         key = f"{study}:{label}"
@@ -298,7 +300,9 @@ def markdown(results: Mapping[str, tuple[str, Comparison]], quick: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="shadowprefill reproduce", description=__doc__.splitlines()[0])
+    """Reproduce the paper's figure types on the simulator: PNG figures and a Markdown table next to the paper's numbers."""
+    p = argparse.ArgumentParser(prog="shadowprefill reproduce", description=describe(__doc__),
+                                epilog=describe(__doc__.split("\n\n", 1)[1]), formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="reduced grid (< 30 minutes on 2 cores)")
     p.add_argument("--out", default="reproduce-out", help="output folder")
     p.add_argument("--jobs", type=int, default=2, help="local worker processes")
@@ -306,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="run on a Ray cluster (auto, local, HOST:PORT); finished runs are kept in OUT/parts")
     p.add_argument("--set", dest="override", default="{}",
                    help='JSON object of Experiment fields for every study, e.g. \'{"latency": "roofline"}\'')
+    add_policy_options(p, note="added to every study, after its own policies")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -317,8 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--set", args.override, f"not JSON: {e.msg} at column {e.colno}") from None
         if not isinstance(override, dict):
             raise ConfigError("--set", args.override, "must be a JSON object")
+        extra = policies_from_args(args)
         results = run_all(args.quick, args.jobs, override=override, store=ResultStore(out / "parts"),
-                          ray_address=args.ray)
+                          ray_address=args.ray, extra=extra)
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill reproduce: error: {e}", file=sys.stderr)
         return 2

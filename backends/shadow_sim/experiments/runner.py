@@ -9,6 +9,7 @@ runner can execute them in any order, in this process or in worker processes
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
@@ -79,22 +80,51 @@ def tasks_for(ex: Experiment, policies: Sequence[PluginRef], seeds: Iterable[int
 
 def execute(tasks: Sequence[Task], jobs: int = 1, on_done: Callable[[Task, RunRecord], None] | None = None,
             ) -> list[RunRecord]:
-    """Run ``tasks`` (in worker processes when ``jobs > 1``); results in task order."""
+    """Run ``tasks`` (in worker processes when ``jobs > 1``); results in task order.
+
+    Workers ignore SIGINT (Ctrl-C reaches the whole process group; the parent
+    answers it). However this process stops -- Ctrl-C, SIGTERM turned into
+    ``SystemExit`` (:func:`shadowcore.cli.exit_on_sigterm`), a failed run -- the
+    pool is terminated and joined: no worker outlives it."""
     results: list[RunRecord | None] = [None] * len(tasks)
     if jobs <= 1:
         for i, t in enumerate(tasks):
             results[i] = run_task(t)
             if on_done:
                 on_done(t, results[i])
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(run_task, t): i for i, t in enumerate(tasks)}
-            for f in as_completed(futures):
-                i = futures[f]
-                results[i] = f.result()
-                if on_done:
-                    on_done(tasks[i], results[i])
+        return [r for r in results if r is not None]
+    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_worker_signals)
+    try:
+        futures = {pool.submit(run_task, t): i for i, t in enumerate(tasks)}
+        for f in as_completed(futures):
+            i = futures[f]
+            results[i] = f.result()
+            if on_done:
+                on_done(tasks[i], results[i])
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return [r for r in results if r is not None]
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Terminate the pool's workers now (their runs in flight are abandoned) and shut it down."""
+    terminate = getattr(pool, "terminate_workers", None)  # public from Python 3.14
+    if terminate is not None:
+        terminate()
+        return
+    workers = list((getattr(pool, "_processes", None) or {}).values())  # Python 3.11-3.13; None after shutdown
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        if proc.is_alive():
+            proc.terminate()
+
+
+def _worker_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # terminate() ends a worker at once, whatever the parent set
 
 
 def group(records: Sequence[RunRecord], tasks: Sequence[Task]) -> dict[tuple[str, int, str], list[RunRecord]]:

@@ -33,7 +33,7 @@ from shadow_sim.experiments.runner import (
     tasks_for,
 )
 from shadow_sim.experiments.spec import PAIRS, SIMULATE_DEFAULT, Experiment, get_pair
-from shadowcore.cli import load_scenario
+from shadowcore.cli import HelpFormatter, add_policy_options, describe, load_scenario, policies_from_args
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError, PluginError
 
@@ -64,31 +64,16 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
 # -- sweep -----------------------------------------------------------------------------
 
 
-def _csv_list(text: str) -> list[str]:
+def csv_list(text: str) -> list[str]:
+    """A plain comma list (pairs, seeds, windows); policies use :func:`shadowcore.config.parse_refs`."""
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _policy_refs(names: Sequence[str]) -> list[PluginRef]:
-    """``name`` or ``name:{json args}``."""
-    out = []
-    for n in names:
-        name, _, args = n.partition(":")
-        try:
-            out.append(PluginRef(name, json.loads(args) if args else {}))
-        except json.JSONDecodeError as e:
-            raise ConfigError("--policies", n, f"arguments must be a JSON object: {e.msg}") from None
-    from shadowcore.policy import load_policy
-
-    for i, r in enumerate(out):
-        load_policy(r, field=f"--policies[{i}]")  # unknown names list the registered ones
-    return out
-
-
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shadowprefill sweep", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="shadowprefill sweep", description=describe(main.__doc__) + " " + _DETAIL,
+                                formatter_class=HelpFormatter)
     p.add_argument("--pairs", default="Q7/L70", help=f"comma-separated pairs ({', '.join(PAIRS)})")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help="comma-separated policy names; name:{json} passes arguments")
+    add_policy_options(p, DEFAULT_POLICIES)
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--windows", default="peak", help=f"comma-separated windows ({', '.join(WINDOWS)})")
     p.add_argument("--experiment", help="JSON file with Experiment fields (pair/models are set per grid point)")
@@ -137,7 +122,7 @@ def _capacity(text: str | None) -> dict[str, float] | None:
     if text is None:
         return None
     out = {}
-    for item in _csv_list(text):
+    for item in csv_list(text):
         model, sep, rate = item.partition("=")
         try:
             value = float(rate)
@@ -199,21 +184,27 @@ def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[Plugi
     return compare(records, tasks)
 
 
+_DETAIL = ("Calibration first (cached), then every run in local worker processes (--jobs) or on a Ray cluster "
+           "(--ray). Writes one row per (pair, seed, window, policy) run to runs.parquet or runs.csv, and "
+           "summary.json with mean and standard error per pair and policy.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a grid of pairs x policies x seeds x windows on the simulator and write every run plus a summary."""
     args = parser().parse_args(argv)
     try:
-        pairs = _csv_list(args.pairs)
+        pairs = csv_list(args.pairs)
         for p in pairs:
             get_pair(p)
-        windows = _csv_list(args.windows)
+        windows = csv_list(args.windows)
         for w in windows:
             if w not in WINDOWS:
                 raise ConfigError("--windows", w, f"unknown window (valid: {', '.join(WINDOWS)})")
         try:
-            seeds = [int(s) for s in _csv_list(args.seeds)]
+            seeds = [int(s) for s in csv_list(args.seeds)]
         except ValueError:
             raise ConfigError("--seeds", args.seeds, "must be comma-separated integers") from None
-        refs = _policy_refs(_csv_list(args.policies))
+        refs = policies_from_args(args, DEFAULT_POLICIES)
         if args.max_retries < 0:
             raise ConfigError("--max-retries", args.max_retries, "must be >= 0")
         store = ResultStore(Path(args.out) / "parts")
@@ -248,4 +239,4 @@ def no_nan(x: Any) -> Any:
     return x
 
 
-__all__ = ["main", "no_nan", "run_grid", "simulate_table"]
+__all__ = ["csv_list", "main", "no_nan", "run_grid", "simulate_table"]
