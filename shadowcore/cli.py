@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shadowcore.config import PluginRef, ShadowConfig, parse_refs
+from shadowcore.config import PluginRef, ShadowConfig, parse_ref, parse_refs
 from shadowcore.errors import ConfigError, PluginError
 from shadowcore.policy import load_policy
 from shadowcore.registry import Registry, backends, commands, policies, routers
@@ -192,6 +192,12 @@ def _simulate(args: argparse.Namespace) -> int:
         scenario["duration_s"] = args.duration
     if args.latency_profile:
         scenario["latency_profile"] = args.latency_profile
+    if args.sessions is not None:
+        scenario["sessions"] = args.sessions
+    if args.router is not None:
+        if args.sessions is None:
+            raise ConfigError("--router", args.router, "re-routes the sessions of --sessions FILE")
+        scenario["session_router"] = parse_ref(args.router, "--router").to_dict()
     refs = policies_from_args(args, DEFAULT_POLICIES)  # every policy loads before anything runs
     configs = [ShadowConfig(ref, seed=args.seed) for ref in refs]
     backend = backends.load(args.backend)()
@@ -279,6 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--duration", type=float, help="simulated seconds of arrivals")
     sim.add_argument("--latency-profile", metavar="NAME|FILE",
                      help="calibrate the latency model: a shipped profile or a JSON file (shadowprefill latency)")
+    sim.add_argument("--sessions", metavar="FILE",
+                     help="replay the agent sessions of a session-trace file (see shadowprefill sessions)")
+    sim.add_argument("--router", metavar="NAME[:JSON]",
+                     help="re-route the --sessions file's calls: markov (e.g. 'markov:{\"p_switch\": 0.4}'), "
+                          "accuracy-per-cost, or a shadowprefill.session_routers plugin (default: replay)")
     sim.add_argument("--seed", type=int, default=0, help="policy seed")
     sim.set_defaults(func=_simulate)
     plug = sub.add_parser("plugins", help="list registered policies, backends, routers and commands",

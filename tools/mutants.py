@@ -123,6 +123,12 @@ MUTATIONS: dict[str, tuple] = {
                     "if isinstance(key, str) and key.startswith(RESERVED_PREFIX):", "if False:"),
     "nan-json": (MALFORMED, "test_malformed_request_is_a_4xx_naming_the_field", "backends/shadow_gateway/validation.py",
                  "json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)", "json.loads(raw)"),
+    # shadow tokens used: a host-tier hit on a shadow block counts (one definition, issue 14 item 7)
+    "used-host": ("tests/sim/test_session_replay.py", "test_a_host_tier_hit_on_a_shadow_block_counts_as_used",
+                  "shadowcore/kv.py", "            self.num_shadow_blocks_used += host_used\n", ""),
+    # session traces: a prompt that disagrees with context + input is an error
+    "trace-prompt": ("tests/test_session_trace.py", "test_cross_line_rules", "shadow_traces/session_trace.py",
+                     "    if given is not None and given != prompt:", "    if False:"),
     "refs-split": ("tests/test_policy_refs.py", "test_comma_lists_split_only_outside_the_json", "shadowcore/config.py",
                    'if text[j] == ":" and (args_at := _args_start(text, j)) is not None:', "if False:"),
     "factory-bug": ("tests/test_plugins.py", "test_a_bug_inside_a_factory_is_one_error_naming_the_plugin",

@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 import attrs
 import yaml
 
+from shadow_gateway.recording import RecordConfig
 from shadowcore._validators import non_empty_str, non_negative, non_negative_int, positive, positive_int
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
@@ -226,6 +227,8 @@ class GatewayConfig:
     #: At startup, tokenize a probe on one instance of every model and refuse
     #: to start when two models disagree.
     tokenizer_check: bool = attrs.field(default=True, validator=lambda _i, a, v: _bool(a, v))
+    #: Record every routed call as a session trace (None: off; shadow_gateway.recording).
+    record: RecordConfig | None = None
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -358,7 +361,7 @@ def parse_config(text: str, source: str = "", environ: Mapping[str, str] | None 
 
 
 KNOWN_SECTIONS = ("models", "router", "shadow", "session", "health", "upstream", "shadow_submit", "listen",
-                  "tokenizer_check", "auth", "access_log")
+                  "tokenizer_check", "auth", "access_log", "record")
 
 
 def from_dict(data: Any, src: _Source | None = None, environ: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -393,6 +396,7 @@ def from_dict(data: Any, src: _Source | None = None, environ: Mapping[str, str] 
         "access_log": _build(AccessLogConfig, "access_log", data.get("access_log", {}), src),
         **{k: listen[k] for k in ("host", "port") if k in listen},
         **({"tokenizer_check": data["tokenizer_check"]} if "tokenizer_check" in data else {}),
+        **({"record": _build(RecordConfig, "record", data["record"], src)} if "record" in data else {}),
     }, src, prefix_of={"host": "listen.host", "port": "listen.port"})
     try:
         check_listen("listen.host", cfg.host, cfg.auth)

@@ -65,6 +65,7 @@ import httpx
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import GatewayConfig, SchedulerKind
 from shadow_gateway.metrics import GatewayMetrics
+from shadow_gateway.recording import CallFacts, Recorder
 from shadow_gateway.router import RouteError, Router, RouteRequest, Warmth, load_router
 from shadow_gateway.shadow import ShadowDispatcher
 from shadow_gateway.validation import BadRequest, check_session_id, header_text
@@ -117,6 +118,9 @@ class CallContext:
     num_prompt_tokens: int | None = None
     num_cached_tokens: int | None = None
     num_shadow_tokens_used: int = 0
+    usage: Any = None  # the upstream's usage, when one came (for the recorder)
+    prompt_ids: list[int] | None = None
+    request: Any = None  # messages / prompt, only when the recorder records text
 
 
 def session_hash(session_key: str) -> str:
@@ -143,6 +147,7 @@ class Gateway:
     prompt_end: dict[str, int] = attrs.field(init=False, factory=dict)
     _epoch0_s: float = attrs.field(init=False, default=0.0)
     _tasks: list[asyncio.Task] = attrs.field(init=False, factory=list)
+    recorder: Recorder | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self.cluster = GatewayCluster(self.config)
@@ -153,6 +158,8 @@ class Gateway:
         self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics,
                                         session_fields=self.session_cache_fields)
         self._epoch0_s = self.clock()
+        if self.config.record is not None:
+            self.recorder = Recorder(self.config.record, self._epoch0_s, self.config.model_names)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -228,6 +235,8 @@ class Gateway:
         await self.shadows.close()
         await self.client.aclose()
         await self.upstream.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
     # -- RouterView ----------------------------------------------------------------------
     @property
@@ -325,8 +334,11 @@ class Gateway:
             self.metrics.fallbacks.labels("manager-error").inc()
             return None
         self.busy.add(session_id)
-        return CallContext(session_id, model, task, instance=self.cluster.by_id[instance_id],
-                           client_wants_ids=bool(body.get("return_token_ids")), started_s=self.clock())
+        ctx = CallContext(session_id, model, task, instance=self.cluster.by_id[instance_id],
+                          client_wants_ids=bool(body.get("return_token_ids")), started_s=self.clock())
+        if self.recorder is not None and self.recorder.wants_text:
+            ctx.request = body.get("messages", body.get("prompt"))
+        return ctx
 
     def accept(self, ctx: CallContext, inst: InstanceState) -> None:
         """The upstream accepted the call (status 200): register it with the
@@ -362,11 +374,19 @@ class Gateway:
         self.last_seen_s[ctx.session_id] = self.clock()
         if ok:
             self.shadows.on_call_complete(ctx.session_id)
+        if self.recorder is not None:
+            try:
+                self.recorder.on_call_end(CallFacts(ctx.session_id, ctx.model, ctx.task, ctx.started_s, self.clock(),
+                                                    ctx.usage, ctx.prompt_ids, ctx.request), ok)
+            except Exception:  # recording never fails a call
+                log.exception("session %s: recording failed", session_hash(ctx.session_id))
+                self.metrics.errors.labels("recording", ctx.model).inc()
         self.shadows.wake_all()
 
     # -- token ids from the upstream's responses ------------------------------------------
     def on_prompt_ids(self, ctx: CallContext, ids: list[int], num_cached: int | None) -> None:
         ctx.prompt_seen = True
+        ctx.prompt_ids = ids
         s = self.manager.session(ctx.session_id) if ctx.accepted else None
         if s is None:
             return
@@ -525,6 +545,7 @@ class Gateway:
         return data
 
     def _count_usage(self, ctx: CallContext, usage: Any) -> None:
+        ctx.usage = usage
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             ctx.num_prompt_tokens = usage["prompt_tokens"]
             self.metrics.prompt_tokens.labels(ctx.model).inc(usage["prompt_tokens"])
@@ -614,6 +635,8 @@ class Gateway:
         self.cluster.forget_session(session_id)
         self.last_seen_s.pop(session_id, None)
         self.prompt_end.pop(session_id, None)
+        if self.recorder is not None:
+            self.recorder.forget(session_id)
         return known
 
 

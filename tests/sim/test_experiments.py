@@ -40,8 +40,8 @@ def _call(sid: str, i: int, model: str, switch: bool, lat: float, prompt: int, c
     return Call(sid, i, model, switch, ttft, lat, prompt, cached, out)
 
 
-def _run(policy: str, calls: list[Call], shadow: float = 0.0, met=(True,), energy=1.0) -> RunRecord:
-    return RunRecord(policy, 0, "peak", tuple(calls), frozenset({"a", "b"}), tuple(met), 100, shadow, 0.0,
+def _run(policy: str, calls: list[Call], shadow: float = 0.0, met=(True,), energy=1.0, used=0.0) -> RunRecord:
+    return RunRecord(policy, 0, "peak", tuple(calls), frozenset({"a", "b"}), tuple(met), 100, shadow, used,
                      energy, energy, 10.0)
 
 
@@ -56,7 +56,7 @@ def test_metrics_on_a_hand_computed_case() -> None:
         _call("a", 0, "Qwen2.5-7B", False, 1.0, 1000, 0),
         _call("a", 1, "Llama-3.1-70B", True, 3.0, 2000, 1500, ttft=0.5),
         _call("b", 0, "Qwen2.5-7B", False, 2.0, 1000, 500),
-    ], shadow=3000.0, met=(True, True, True, True))
+    ], shadow=3000.0, met=(True, True, True, True), used=1200.0)
     oracle = _run("oracle-host", [
         _call("a", 0, "Qwen2.5-7B", False, 1.0, 1000, 0),
         _call("a", 1, "Llama-3.1-70B", True, 2.0, 2000, 2000, ttft=0.2),
@@ -84,8 +84,9 @@ def test_metrics_on_a_hand_computed_case() -> None:
     assert s["task_time_s"] == pytest.approx(4.0) and s["task_time_red"] == pytest.approx(0.2)
     # normal SLO: 3/4 -> 4/4 is +25 points
     assert s["normal_slo_pp"] == pytest.approx(0.25)
-    # 1500 extra cached switch tokens over the baseline's, of 3000 shadow tokens
-    assert s["shadow_unused_share"] == pytest.approx(0.5)
+    # the engine served 1200 of 3000 shadow tokens; the switch calls found 1500 extra over the baseline's
+    assert s["shadow_unused_share"] == pytest.approx(1 - 1200 / 3000) and s["shadow_tokens_used"] == 1200.0
+    assert s["switch_extra_cached_share"] == pytest.approx(1500 / 3000)
     assert math.isnan(out["no-shadow"]["shadow_unused_share"])
 
 

@@ -19,9 +19,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from shadow_sim.experiments.calibrate import capacities
 from shadow_sim.experiments.distributed import ResultStore, execute_grid
-from shadow_sim.experiments.normal import WINDOWS
+from shadow_sim.experiments.normal import WINDOWS, CapReport, NormalTraffic
 from shadow_sim.experiments.runner import (
     DEFAULT_POLICIES,
     Comparison,
@@ -34,7 +36,7 @@ from shadow_sim.experiments.runner import (
 )
 from shadow_sim.experiments.spec import PAIRS, SIMULATE_DEFAULT, Experiment, get_pair
 from shadowcore.cli import HelpFormatter, add_policy_options, describe, load_scenario, policies_from_args
-from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.config import PluginRef, ShadowConfig, parse_ref
 from shadowcore.errors import ConfigError, PluginError
 
 
@@ -46,11 +48,19 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
     ``jobs`` (default: one process per run, at most one more than the CPUs; three
     runs on two cores finish in 1.5 run-times instead of 2)."""
     data = dict(scenario)
+    replay = {k: data.pop(k) for k in ("sessions", "session_router") if k in data}  # simulate --sessions, --router
     if set(data) <= {"duration_s", "latency_profile"}:
-        ex = Experiment.from_dict({**SIMULATE_DEFAULT, **data})
+        base = dict(SIMULATE_DEFAULT)
+        if replay.get("sessions"):  # the file's sessions set the measured window unless --duration does
+            base.pop("duration_s")
+        ex = Experiment.from_dict({**base, **data, **replay})
     elif "experiment" in data:
         extra = {k: v for k, v in data.items() if k != "experiment"}
-        ex = Experiment.from_dict({**data["experiment"], **extra})
+        ex = Experiment.from_dict({**data["experiment"], **extra, **replay})
+    elif replay:
+        sessions = replay.get("sessions")
+        raise ConfigError("--sessions", sessions, "replays into an experiment: give no --scenario, or one with "
+                          "{\"experiment\": {...}} (a plain scenario draws its own sessions)")
     else:
         return None
     refs = [c.policy for c in configs]
@@ -58,7 +68,8 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
     if jobs is None:
         jobs = max(1, min(len(refs) * len(seeds), (os.cpu_count() or 1) + 1))
     c = run_comparison(ex, refs, seeds=seeds, jobs=jobs, progress=True)
-    return format_table(c)
+    caps = ex.normal.cap_report()
+    return format_table(c) + (f"\n{caps.line()}" if caps is not None else "")
 
 
 # -- sweep -----------------------------------------------------------------------------
@@ -82,6 +93,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, help="warm-up seconds")
     p.add_argument("--rho", type=float, help="normal-traffic load relative to capacity")
     p.add_argument("--normal-trace", help="replay this trace file as normal traffic (Azure, BurstGPT, ...)")
+    p.add_argument("--max-prompt", type=_cap, help="cap of normal-trace prompts (default 8192; 'none': no cap)")
+    p.add_argument("--max-output", type=_cap, help="cap of normal-trace outputs (default 1024; 'none': no cap)")
+    p.add_argument("--sessions", help="replay this session-trace file instead of the preset (shadowprefill sessions)")
+    p.add_argument("--router", metavar="NAME[:JSON]",
+                   help="re-route the --sessions file: markov, accuracy-per-cost or a plugin (default: replay)")
     p.add_argument("--latency", choices=("vidur", "roofline", "auto"), help="latency model")
     p.add_argument("--latency-profile", metavar="NAME|FILE",
                    help="calibrate the latency model: a shipped profile or a JSON file (shadowprefill latency)")
@@ -103,19 +119,33 @@ def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = {}
     if args.experiment:
         data = load_scenario(args.experiment)
-    for flag, key in (("preset", "preset"), ("duration", "duration_s"), ("warmup", "warmup_s"),
-                      ("latency", "latency"), ("latency_profile", "latency_profile"),
+    for flag, key in (("preset", "preset"), ("sessions", "sessions"), ("duration", "duration_s"),
+                      ("warmup", "warmup_s"), ("latency", "latency"), ("latency_profile", "latency_profile"),
                       ("instances", "instances_per_model")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
+    if getattr(args, "router", None) is not None:
+        data["session_router"] = parse_ref(args.router, "--router").to_dict()
     normal = dict(data.get("normal", {}))
     if args.rho is not None:
         normal["rho"] = args.rho
     if args.normal_trace:
         normal.update(kind="trace", source=args.normal_trace)
+    for flag, key in (("max_prompt", "max_prompt_tokens"), ("max_output", "max_output_tokens")):
+        if getattr(args, flag, None) is not None:
+            normal[key] = None if getattr(args, flag) == "none" else getattr(args, flag)
     if normal:
         data["normal"] = normal
     return data
+
+
+def _cap(text: str) -> int | str:
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer number of tokens, or none") from None
 
 
 def _capacity(text: str | None) -> dict[str, float] | None:
@@ -220,12 +250,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     path = write_rows(rows(comparisons), out, args.format)
     summary = {label: summary_json(c) for label, c in comparisons.items()}
+    caps = _cap_report(experiment_from_args(args))
+    if caps is not None:  # the caps are never silent: printed below and stored per label
+        for entry in summary.values():
+            entry["normal_caps"] = attrs.asdict(caps)
     (out / "summary.json").write_text(json.dumps(no_nan(summary), indent=1))
     for label, c in comparisons.items():
         print(f"== {label}")
         print(format_table(c))
+    if caps is not None:
+        print(caps.line())
     print(f"wrote {path} and {out / 'summary.json'}")
     return 0
+
+
+def _cap_report(data: Mapping[str, Any]) -> CapReport | None:
+    from shadowcore.config import build_attrs
+
+    return build_attrs(NormalTraffic, "normal", data.get("normal", {})).cap_report()
 
 
 def no_nan(x: Any) -> Any:
