@@ -234,12 +234,12 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
             return Response(raw, status_code=resp.status,
                             media_type=resp.headers.get("content-type", "application/json"))
         try:
-            data = gw.process_json(ctx, json.loads(raw))
+            data = gw.process_json(ctx, await gw.offload.decode(raw))
         except ValueError:
             on_end(False)
             return Response(raw, status_code=resp.status, media_type=resp.headers.get("content-type"))
         on_end(True)
-        return JSONResponse(data)
+        return Response(await gw.offload.encode(data), status_code=resp.status, media_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

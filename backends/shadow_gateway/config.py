@@ -135,6 +135,10 @@ class SessionConfig:
     field: str = attrs.field(default="session_id", validator=non_empty_str)
     task_header: str = attrs.field(default="X-Session-Task", validator=non_empty_str)
     idle_timeout_s: float = attrs.field(default=3600.0, validator=positive)
+    #: Most sessions kept; a new session beyond it ends the least recently seen idle one (LRU).
+    max_sessions: int = attrs.field(default=100_000, validator=positive_int)
+    #: Most tasks (X-Session-Task values) whose counts the switch predictor keeps, LRU.
+    max_tasks: int = attrs.field(default=10_000, validator=positive_int)
 
 
 @attrs.frozen
@@ -157,6 +161,14 @@ class UpstreamConfig:
     #: attempt fails before any byte reached the client (connection error, 5xx, timeout).
     retries: int = attrs.field(default=1, validator=non_negative_int)
     max_connections: int = attrs.field(default=512, validator=positive_int)
+    #: Outlier ejection: a routed call with no response after this long (a hung instance whose
+    #: /health may still answer), or one that timed out, takes its instance out of placement and
+    #: shadow work for ``eject_s`` (the call itself waits on, up to ``read_timeout_s``).
+    first_byte_bound_s: float = attrs.field(default=30.0, validator=positive)
+    eject_s: float = attrs.field(default=30.0, validator=positive)
+    #: Response bodies, stream lines and shadow bodies this large (bytes) are decoded and encoded
+    #: in a worker process, off the event loop (shadow_gateway.offload).
+    offload_min_bytes: int = attrs.field(default=1 << 20, validator=positive_int)
 
 
 @attrs.frozen

@@ -52,9 +52,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -65,11 +67,13 @@ import httpx
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import GatewayConfig, SchedulerKind
 from shadow_gateway.metrics import GatewayMetrics
+from shadow_gateway.offload import Offloader
 from shadow_gateway.recording import CallFacts, Recorder
 from shadow_gateway.router import RouteError, Router, RouteRequest, Warmth, load_router
 from shadow_gateway.shadow import ShadowDispatcher
 from shadow_gateway.validation import BadRequest, check_session_id, header_text
 from shadowcore.errors import ConfigError
+from shadowcore.job import token_array
 from shadowcore.manager import ShadowManager
 from shadowcore.pipeline import build_runtime
 from shadowcore.types import CallArrival, JobKey
@@ -80,6 +84,8 @@ RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 #: What a failed, dropped or timed-out upstream connection raises.
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 JSON_HEADERS = {"content-type": "application/json"}
+#: Token-id lists as responses carry them: JSON lists, or arrays when decoded off the loop (shadow_gateway.offload).
+TOKEN_LISTS = (list, array)
 #: Text every model's ``/tokenize`` must turn into the same ids (see ``tokenizer_check``).
 TOKENIZER_PROBE = "ShadowPrefill tokenizer probe: Grüße, 東京! def f(x):\n    return x ** 2  # 12345 <|tool|>"
 
@@ -142,6 +148,7 @@ class Gateway:
     client: httpx.AsyncClient = attrs.field(init=False)  # health checks, /tokenize
     upstream: aiohttp.ClientSession = attrs.field(init=False)  # routed and plain calls
     busy: set[str] = attrs.field(init=False, factory=set)
+    offload: Offloader = attrs.field(init=False)  # large JSON off the event loop
     last_seen_s: dict[str, float] = attrs.field(init=False, factory=dict)
     #: Per session: where the last accepted call's prompt ended in the history.
     prompt_end: dict[str, int] = attrs.field(init=False, factory=dict)
@@ -154,9 +161,11 @@ class Gateway:
         runtime = build_runtime(self.config.shadow, self.cluster, self.config.model_names,
                                 self.cluster.shadow_instances())
         self.manager = runtime.manager
+        self.manager.predictor.limit_tasks(self.config.session.max_tasks)
         self.router = load_router(self.config.router)
+        self.offload = Offloader(self.config.upstream.offload_min_bytes)
         self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics,
-                                        session_fields=self.session_cache_fields)
+                                        self.offload, session_fields=self.session_cache_fields)
         self._epoch0_s = self.clock()
         if self.config.record is not None:
             self.recorder = Recorder(self.config.record, self._epoch0_s, self.config.model_names)
@@ -175,6 +184,7 @@ class Gateway:
             connector=aiohttp.TCPConnector(limit=u.max_connections, force_close=False),
             skip_auto_headers=("User-Agent",),
         )
+        self.offload.start()
         self.shadows.start()
         self._tasks.append(asyncio.create_task(self._health_loop(), name="gateway-health"))
         self._tasks.append(asyncio.create_task(self._expiry_loop(), name="gateway-expiry"))
@@ -235,6 +245,7 @@ class Gateway:
         await self.shadows.close()
         await self.client.aclose()
         await self.upstream.close()
+        self.offload.close()
         if self.recorder is not None:
             self.recorder.close()
 
@@ -345,6 +356,8 @@ class Gateway:
         manager now, on the instance that serves it."""
         ctx.instance = inst
         try:
+            if ctx.session_id not in self.manager:
+                self._make_room()
             placement = self.manager.on_call_arrival(
                 CallArrival(ctx.session_id, ctx.model, 0, max(0.0, self.clock() - self._epoch0_s), ctx.task,
                             new_token_ids=())
@@ -357,7 +370,7 @@ class Gateway:
         self.metrics.calls.labels(ctx.model, "routed").inc()
         if ctx.is_switch:
             self.metrics.switch_calls.labels(ctx.model).inc()
-        self.last_seen_s[ctx.session_id] = self.clock()
+        self._seen(ctx.session_id)
         self.shadows.on_call_arrival(ctx.session_id, inst.id)
         self.shadows.wake_all()
 
@@ -371,7 +384,8 @@ class Gateway:
             self.cluster.record_routed(ctx.instance.id, ctx.session_id, s.history.token_ids,
                                        max(0, s.history.num_tokens - 1))
         self.metrics.call_seconds.labels(ctx.model).observe(self.clock() - ctx.started_s)
-        self.last_seen_s[ctx.session_id] = self.clock()
+        if ctx.session_id in self.last_seen_s:
+            self._seen(ctx.session_id)
         if ok:
             self.shadows.on_call_complete(ctx.session_id)
         if self.recorder is not None:
@@ -392,17 +406,17 @@ class Gateway:
             return
         h = s.history
         n = h.num_tokens
-        old = h.token_ids or []
-        if len(ids) >= n and old[:n] == ids[:n]:
+        if len(ids) >= n and (not n or h.token_ids == token_array(ids[:n])):
             self.manager.on_tool_result(ctx.session_id, len(ids) - n, ids[n:])
         else:  # the prompt does not extend the history: a new epoch (jobs restart, caches still hit)
             end = self.prompt_end.get(ctx.session_id, 0)
             # A client that re-sends the rendered conversation extends the last
             # prompt, not its output as generated (an end-of-turn token, another
             # tokenization of the reply): not a diverged history.
-            extends_prompt = 0 < end <= len(ids) and old[:end] == ids[:end]
+            extends_prompt = (0 < end <= len(ids) and h.token_ids is not None
+                              and h.token_ids[:end] == token_array(ids[:end]))
             self.metrics.fallbacks.labels("history-re-rendered" if extends_prompt else "history-diverged").inc()
-            h.compact(len(ids), ids)
+            self.manager.on_new_epoch(ctx.session_id, len(ids), ids)
         self.prompt_end[ctx.session_id] = len(ids)
         if num_cached is not None and ctx.instance is not None:
             self._count_cached(ctx, ids, num_cached)
@@ -467,17 +481,23 @@ class Gateway:
         for inst in self.attempt_order(model, ctx.instance if ctx else None):
             payload = self.upstream_body(body, model, inst, ctx)
             inst.num_routed_inflight += 1
+            watchdog = asyncio.get_running_loop().call_later(
+                self.config.upstream.first_byte_bound_s, self.eject, inst, "first-byte-bound")
             try:
                 resp = await self.upstream.post(inst.url + path, data=json.dumps(payload).encode(),
                                                 headers={**headers, **inst.config.auth_headers, **JSON_HEADERS})
             except UPSTREAM_ERRORS as e:
                 inst.num_routed_inflight -= 1
+                if isinstance(e, TimeoutError):
+                    self.eject(inst, "timeout")
                 self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
                 if self.cluster.mark(inst.id, False):
                     self.shadows.wake_all()
                 last = UpstreamFailed(502, json.dumps({"error": {"message": f"instance {inst.id}: {e!r}",
                                                                  "type": "upstream_error"}}).encode())
                 continue
+            finally:
+                watchdog.cancel()
             if resp.status in RETRYABLE_STATUS:
                 try:
                     data = await resp.read()
@@ -501,12 +521,12 @@ class Gateway:
         """A whole (non-streamed) response: feed ids, strip what we added."""
         try:
             ids = _prompt_ids(data)
-            if isinstance(ids, list):
+            if isinstance(ids, TOKEN_LISTS):
                 self.on_prompt_ids(ctx, ids, _cached(data.get("usage")))
             else:
                 self.metrics.fallbacks.labels("no-token-ids").inc()
             choices = data.get("choices") or []
-            if choices and isinstance(choices[0].get("token_ids"), list):
+            if choices and isinstance(choices[0].get("token_ids"), TOKEN_LISTS):
                 self.on_output_ids(ctx, choices[0]["token_ids"])
             self._count_usage(ctx, data.get("usage"))
         except Exception:
@@ -520,10 +540,10 @@ class Gateway:
         """One SSE chunk; None drops it (the usage chunk the client did not ask for)."""
         try:
             ids = _prompt_ids(data)
-            if isinstance(ids, list) and not ctx.prompt_seen:
+            if isinstance(ids, TOKEN_LISTS) and not ctx.prompt_seen:
                 self.on_prompt_ids(ctx, ids, None)
             for c in data.get("choices") or []:
-                if c.get("index", 0) == 0 and isinstance(c.get("token_ids"), list):
+                if c.get("index", 0) == 0 and isinstance(c.get("token_ids"), TOKEN_LISTS):
                     self.on_output_ids(ctx, c["token_ids"])
             usage = data.get("usage")
             if usage and not data.get("choices"):
@@ -567,6 +587,17 @@ class Gateway:
             return None
         return b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
 
+    async def _rewrite(self, ctx: CallContext, line: bytes) -> bytes | None:
+        """:meth:`rewrite_event_line`, with a long line decoded and encoded off the event loop."""
+        if len(line) < self.offload.min_bytes or not line.startswith(b"data:"):
+            return self.rewrite_event_line(ctx, line)
+        try:
+            data = await self.offload.decode(line[5:].strip())
+        except ValueError:
+            return line + b"\n\n"
+        out = self.process_chunk(ctx, data) if isinstance(data, dict) else data
+        return None if out is None else b"data: " + await self.offload.encode(out) + b"\n\n"
+
     async def stream_chunks(self, ctx: CallContext | None, resp: aiohttp.ClientResponse, inst: InstanceState,
                             on_end: Callable[[bool], None]) -> AsyncIterator[bytes]:
         ok = False
@@ -576,20 +607,26 @@ class Gateway:
                     yield raw
                 ok = True
                 return
-            pending = b""
+            pending = bytearray()  # a long line arrives in many reads: appended, split once it ends
             async for raw in resp.content.iter_any():
-                *lines, pending = (pending + raw).split(b"\n")
-                out = [self.rewrite_event_line(ctx, line.rstrip(b"\r")) for line in lines if line.strip()]
+                pending += raw
+                if b"\n" not in raw:
+                    continue
+                *lines, rest = bytes(pending).split(b"\n")
+                pending = bytearray(rest)
+                out = [await self._rewrite(ctx, line.rstrip(b"\r")) for line in lines if line.strip()]
                 batch = b"".join(x for x in out if x)
                 if batch:
                     yield batch
             if pending.strip():
-                last = self.rewrite_event_line(ctx, pending.rstrip(b"\r"))
+                last = await self._rewrite(ctx, bytes(pending).rstrip(b"\r"))
                 if last:
                     yield last
             ok = True  # the upstream closed the stream normally
         except UPSTREAM_ERRORS as e:
             self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
+            if isinstance(e, TimeoutError):
+                self.eject(inst, "timeout")
             err = {"error": {"message": f"instance {inst.id} failed mid-stream: {e!r}", "type": "upstream_error"}}
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
@@ -599,6 +636,13 @@ class Gateway:
             else:  # unfinished (failed, or the client went away): the connection is not reusable
                 resp.close()
             on_end(ok)
+
+    def eject(self, inst: InstanceState, reason: str) -> None:
+        """Outlier ejection (see ``upstream.first_byte_bound_s``): no new placement or shadow work there for
+        ``upstream.eject_s``, whatever its /health says."""
+        if self.cluster.eject(inst.id, self.config.upstream.eject_s):
+            log.warning("instance %s ejected for %.0f s (%s)", inst.id, self.config.upstream.eject_s, reason)
+            self.metrics.ejections.labels(inst.id, reason).inc()
 
     # -- background loops --------------------------------------------------------------------
     async def _health_loop(self) -> None:
@@ -620,19 +664,43 @@ class Gateway:
             log.warning("instance %s is now %s", inst.id, "healthy" if ok else "unhealthy")
             self.shadows.wake_all()
 
+    # -- session lifetime: idle timeout and LRU cap (last_seen_s is in last-seen order) ----------
+    def _seen(self, session_id: str) -> None:
+        self.last_seen_s.pop(session_id, None)
+        self.last_seen_s[session_id] = self.clock()
+
+    def _make_room(self) -> None:
+        """Before a new session: end least recently seen idle sessions beyond ``session.max_sessions``."""
+        over = self.manager.num_sessions - self.config.session.max_sessions + 1
+        if over > 0:
+            for sid in [s for s in itertools.islice(self.last_seen_s, over + len(self.busy)) if s not in self.busy
+                        ][:over]:
+                self.end_session(sid)
+                self.metrics.fallbacks.labels("session-evicted-lru").inc()
+
     async def _expiry_loop(self) -> None:
         timeout = self.config.session.idle_timeout_s
         while True:
             await asyncio.sleep(min(60.0, timeout / 4))
-            now = self.clock()
-            for sid, seen in list(self.last_seen_s.items()):
-                if now - seen > timeout and sid not in self.busy:
-                    self.end_session(sid)
+            self.expire_idle()
+
+    def expire_idle(self) -> int:
+        """End sessions idle longer than ``session.idle_timeout_s`` (oldest first; stops at the first recent one)."""
+        cutoff, ended = self.clock() - self.config.session.idle_timeout_s, []
+        for sid, seen in self.last_seen_s.items():
+            if seen >= cutoff:
+                break
+            if sid not in self.busy:
+                ended.append(sid)
+        for sid in ended:
+            self.end_session(sid)
+        return len(ended)
 
     def end_session(self, session_id: str) -> bool:
         known = session_id in self.manager
         self.manager.on_session_end(session_id)
         self.cluster.forget_session(session_id)
+        self.shadows.forget_session(session_id)
         self.last_seen_s.pop(session_id, None)
         self.prompt_end.pop(session_id, None)
         if self.recorder is not None:

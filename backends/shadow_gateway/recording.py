@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from array import array
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -168,7 +169,7 @@ class Recorder:
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if not isinstance(cached, int) or not 0 <= cached <= prompt:
             cached = None
-        ids = call.prompt_ids if isinstance(call.prompt_ids, list) and len(call.prompt_ids) == prompt else None
+        ids = call.prompt_ids if isinstance(call.prompt_ids, (list, array)) and len(call.prompt_ids) == prompt else None
         last = self.sessions.get(call.session_id)
         arrival = max(0.0, call.started_s - self.epoch_s)
         meta: dict[str, Any] = {}

@@ -91,6 +91,7 @@ from vllm.v1.request import Request, RequestStatus
 from shadow_vllm.engine_config import CONFIG_KEY, EngineShadowConfig
 from shadow_vllm.jobs import EngineJobs, ShadowEntry
 from shadow_vllm.kvpool import ShadowKVBridge
+from shadow_vllm.metrics import EngineMetrics
 from shadowcore.errors import ConfigError
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
@@ -98,7 +99,7 @@ from shadowcore.latency import BatchShape, PrefillChunk
 from shadowcore.pipeline import build_runtime
 from shadowcore.slack import NoShadowController
 from shadowcore.types import ChunkResult, Phase, RequestKind, RequestView, StepOutcome, StepPlan, StepSnapshot
-from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_tag
+from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_stop, parse_tag
 
 __all__ = [
     "CONFIG_KEY",
@@ -138,6 +139,8 @@ class ShadowStats:
     max_shadow_blocks: int = 0  # most shadow-class blocks seen after a step was planned
     num_loads: int = 0  # chunks that loaded a KV connector's external hit (sync or async)
     num_loaded_tokens: int = 0  # tokens those loads brought in (not computed)
+    num_planned_tokens: int = 0  # tokens the shadow plans granted
+    num_ended: dict[str, int] = attrs.Factory(dict)  # shadow requests ended, by stop reason (ShadowEnd value)
 
 
 class _OpenStep(NamedTuple):
@@ -200,6 +203,7 @@ class ShadowSchedulerMixin:
         self.shadow_hook = EngineHook(config.instance_id, self.shadow_jobs, slack, config.build_latency(),
                                       _Port(self), runtime.observers)
         self.shadow_stats = ShadowStats()
+        self.shadow_metrics = EngineMetrics.from_env(config.instance_id, self.block_size)  # vLLM's /metrics
         self.shadow_parked: dict[str, Request] = {}  # shadow requests outside vLLM's queues
         self.shadow_to_finish: dict[str, tuple[RequestStatus, str]] = {}
         self.shadow_routed: set[str] = set()
@@ -373,6 +377,7 @@ class ShadowSchedulerMixin:
         results = self._shadow_admit(out, plan, now_s) if plan.grants else ()
         stats = self.shadow_stats
         stats.max_shadow_blocks = max(stats.max_shadow_blocks, self.shadow_bridge.num_shadow_blocks)
+        stats.num_planned_tokens += sum(g.num_tokens for g in plan.grants)
         self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), plan.predicted_s, results, None)
         return out
 
@@ -401,6 +406,8 @@ class ShadowSchedulerMixin:
             self._shadow_finish(outputs)
         if not self._shadow_quiet:
             self._shadow_quiet = self._shadow_quiet_now()
+        if self.shadow_metrics is not None:
+            self.shadow_metrics.sync(self.shadow_stats, self.shadow_bridge)
         return outputs
 
     def _shadow_update_request_with_output(self, request: Request, new_token_ids: list[int], *args: Any,
@@ -415,6 +422,8 @@ class ShadowSchedulerMixin:
                 stopped = True
             if request.stop_reason is None:
                 request.stop_reason = STOP_PREFILLED
+            end, ended = _end_name(request.stop_reason), self.shadow_stats.num_ended
+            ended[end] = ended.get(end, 0) + 1
         return new_token_ids, stopped
 
     def _shadow_record_first_tokens(self, scheduled: dict[str, int]) -> None:
@@ -797,6 +806,8 @@ class ShadowSchedulerMixin:
             if request is None or request.is_finished():
                 continue
             request.stop_reason = reason
+            end = _end_name(reason)
+            self.shadow_stats.num_ended[end] = self.shadow_stats.num_ended.get(end, 0) + 1
             for finished in self.finish_requests(rid, status):
                 if status == RequestStatus.FINISHED_STOPPED:
                     self.shadow_stats.num_finished += 1
@@ -805,6 +816,15 @@ class ShadowSchedulerMixin:
                     request_id=rid, new_token_ids=[], finish_reason=finished.get_finished_reason(),
                     stop_reason=reason, events=finished.take_events(), trace_headers=finished.trace_headers,
                 ))
+
+
+def _end_name(stop_reason: str) -> str:
+    """The ``ShadowEnd`` value of a shadow's stop reason (``bad-tag`` for a malformed tag's error)."""
+    try:
+        stop = parse_stop(stop_reason)
+    except ValueError:
+        stop = None
+    return stop.end.value if stop is not None else "bad-tag"
 
 
 def _extend_dataclass(target: Any, extra: Any) -> None:

@@ -13,6 +13,11 @@ validated here first, so a bad policy or argument fails before vLLM starts,
 with one error naming the field. ``--print-command`` prints the command
 instead of running it.
 
+It also turns on the shadow counters on vLLM's ``/metrics``
+(:mod:`shadow_vllm.metrics`: ``SHADOWPREFILL_ENGINE_METRICS=1`` and, unless
+set, a fresh ``PROMETHEUS_MULTIPROC_DIR`` so the engine-core process's
+counters reach the API server's ``/metrics``).
+
 Invariants: every argument this command does not know goes to vLLM
 unchanged; ``--scheduler-cls`` and ``--additional-config`` are this
 command's to set (giving them is an error, not silently overridden).
@@ -124,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if parser().parse_known_args(argv)[0].print_command:
         print(shlex.join(command))
         return 0
+    from shadow_vllm.metrics import prepare_env
+
+    prepare_env(os.environ)  # shadow counters on vLLM's /metrics (shadow_vllm.metrics)
     sys.stdout.flush()
     os.execv(command[0], command)  # the server replaces this process (signals reach vLLM directly)
     return 0  # not reached

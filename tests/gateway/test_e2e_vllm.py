@@ -234,7 +234,7 @@ def test_streaming_chat_session_through_real_vllm(gw, vllm_servers):
     history = gw.gateway.manager.history("chat")
     tokenized = httpx.post(vllm_servers["tiny-a"] + "/tokenize", headers=AUTH,
                            json={"model": "tiny-a", "messages": messages}).json()
-    assert history.token_ids[: tokenized["count"]] == tokenized["tokens"]
+    assert history.token_ids[: tokenized["count"]].tolist() == tokenized["tokens"]
     assert history.num_tokens == tokenized["count"] + 8  # prompt + streamed output ids
     # the client re-sends the conversation with the reply as text: not a diverged history
     reply = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
@@ -302,7 +302,7 @@ def test_tenants_behind_gateway_keys_get_salted_caches_and_their_own_switches(vl
         c = httpx.Client(timeout=120)
         a = {"Authorization": f"Bearer {keys['team-a']}", "X-Session-Id": "tenant-session"}
         b = {"Authorization": f"Bearer {keys['team-b']}"}
-        prompt = _context(11)
+        prompt = _context(21)
         first = c.post(g.url + "/v1/completions", headers=a,
                        json={"model": "tiny-a", "prompt": prompt, "max_tokens": 16, "temperature": 0,
                              "return_token_ids": True})
@@ -314,11 +314,44 @@ def test_tenants_behind_gateway_keys_get_salted_caches_and_their_own_switches(vl
         warmth = {"session_id": "tenant-session", "model": "tiny-b"}
         assert c.get(g.url + "/v1/shadowprefill/warmth", params=warmth, headers=b).status_code == 404
         plain = c.post(g.url + "/v1/completions", headers=b,
-                       json={"model": "tiny-b", "prompt": context + _context(12, 40), "max_tokens": 4})
+                       json={"model": "tiny-b", "prompt": context + _context(22, 40), "max_tokens": 4})
         assert plain.status_code == 200, plain.text
         assert plain.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another tenant's cache
         switch = c.post(g.url + "/v1/completions", headers=a,
-                        json={"model": "tiny-b", "prompt": context + _context(13, 40), "max_tokens": 4})
+                        json={"model": "tiny-b", "prompt": context + _context(23, 40), "max_tokens": 4})
         assert switch.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == expected > 0
     finally:
         g.stop()
+
+
+def _engine_metric(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_vllm_metrics_export_the_engine_shadow_counters(gw_tagged, vllm_servers):
+    """``vllm-serve`` puts the shadow scheduler's counters on vLLM's own
+    ``/metrics``: after a tagged shadow and a switch that used it (the test
+    above, or this one's own session), tiny-b shows planned >= computed > 0,
+    prefilled shadow requests, and the switch's cached tokens counted as used."""
+    c = httpx.Client(timeout=120)
+    prompt = _context(11)
+    r = c.post(gw_tagged.url + "/v1/completions", headers={"X-Session-Id": "metrics"},
+               json={"model": "tiny-a", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                     "return_token_ids": True}).json()
+    context = prompt + r["choices"][0]["token_ids"]
+    b = vllm_servers["tiny-b"]
+    wait_for(lambda: _engine_metric(b, "shadowprefill_engine_shadow_requests_total", instance="tiny-b",
+                                    reason="prefilled") >= 1, timeout_s=60, what="a prefilled shadow on /metrics")
+    computed = _engine_metric(b, "shadowprefill_engine_shadow_tokens_computed_total", instance="tiny-b")
+    planned = _engine_metric(b, "shadowprefill_engine_shadow_tokens_planned_total", instance="tiny-b")
+    assert planned >= computed >= len(context) // BLOCK * BLOCK - BLOCK > 0
+    used_before = _engine_metric(b, "shadowprefill_engine_shadow_tokens_used_total", instance="tiny-b")
+    r = c.post(gw_tagged.url + "/v1/completions", headers={"X-Session-Id": "metrics"},
+               json={"model": "tiny-b", "prompt": context + _context(12, 40), "max_tokens": 2}).json()
+    cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+    used = _engine_metric(b, "shadowprefill_engine_shadow_tokens_used_total", instance="tiny-b") - used_before
+    assert used == cached > 0  # the switch hit exactly the shadow's blocks (promoted: used)
