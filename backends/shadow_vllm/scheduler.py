@@ -92,7 +92,7 @@ from shadow_vllm.engine_config import CONFIG_KEY, EngineShadowConfig
 from shadow_vllm.jobs import EngineJobs, ShadowEntry
 from shadow_vllm.kvpool import ShadowKVBridge
 from shadow_vllm.metrics import EngineMetrics
-from shadowcore.errors import ConfigError
+from shadowcore.diagnostics import unreachable_grant
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.latency import BatchShape, PrefillChunk
@@ -190,9 +190,14 @@ class ShadowSchedulerMixin:
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         config = EngineShadowConfig.from_vllm(vllm_config)
-        if not self.cache_config.enable_prefix_caching:
-            raise ConfigError("enable_prefix_caching", False, "the shadow scheduler needs vLLM's prefix cache")
         runtime = build_runtime(config.shadow, _NoCluster(), ())
+        #: Prefix caching off: a shadow's KV could never be reused, so this engine runs as vLLM's own
+        #: scheduler with no shadow work (shadow requests end at once, ``no-shadow``; docs/vllm.md).
+        self._shadow_no_cache = not self.cache_config.enable_prefix_caching
+        if self._shadow_no_cache:
+            logger.warning("prefix caching is off (--no-enable-prefix-caching): the shadow scheduler schedules "
+                           "as vLLM's own and plans no shadow work; policy %r is not applied and shadow "
+                           "requests end at once (stop reason %s)", runtime.policy.name, STOP_NO_SHADOW)
         self.shadow_config = config
         self.shadow_clock: Callable[[], float] = time.monotonic
         self.shadow_bridge = ShadowKVBridge(self.kv_cache_manager.block_pool, runtime.policy.kv,
@@ -200,8 +205,16 @@ class ShadowSchedulerMixin:
         self.shadow_jobs = EngineJobs(config.instance_id, self.block_size)
         self._shadow_by_request = self.shadow_jobs.by_request  # truthy while a shadow request exists
         slack = runtime.policy.slack.build(np.random.default_rng(runtime.rng.integers(2**63)))
+        if self._shadow_no_cache:
+            slack = NoShadowController()
         self.shadow_hook = EngineHook(config.instance_id, self.shadow_jobs, slack, config.build_latency(),
                                       _Port(self), runtime.observers)
+        why = unreachable_grant(slack, self.shadow_hook.latency, self.block_size, config.slo.tpot_s)
+        if why is not None:  # the policy would silently do nothing here: say so, with the numbers
+            logger.warning("policy %r on %s: %s", runtime.policy.name, config.instance_id, why)
+        #: The online latency refit (config ``refit``), an observer of the hook: every step is planned and measured.
+        self.shadow_refit = None if self._shadow_no_cache else config.attach_refit(
+            self.shadow_hook, isinstance(self, AsyncScheduler))
         self.shadow_stats = ShadowStats()
         self.shadow_metrics = EngineMetrics.from_env(config.instance_id, self.block_size)  # vLLM's /metrics
         self.shadow_parked: dict[str, Request] = {}  # shadow requests outside vLLM's queues
@@ -258,6 +271,10 @@ class ShadowSchedulerMixin:
         self._shadow_open(request, tag)
 
     def _shadow_open(self, request: Request, tag: ShadowTag) -> None:
+        if self._shadow_no_cache:  # answered at the next step, never scheduled
+            self._shadow_park(request)
+            self.shadow_to_finish[request.request_id] = (RequestStatus.FINISHED_STOPPED, STOP_NO_SHADOW)
+            return
         self.shadow_bridge.attach()  # the KV classes matter from the first shadow on (vLLM's own pool until then)
         self._shadow_park(request)
         rid = request.request_id

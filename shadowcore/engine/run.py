@@ -80,6 +80,8 @@ class ScenarioRun:
             self.runtime.observers.add(obs)
         for inst in self.cluster.by_id.values():  # fixed order: attach draws from the runtime's generator
             inst.hook = self.attach_hook(inst)
+            if inst.hook is not None:
+                self.runtime.check_reach(inst.hook, inst.tpot_slo_s)
         self._dedicated.update(dedicated.values())
         workload = self.workload if self.workload is not None else self.draw_workload()
         if self.sessions is not None:
@@ -139,7 +141,8 @@ class ScenarioRun:
         assert self.workload is not None
         self.driver.schedule(self.workload, self.serving_instances())
         self.loop.run()
-        return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary())
+        return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary(), tuple(self.runtime.notices),
+                              self.scenario.warmup_s)
 
     # -- the driver's serving port ---------------------------------------------------
     def input_token_ids(self, session_id: str, call_index: int, model: str, num_tokens: int) -> None:
@@ -206,6 +209,7 @@ class ScenarioRun:
             "shadow_tokens": float(shadow_tokens),
             "shadow_tokens_used": float(used),
             "rejected_requests": float(len(self.driver.rejected) + len(self.rejected_normal)),
+            **{f"steps_{why}": float(n) for why, n in self.runtime.step_counts().items()},
         }
 
 

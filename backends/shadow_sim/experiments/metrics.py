@@ -107,6 +107,7 @@ class RunRecord:
     energy_per_good_request_j: float
     makespan_s: float
     summary: Mapping[str, float] = attrs.field(factory=dict)
+    notices: tuple[str, ...] = ()  # warnings about the policy on the run's engines (ScenarioResult.notices)
 
 
 def price(model: str) -> tuple[float, float]:

@@ -4,14 +4,15 @@
 (cached), then every run in local worker processes (``--jobs``) or on a Ray
 cluster (``--ray [ADDRESS]``; Ray is imported only then). It writes one row per
 (pair, seed, window, policy) run to ``runs.parquet`` (pyarrow) or ``runs.csv``,
-and ``summary.json`` with mean and standard error per pair and policy.
+and the result folder of :mod:`shadow_sim.experiments.output` (per-call
+``calls.parquet``, ``summary.json`` with mean and standard error per pair and
+policy, ``table.txt``, PNG plots).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import sys
@@ -23,6 +24,7 @@ import attrs
 
 from shadow_sim.experiments.calibrate import capacities
 from shadow_sim.experiments.distributed import ResultStore, execute_grid
+from shadow_sim.experiments.metrics import RunRecord
 from shadow_sim.experiments.normal import WINDOWS, CapReport, NormalTraffic
 from shadow_sim.experiments.runner import (
     DEFAULT_POLICIES,
@@ -30,8 +32,7 @@ from shadow_sim.experiments.runner import (
     Task,
     compare,
     format_table,
-    run_comparison,
-    summary_json,
+    run_comparison_records,
     tasks_for,
 )
 from shadow_sim.experiments.spec import PAIRS, SIMULATE_DEFAULT, Experiment, get_pair
@@ -41,12 +42,14 @@ from shadowcore.errors import ConfigError, PluginError
 
 
 def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig], *,
-                   jobs: int | None = None) -> str | None:
-    """The ``simulate`` table for an experiment, or None for a plain SimScenario
-    (the caller runs it the plain way). Empty ``scenario`` (or only
-    ``duration_s``): the embedded default; ``{"experiment": {...}}``: that experiment.
-    ``jobs`` (default: one process per run, at most one more than the CPUs; three
-    runs on two cores finish in 1.5 run-times instead of 2)."""
+                   jobs: int | None = None, out: Path | None = None, wide: bool = False) -> str | None:
+    """The ``simulate`` table for an experiment (its runs' warnings first), or
+    None for a plain SimScenario (the caller runs it the plain way). Empty
+    ``scenario`` (or only ``duration_s``): the embedded default;
+    ``{"experiment": {...}}``: that experiment. ``jobs`` (default: one process
+    per run, at most one more than the CPUs; three runs on two cores finish in
+    1.5 run-times instead of 2). ``out``: also write the result folder there
+    (:mod:`shadow_sim.experiments.output`); ``wide``: every column."""
     data = dict(scenario)
     replay = {k: data.pop(k) for k in ("sessions", "session_router") if k in data}  # simulate --sessions, --router
     if set(data) <= {"duration_s", "latency_profile"}:
@@ -67,9 +70,17 @@ def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig],
     seeds = sorted({c.seed for c in configs})
     if jobs is None:
         jobs = max(1, min(len(refs) * len(seeds), (os.cpu_count() or 1) + 1))
-    c = run_comparison(ex, refs, seeds=seeds, jobs=jobs, progress=True)
+    c, tasks, records = run_comparison_records(ex, refs, seeds=seeds, jobs=jobs, progress=True)
     caps = ex.normal.cap_report()
-    return format_table(c) + (f"\n{caps.line()}" if caps is not None else "")
+    text = "\n".join([f"warning: {n}" for n in c.notices] + [format_table(c, wide=wide)])
+    text += f"\n{caps.line()}" if caps is not None else ""
+    if out is not None:
+        from shadow_sim.experiments.output import write_comparisons
+
+        extra = {"normal_caps": attrs.asdict(caps)} if caps is not None else {}
+        paths = write_comparisons(out, tasks, records, {"": c}, extra)
+        text += f"\nwrote {', '.join(p.name for p in paths)} to {out}"
+    return text
 
 
 # -- sweep -----------------------------------------------------------------------------
@@ -111,7 +122,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="sweep-out",
                    help="output folder; finished runs are kept in OUT/parts and a rerun skips them")
     p.add_argument("--fresh", action="store_true", help="ignore (delete) finished runs in OUT/parts")
-    p.add_argument("--format", choices=("parquet", "csv"), default="parquet")
+    p.add_argument("--format", choices=("parquet", "csv"), default="parquet", help="format of the per-run rows")
+    p.add_argument("--wide", action="store_true", help="print every column (default: the key ones, < 120 chars)")
     return p
 
 
@@ -197,6 +209,16 @@ def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[Plugi
              store: ResultStore | None = None, max_retries: int = 3) -> dict[str, Comparison]:
     """Calibrate (or take ``capacity``), run every task not already in ``store``
     (locally or on Ray), save each as it finishes, compare."""
+    return run_grid_records(base, pairs, refs, seeds, windows, jobs=jobs, ray_address=ray_address,
+                            progress=progress, capacity=capacity, store=store, max_retries=max_retries)[0]
+
+
+def run_grid_records(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[PluginRef],
+                     seeds: Sequence[int], windows: Sequence[str], *, jobs: int = 2, ray_address: str | None = None,
+                     progress: bool = True, capacity: Mapping[str, float] | None = None,
+                     store: ResultStore | None = None, max_retries: int = 3,
+                     ) -> tuple[dict[str, Comparison], list[Task], list[RunRecord]]:
+    """:func:`run_grid`, with the tasks and their records (the per-call data)."""
     tasks: list[Task] = []
     for pair in pairs:
         data = {k: v for k, v in base.items() if k not in ("models", "pair")}
@@ -211,12 +233,13 @@ def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[Plugi
         tasks += tasks_for(ex, refs, seeds, windows, caps, pair)
     records = execute_grid(tasks, jobs=jobs, progress=progress, store=store, ray_address=ray_address,
                            max_retries=max_retries)
-    return compare(records, tasks)
+    return compare(records, tasks), tasks, records
 
 
 _DETAIL = ("Calibration first (cached), then every run in local worker processes (--jobs) or on a Ray cluster "
            "(--ray). Writes one row per (pair, seed, window, policy) run to runs.parquet or runs.csv, and "
-           "summary.json with mean and standard error per pair and policy.")
+           "the result folder: per-call calls.parquet, summary.json with mean and standard error per pair and "
+           "policy, table.txt and PNG plots (shadowprefill plot).")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,26 +264,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.fresh:
             for part in store.folder.glob("*.parquet"):
                 part.unlink()
-        comparisons = run_grid(experiment_from_args(args), pairs, refs, seeds, windows, jobs=args.jobs,
-                               ray_address=args.ray, capacity=_capacity(args.capacity), store=store,
-                               max_retries=args.max_retries)
+        comparisons, tasks, records = run_grid_records(
+            experiment_from_args(args), pairs, refs, seeds, windows, jobs=args.jobs, ray_address=args.ray,
+            capacity=_capacity(args.capacity), store=store, max_retries=args.max_retries)
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill sweep: error: {e}", file=sys.stderr)
         return 2
+    from shadow_sim.experiments.output import write_comparisons
+
     out = Path(args.out)
     path = write_rows(rows(comparisons), out, args.format)
-    summary = {label: summary_json(c) for label, c in comparisons.items()}
     caps = _cap_report(experiment_from_args(args))
-    if caps is not None:  # the caps are never silent: printed below and stored per label
-        for entry in summary.values():
-            entry["normal_caps"] = attrs.asdict(caps)
-    (out / "summary.json").write_text(json.dumps(no_nan(summary), indent=1))
+    extra = {"normal_caps": attrs.asdict(caps)} if caps is not None else {}  # the caps are never silent
+    written = write_comparisons(out, tasks, records, comparisons, extra)
+    for notice in dict.fromkeys(n for c in comparisons.values() for n in c.notices):
+        print(f"warning: {notice}")
     for label, c in comparisons.items():
         print(f"== {label}")
-        print(format_table(c))
+        print(format_table(c, wide=args.wide))
     if caps is not None:
         print(caps.line())
-    print(f"wrote {path} and {out / 'summary.json'}")
+    print(f"wrote {path.name}, {', '.join(p.name for p in written)} to {out}")
     return 0
 
 
