@@ -131,6 +131,19 @@ class ShadowManager:
             max(cached, oracle), oracle,
         )
 
+    def placement(self, session_id: str, model: str) -> str:
+        """The instance a call of the session on ``model`` would be placed on
+        now, by the rule :meth:`on_call_arrival` applies to a call whose new
+        input is not counted yet (``num_new_input_tokens`` 0); reads only. A
+        backend that registers a call only once its engine accepted it (the
+        gateway) sends the call here first."""
+        if model not in self.models:
+            raise ValueError(f"call for session {session_id}: unknown model {model!r}")
+        s = self._sessions.get(session_id)
+        if s is None:
+            return self._best_instance(None, SessionHistory(session_id), model)
+        return self._best_instance(s.sticky.get(model), s.history, model)
+
     def on_output_tokens(self, session_id: str, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         """Streamed output of the session's current call extends every job."""
         s = self._known(session_id)
@@ -238,19 +251,21 @@ class ShadowManager:
             self._active[job.instance_id][job.sequence] = job
 
     def _place(self, s: SessionState, model: str) -> str:
+        s.sticky[model] = self._best_instance(s.sticky.get(model), s.history, model)
+        return s.sticky[model]
+
+    def _best_instance(self, sticky: str | None, history: SessionHistory, model: str) -> str:
         """Sticky instance unless another finishes the uncached prefill sooner."""
         candidates = list(self.cluster.instances(model))
         if not candidates:
             raise ValueError(f"no instance serves model {model!r}")
-        sticky = s.sticky.get(model)
         best, best_s = None, float("inf")
         for inst in ([sticky] if sticky in candidates else []) + [c for c in candidates if c != sticky]:
-            uncached = s.history.num_tokens - self.cluster.cached_prefix_tokens(inst, s.history)
+            uncached = history.num_tokens - self.cluster.cached_prefix_tokens(inst, history)
             t = self.cluster.estimated_prefill_completion_s(inst, uncached)
             if t < best_s:  # strict: the sticky instance (first) wins ties
                 best, best_s = inst, t
         assert best is not None
-        s.sticky[model] = best
         return best
 
     def _shadow_instance(self, s: SessionState, model: str) -> str:

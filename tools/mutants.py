@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = "tests/test_invariants_unit.py"
 E2E = "tests/test_invariants_e2e.py"
+AUTH = "tests/gateway/test_auth.py"
+MALFORMED = "tests/gateway/test_malformed.py"
 EVICT_CLASSES = "        for cls in (KVClass.SHADOW, KVClass.NORMAL):\n            idle = self._idle[cls]\n"
 
 MUTATIONS: dict[str, tuple] = {
@@ -123,6 +125,30 @@ MUTATIONS: dict[str, tuple] = {
                    "            if blocks.pop(h)[4]:  # it was counted cold\n                pass\n",
                    "self._num_cold_idle -= sum(map(_is_cold, map(self._blocks.pop, victims)))",
                    "deque(map(self._blocks.pop, victims), 0)"),
+    # the gateway: a client never reaches another client's session; bad input never reaches an engine
+    "tenant-namespace": (AUTH, "test_a_second_key_cannot_see_steer_poison_or_delete",
+                         "backends/shadow_gateway/gateway.py",
+                         'return session_id if tenant is None else f"{tenant}:{session_id}"', "return session_id"),
+    "any-key": (AUTH, "test_keys_are_required_and_401", "backends/shadow_gateway/app.py",
+                "        tenant = self.tenant(auth)\n        if tenant is None:",
+                "        tenant = self.tenant(auth) or 'anyone'\n        if tenant is None:"),
+    "accept-rejected": (AUTH, "test_session_state_changes_only_after_the_upstream_accepted",
+                        "backends/shadow_gateway/gateway.py",
+                        "if ctx is not None and resp.status == 200:", "if ctx is not None:"),
+    "shadow-no-key": (AUTH, "test_upstream_credentials_on_routed_calls_shadows", "backends/shadow_gateway/shadow.py",
+                      "headers={**JSON_HEADERS, **inst.config.auth_headers}) as r:", "headers=JSON_HEADERS) as r:"),
+    "shared-cache": (AUTH, "test_tenants_do_not_share_prefix_caches", "backends/shadow_gateway/app.py",
+                     "        body.update(gw.cache_fields(tenant))\n", ""),
+    "unsalted-shadow": (AUTH, "test_tenants_do_not_share_prefix_caches", "backends/shadow_gateway/shadow.py",
+                        '"vllm_xargs": tag.to_extra_args(), **self.session_fields(job.key.session_id)}',
+                        '"vllm_xargs": tag.to_extra_args()}',
+                        "        body.update(self.session_fields(shadow.session_id))\n", ""),
+    "forged-tags": (MALFORMED, "test_malformed_request_is_a_4xx_naming_the_field",
+                    "backends/shadow_gateway/validation.py",
+                    "if key in RESERVED_FIELDS or key.startswith(RESERVED_PREFIX):", "if False:",
+                    "if isinstance(key, str) and key.startswith(RESERVED_PREFIX):", "if False:"),
+    "nan-json": (MALFORMED, "test_malformed_request_is_a_4xx_naming_the_field", "backends/shadow_gateway/validation.py",
+                 "json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)", "json.loads(raw)"),
     # shadow tokens used: a host-tier hit on a shadow block counts (one definition, issue 14 item 7)
     "used-host": ("tests/sim/test_session_replay.py", "test_a_host_tier_hit_on_a_shadow_block_counts_as_used",
                   "shadowcore/kv.py", "            self.num_shadow_blocks_used += host_used\n", ""),

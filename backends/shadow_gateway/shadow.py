@@ -81,6 +81,8 @@ class ShadowDispatcher:
     config: ShadowSubmitConfig
     metrics: GatewayMetrics
     offload: Offloader | None = None  # large shadow bodies encoded off the event loop
+    #: Body fields every shadow of a session carries (the gateway's per-tenant ``cache_salt``).
+    session_fields: Any = lambda _session_id: {}
     client: aiohttp.ClientSession = attrs.field(init=False)
     lanes: dict[str, Lane] = attrs.field(init=False, factory=dict)
     request_level: Any = attrs.field(init=False, default=None)  # RequestLevelShadower when stock instances exist
@@ -185,7 +187,7 @@ class ShadowDispatcher:
         start = job.reserve(num_missing)
         tag = ShadowTag(TagKind.SHADOW, job.key.session_id, job.key.target_model, epoch, job.switch_probability)
         body = {"model": inst.model.upstream_name, "prompt": ids[:target], "max_tokens": 1,
-                "vllm_xargs": tag.to_extra_args()}
+                "vllm_xargs": tag.to_extra_args(), **self.session_fields(job.key.session_id)}
         task = asyncio.create_task(self._send(lane, job, body, ids, target, epoch, start, num_missing))
         lane.inflight[job.key] = task
 
@@ -214,7 +216,8 @@ class ShadowDispatcher:
         num_held = 0
         try:
             data = await self.offload.encode(body) if self.offload is not None else encode(body)
-            async with self.client.post(f"{inst.url}/v1/completions", data=data, headers=JSON_HEADERS) as r:
+            async with self.client.post(f"{inst.url}/v1/completions", data=data,
+                                        headers={**JSON_HEADERS, **inst.config.auth_headers}) as r:
                 if r.status != 200:
                     outcome = f"http-{r.status // 100}xx"
                 else:
@@ -314,7 +317,7 @@ class ShadowDispatcher:
         if not inst.healthy:
             return 1  # nothing goes to an unhealthy instance
         try:
-            async with self.client.get(f"{inst.url}/metrics",
+            async with self.client.get(f"{inst.url}/metrics", headers=inst.config.auth_headers,
                                        timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s)) as r:
                 r.raise_for_status()
                 return parse_num_waiting(await r.text(), f"{inst.url}/metrics")
@@ -329,6 +332,7 @@ class ShadowDispatcher:
         inst = self.cluster.by_id[shadow.destination.instance_id]
         body = completions_body(shadow, inst.model.upstream_name)
         body["priority"] = self.config.request_level_priority
+        body.update(self.session_fields(shadow.session_id))
         ids = self._rl_context.get((inst.id, shadow.session_id))
 
         async def send() -> None:

@@ -129,6 +129,8 @@ def replicas(upstreams, tmp_path: Path):
 def _known_context(gw_url: str, session: str) -> int | None:
     """Tokens of the session's history on that replica; None when it does not know the session."""
     w = httpx.get(gw_url + "/v1/shadowprefill/warmth", params={"session_id": session, "model": "a"}, timeout=5)
+    if w.status_code == 404:  # the replica has no such session
+        return None
     assert w.status_code == 200, w.text
     body = w.json()
     return body["num_prompt_tokens"] if body["instance"] is not None else None

@@ -32,9 +32,11 @@ def _offline_gateway(policy: str = "adaptive-host", scheduler_b: str = "shadow",
 
 
 def _call(gw: Gateway, sid: str, model: str, ids: list[int], task: str = "") -> None:
-    """One routed call as the request path runs it (arrival, prompt ids, output ids, end)."""
+    """One routed call as the request path runs it (arrival, the upstream accepts it, prompt ids,
+    output ids, end)."""
     ctx = gw.begin_routed(sid, model, task, {})
     assert ctx is not None
+    gw.accept(ctx, ctx.instance)
     gw.on_prompt_ids(ctx, ids, None)
     gw.on_output_ids(ctx, [7, 8, 9])
     gw.end_routed(ctx, True)
