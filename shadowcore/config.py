@@ -71,6 +71,15 @@ class PluginRef:
             raise ConfigError(f"{field}.{e.field}", e.value, e.problem) from None
 
 
+def policy_label(ref: PluginRef) -> str:
+    """A policy's name in tables and result folders: its name, plus its
+    arguments if any, ``name(k=v,...)`` (sorted by key), so that two variants
+    of one policy never print the same row name."""
+    if not ref.args:
+        return ref.name
+    return ref.name + "(" + ",".join(f"{k}={v}" for k, v in sorted(ref.args.items())) + ")"
+
+
 # -- the one text syntax of plugin references ------------------------------------------------
 #
 # ``NAME`` or ``NAME:{JSON object of arguments}``, several separated by commas:

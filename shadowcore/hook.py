@@ -33,7 +33,9 @@ from shadowcore.job import SessionHistory, ShadowJob
 from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
 from shadowcore.metrics import ObserverSet
 from shadowcore.slack import SlackController
-from shadowcore.types import JobKey, ShadowGrant, SlackBudget, StepOutcome, StepPlan, StepSnapshot
+from shadowcore.types import BudgetReason, JobKey, ShadowGrant, SlackBudget, StepOutcome, StepPlan, StepSnapshot
+
+_ZERO_BUDGET = {BudgetReason.WAITING: "waiting", BudgetReason.BLOCKED: "blocked"}
 
 
 @runtime_checkable
@@ -77,6 +79,9 @@ class EngineHook:
     latency: LatencyModel
     port: EnginePort
     observers: ObserverSet = attrs.Factory(ObserverSet)
+    #: Planned iterations by what decided their shadow work (``shadowcore.diagnostics.STEP_REASONS``);
+    #: iterations the engine skipped as provably empty (``skip_step``) are not counted.
+    step_counts: dict[str, int] = attrs.field(init=False, factory=dict)
     _pending: tuple[StepSnapshot, StepPlan] | None = attrs.field(init=False, default=None)
 
     @property
@@ -96,6 +101,10 @@ class EngineHook:
             jobs = self._refreshed_jobs()
             limit = min(snapshot.num_free_token_budget, snapshot.num_shadow_room_tokens)
             grants, predicted = self._size(jobs, base, base_s, budget, limit)
+            why = "granted" if grants else "no_jobs" if not jobs else self._empty_reason(limit)
+        else:
+            why = _ZERO_BUDGET.get(budget.reason, "zero_budget")
+        self.step_counts[why] = self.step_counts.get(why, 0) + 1
         plan = StepPlan(
             self.instance_id, snapshot.iteration, budget, grants, base_s, predicted,
             normal_priority=self.slack.normal_priority,
@@ -168,6 +177,13 @@ class EngineHook:
         if n == 0 or n < self.slack.n_min:
             return (), base_s
         return _grants(jobs, n), lo_s
+
+    def _empty_reason(self, limit: int) -> str:
+        """Why a positive budget with pending jobs planned nothing: less token
+        budget or shadow KV room than the smallest grant (``n_min``, at least
+        one block), or else what fits the budget and the jobs is below it."""
+        block = self.port.block_size
+        return "no_room" if limit < max(block, -(-self.slack.n_min // block) * block) else "below_n_min"
 
     def _reserve(self, plan: StepPlan) -> None:
         for g in plan.grants:

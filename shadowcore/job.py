@@ -17,13 +17,18 @@ Invariants of a job (property-tested in ``tests/test_invariants.py``):
 * Sticky: a job is bound to one instance for its whole life.
 * Superseded, never stale: a result whose epoch or start position no longer
   matches the job is ignored.
+* A job's owner learns when its held prefix is lowered (``on_held_lowered``,
+  called by :meth:`ShadowJob.refresh`): with held >= target and nothing in
+  flight, that and the history growing are the only ways tokens go missing
+  again (the manager's index of pending jobs relies on it).
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -36,12 +41,26 @@ def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+TOKEN_TYPECODE = "i"  # a C int: every tokenizer's ids fit in 31 bits
+
+
+def token_array(ids: Iterable[int]) -> array:
+    """Token ids as a history keeps them (an ``array('i')``; one already is, as is)."""
+    if isinstance(ids, array) and ids.typecode == TOKEN_TYPECODE:
+        return ids
+    return array(TOKEN_TYPECODE, ids)
+
+
 @attrs.define(eq=False)
 class SessionHistory:
     """Append-only token history of one session.
 
     With ``token_ids`` (real engines) block hashes chain over the real tokens,
-    as vLLM's prefix cache does. Without them (simulation) the ``i``-th block of
+    as vLLM's prefix cache does. The ids are kept in an ``array('i')``
+    (:func:`token_array`: 4 bytes a token, no object per token, nothing for
+    the garbage collector to walk: a gateway holds thousands of long
+    histories); compare them with a list through :func:`token_array` or
+    ``.tolist()``. Without them (simulation) the ``i``-th block of
     an epoch hashes ``(session, epoch, i)``: for an append-only stream this
     names exactly the same prefixes, at a fraction of the cost.
     """
@@ -49,7 +68,7 @@ class SessionHistory:
     session_id: str
     epoch: int = 0
     num_tokens: int = 0
-    token_ids: list[int] | None = None
+    token_ids: array | None = None  # token_array()
     _hash_cache: dict[int, list[int]] = attrs.field(factory=dict, repr=False)
 
     def append(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
@@ -60,11 +79,16 @@ class SessionHistory:
                 raise ValueError(
                     f"session {self.session_id}: {len(token_ids)} token ids for {num_tokens} tokens"
                 )
+            if self.token_ids is None and self.num_tokens:
+                raise ValueError(f"session {self.session_id}: token ids after counts only")
+            try:  # converted whole first: a bad id appends nothing
+                new = token_array(token_ids)
+            except (TypeError, OverflowError) as e:
+                raise ValueError(f"session {self.session_id}: token ids must be integers in "
+                                 f"[-2**31, 2**31) ({e})") from None
             if self.token_ids is None:
-                if self.num_tokens:
-                    raise ValueError(f"session {self.session_id}: token ids after counts only")
-                self.token_ids = []
-            self.token_ids.extend(int(t) for t in token_ids)
+                self.token_ids = token_array(())
+            self.token_ids.extend(new)
         elif self.token_ids is not None and num_tokens:
             raise ValueError(f"session {self.session_id}: this history needs token ids")
         self.num_tokens += num_tokens
@@ -122,6 +146,8 @@ class ShadowJob:
     num_inflight_tokens: int = 0
     num_computed_tokens: int = 0  # lifetime shadow tokens this job computed
     validated_at: int | None = None  # the port's eviction count when held was last checked
+    #: Called with the job when :meth:`refresh` lowers its held prefix (the manager's index).
+    on_held_lowered: Callable[[ShadowJob], None] | None = attrs.field(default=None, repr=False)
 
     @property
     def num_target_tokens(self) -> int:
@@ -149,10 +175,13 @@ class ShadowJob:
 
     def refresh(self, num_cached_tokens: int, eviction_count: int) -> None:
         """Adopt what the instance reports as cached (block-aligned)."""
+        before = self.num_held_tokens if self.epoch == self.history.epoch else 0
         self.sync_epoch()
         aligned = num_cached_tokens - num_cached_tokens % self.block_size
         self.num_held_tokens = min(aligned, self.num_target_tokens)
         self.validated_at = eviction_count
+        if self.num_held_tokens < before and self.on_held_lowered is not None:
+            self.on_held_lowered(self)
 
     def reserve(self, num_tokens: int) -> int:
         """Mark ``num_tokens`` as in flight; returns the first token position."""

@@ -23,7 +23,9 @@ Invariants (each has a property test):
 * The host tier never holds more than its capacity; a hit on it costs
   ``bytes / pcie_bytes_per_s`` and moves the block back to the device.
 * A normal hit on a shadow block promotes it to the normal class: the shadow
-  was used.
+  was used. ``num_shadow_blocks_used`` counts these hits, on the device and on
+  the host tier alike (a host hit reloads the block as normal), once per block;
+  it is THE "shadow tokens used" of the results (times the block size).
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ class Allocation:
     num_host_hit_blocks: int
     num_new_blocks: int
     reload_s: float
-    num_shadow_blocks_used: int  # shadow blocks a normal owner hit (now promoted)
+    num_shadow_blocks_used: int  # shadow blocks a normal owner hit, device or host tier (now promoted)
 
 
 # A cached block's state is one tuple ``(shadow, ref_count, idle_since_s, idle_token, cold)``:
@@ -330,6 +332,11 @@ class KVClassManager:
         if not self._can_take(num_new, kv_class, now_s, exclude=[*hits, *shared]):
             return None
         used = self._ref_hits(hits, kv_class)
+        if kv_class is KVClass.NORMAL and self._host:  # a host-tier shadow block served to a normal owner: used
+            host_used = sum(self._host.get(h) is KVClass.SHADOW
+                            for h in hashes[match.num_device_blocks : match.num_blocks])
+            self.num_shadow_blocks_used += host_used
+            used += host_used
         self._ref_hits(shared, kv_class)
         # Nothing of ``hashes`` is idle now (hits and shared are referenced, the rest is not cached), so no
         # eviction can touch it: no protect set is needed.

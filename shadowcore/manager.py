@@ -15,6 +15,14 @@ Invariants:
   chunk for it is planned afterwards.
 * Jobs are handed to an instance in non-increasing switch probability (ties:
   older job first), and only jobs with missing tokens are handed out.
+* Flat cost: ``pending_jobs`` looks only at the instance's *active* jobs, a
+  superset of its jobs with missing tokens kept per instance: a job enters it
+  when it opens, when its session's history grows or starts a new epoch (the
+  manager's ``on_*`` methods, the only writers of a history), and when a
+  refresh lowers its held prefix (the job tells the manager); it leaves it
+  when ``pending_jobs`` finds it complete (nothing missing, nothing in
+  flight), from where only those events can make tokens go missing again.
+  Idle sessions whose jobs are complete cost nothing per call.
 * Per session, at most one job per target model; a job lives on one instance.
 * The manager owns its sessions: drivers read them through :meth:`ShadowManager.session`
   (a frozen :class:`SessionInfo`) and :meth:`ShadowManager.history`, never by
@@ -63,6 +71,7 @@ class SessionState:
     current_model: str | None = None
     sticky: dict[str, str] = attrs.Factory(dict)  # model -> instance id
     num_calls: int = 0
+    jobs: dict[str, ShadowJob] = attrs.Factory(dict)  # target model -> open job
 
 
 @attrs.frozen
@@ -92,6 +101,8 @@ class ShadowManager:
     _sessions: dict[str, SessionState] = attrs.field(init=False, factory=dict)
     _jobs: dict[JobKey, ShadowJob] = attrs.field(init=False, factory=dict)
     _by_instance: dict[str, dict[JobKey, ShadowJob]] = attrs.field(init=False, factory=dict)
+    #: instance -> sequence -> job: every job of the instance with missing tokens, and maybe some complete ones
+    _active: dict[str, dict[int, ShadowJob]] = attrs.field(init=False, factory=dict)
     _next_sequence: int = attrs.field(init=False, default=0)
 
     # -- router side ---------------------------------------------------------------
@@ -106,6 +117,7 @@ class ShadowManager:
             self.predictor.observe_transition(s.session_id, s.task, previous, call.model)
         num_context = s.history.num_tokens
         s.history.append(call.num_new_input_tokens, call.new_token_ids)
+        self._touch(s)
         is_switch = previous is not None and previous != call.model
         self._close(JobKey(s.session_id, call.model))
         instance = self._place(s, call.model)
@@ -119,18 +131,49 @@ class ShadowManager:
             max(cached, oracle), oracle,
         )
 
+    def placement(self, session_id: str, model: str) -> str:
+        """The instance a call of the session on ``model`` would be placed on
+        now, by the rule :meth:`on_call_arrival` applies to a call whose new
+        input is not counted yet (``num_new_input_tokens`` 0); reads only. A
+        backend that registers a call only once its engine accepted it (the
+        gateway) sends the call here first."""
+        if model not in self.models:
+            raise ValueError(f"call for session {session_id}: unknown model {model!r}")
+        s = self._sessions.get(session_id)
+        if s is None:
+            return self._best_instance(None, SessionHistory(session_id), model)
+        return self._best_instance(s.sticky.get(model), s.history, model)
+
     def on_output_tokens(self, session_id: str, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         """Streamed output of the session's current call extends every job."""
-        self._known(session_id).history.append(num_tokens, token_ids)
+        s = self._known(session_id)
+        s.history.append(num_tokens, token_ids)
+        self._touch(s)
 
     def on_tool_result(self, session_id: str, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         """Tokens appended between calls (a tool result known before the next call)."""
-        self._known(session_id).history.append(num_tokens, token_ids)
+        s = self._known(session_id)
+        s.history.append(num_tokens, token_ids)
+        self._touch(s)
+
+    def on_new_epoch(self, session_id: str, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+        """The session's context no longer extends its history (an edited
+        conversation, a re-tokenised turn): the history starts a new epoch of
+        ``num_tokens`` tokens and every job restarts from nothing."""
+        s = self._known(session_id)
+        s.history.compact(num_tokens, token_ids)
+        self._touch(s)
 
     def on_session_end(self, session_id: str) -> None:
+        """Close the session's jobs, drop the session and tell the predictor
+        (:meth:`~shadowcore.switch.SwitchPredictor.observe_session_end`); an
+        unknown id is a no-op."""
+        s = self._sessions.pop(session_id, None)
+        if s is None:
+            return
         for model in self.models:
             self._close(JobKey(session_id, model))
-        self._sessions.pop(session_id, None)
+        self.predictor.observe_session_end(session_id, s.task)
 
     # -- reading sessions -----------------------------------------------------------
     def __contains__(self, session_id: object) -> bool:
@@ -158,9 +201,24 @@ class ShadowManager:
     # -- engine side ----------------------------------------------------------------
     def pending_jobs(self, instance_id: str) -> list[ShadowJob]:
         """Jobs on the instance with tokens missing, highest switch probability first."""
-        jobs = [j for j in self._by_instance.get(instance_id, {}).values() if j.num_missing_tokens > 0]
+        active = self._active.get(instance_id)
+        if not active:
+            return []
+        jobs, complete = [], []
+        for sequence, j in active.items():
+            if j.num_missing_tokens > 0:
+                jobs.append(j)
+            elif not j.num_inflight_tokens:
+                complete.append(sequence)
+        for sequence in complete:
+            del active[sequence]
         jobs.sort(key=lambda j: (-j.switch_probability, j.sequence))
         return jobs
+
+    def num_active_jobs(self, instance_id: str) -> int:
+        """Jobs ``pending_jobs`` looks at on the instance (its per-call work): at
+        least the pending ones, at most the instance's open jobs."""
+        return len(self._active.get(instance_id, ()))
 
     def job(self, key: JobKey) -> ShadowJob | None:
         return self._jobs.get(key)
@@ -182,20 +240,32 @@ class ShadowManager:
             self._sessions[call.session_id] = s
         return s
 
+    def _touch(self, s: SessionState) -> None:
+        """The session's history grew or changed epoch: its jobs may miss tokens."""
+        for job in s.jobs.values():
+            self._active[job.instance_id][job.sequence] = job
+
+    def _reopened(self, job: ShadowJob) -> None:
+        """A job's held prefix was lowered (a refresh): it may miss tokens."""
+        if self._jobs.get(job.key) is job:
+            self._active[job.instance_id][job.sequence] = job
+
     def _place(self, s: SessionState, model: str) -> str:
+        s.sticky[model] = self._best_instance(s.sticky.get(model), s.history, model)
+        return s.sticky[model]
+
+    def _best_instance(self, sticky: str | None, history: SessionHistory, model: str) -> str:
         """Sticky instance unless another finishes the uncached prefill sooner."""
         candidates = list(self.cluster.instances(model))
         if not candidates:
             raise ValueError(f"no instance serves model {model!r}")
-        sticky = s.sticky.get(model)
         best, best_s = None, float("inf")
         for inst in ([sticky] if sticky in candidates else []) + [c for c in candidates if c != sticky]:
-            uncached = s.history.num_tokens - self.cluster.cached_prefix_tokens(inst, s.history)
+            uncached = history.num_tokens - self.cluster.cached_prefix_tokens(inst, history)
             t = self.cluster.estimated_prefill_completion_s(inst, uncached)
             if t < best_s:  # strict: the sticky instance (first) wins ties
                 best, best_s = inst, t
         assert best is not None
-        s.sticky[model] = best
         return best
 
     def _shadow_instance(self, s: SessionState, model: str) -> str:
@@ -228,14 +298,20 @@ class ShadowManager:
     def _open(self, key: JobKey, s: SessionState, instance_id: str) -> ShadowJob:
         job = ShadowJob(
             key, instance_id, s.history, self.cluster.block_size(instance_id),
-            sequence=self._next_sequence, epoch=s.history.epoch,
+            sequence=self._next_sequence, epoch=s.history.epoch, on_held_lowered=self._reopened,
         )
         self._next_sequence += 1
         self._jobs[key] = job
         self._by_instance.setdefault(instance_id, {})[key] = job
+        self._active.setdefault(instance_id, {})[job.sequence] = job
+        s.jobs[key.target_model] = job
         return job
 
     def _close(self, key: JobKey) -> None:
         job = self._jobs.pop(key, None)
         if job is not None:
             del self._by_instance[job.instance_id][key]
+            self._active[job.instance_id].pop(job.sequence, None)
+            s = self._sessions.get(key.session_id)
+            if s is not None:
+                s.jobs.pop(key.target_model, None)

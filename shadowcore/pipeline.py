@@ -13,12 +13,14 @@ reads wall time.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
 from shadowcore.config import ShadowConfig
+from shadowcore.diagnostics import STEP_REASONS, unreachable_grant
 from shadowcore.errors import ConfigError, PluginError
 from shadowcore.hook import EngineHook, EnginePort
 from shadowcore.kv import KVClassManager
@@ -29,6 +31,8 @@ from shadowcore.pd import PushPolicy
 from shadowcore.policy import PolicySpec, load_policy
 from shadowcore.registry import load_reference
 
+logger = logging.getLogger(__name__)
+
 
 @attrs.define(eq=False)
 class ShadowRuntime:
@@ -38,6 +42,9 @@ class ShadowRuntime:
     observers: ObserverSet
     rng: np.random.Generator
     hooks: dict[str, EngineHook] = attrs.Factory(dict)
+    #: Warnings about this runtime's policy on its engines (see :meth:`notice`).
+    notices: list[str] = attrs.Factory(list)
+    _notice_keys: set[str] = attrs.field(init=False, factory=set)
 
     def attach(self, instance_id: str, port: EnginePort, latency: LatencyModel, *,
                prefill_iteration_s: float | None = None) -> EngineHook:
@@ -63,6 +70,32 @@ class ShadowRuntime:
         of ``push_tokens`` per push and ``block_size`` tokens per block."""
         child = np.random.default_rng(self.rng.integers(2**63))
         return self.policy.push.build(child, push_tokens=push_tokens, block_size=block_size)
+
+    def check_reach(self, hook: EngineHook, tpot_slo_s: float) -> None:
+        """Report (:meth:`notice`) when ``hook``'s smallest grant can never fit
+        a budget its controller gives under its latency model, on an instance
+        whose TPOT SLO is ``tpot_slo_s`` (call it once the hook is final)."""
+        why = unreachable_grant(hook.slack, hook.latency, hook.port.block_size, tpot_slo_s)
+        if why is not None:
+            self.notice(f"policy {self.policy.name!r} on {hook.instance_id}: {why}")
+
+    def notice(self, message: str) -> None:
+        """Log ``message`` as a warning and keep it in :attr:`notices` (each
+        distinct text once, counting its instance out: one line per model
+        and latency model, not per instance)."""
+        key = message.split(": ", 1)[-1]
+        if key not in self._notice_keys:
+            self._notice_keys.add(key)
+            self.notices.append(message)
+            logger.warning("%s", message)
+
+    def step_counts(self) -> dict[str, int]:
+        """Planned iterations of every hook by reason (every reason listed, zeros included)."""
+        out = dict.fromkeys(STEP_REASONS, 0)
+        for hook in self.hooks.values():
+            for why, n in hook.step_counts.items():
+                out[why] = out.get(why, 0) + n
+        return out
 
     def kv_manager(self, num_blocks: int, block_size: int, kv_bytes_per_token: float) -> KVClassManager:
         """A KV class manager with this policy's rules (for backends that use the core's)."""

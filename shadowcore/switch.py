@@ -13,6 +13,10 @@ Invariants:
   never targets a model whose switch probability is below ``g``.
 * Predictors are deterministic functions of what they observed: no clock, no
   global RNG.
+* Bounded: state a predictor keeps per session is dropped at
+  :meth:`SwitchPredictor.observe_session_end`; state keyed by a client-named
+  task is population knowledge, kept across sessions (bounded where the
+  predictor has a ``max_tasks``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,52 @@ def next_model_distribution_from_counts(
     return {m: w / total for m, w in weights.items()}
 
 
+@attrs.define
+class TaskMemory:
+    """Which client-named tasks a predictor keeps live counts of, and what it
+    learned of their sessions' length.
+
+    Per task: transitions observed, sessions ended (so P(another call | task)),
+    and the keys ``(task, from_model)`` its counts live under. With
+    ``max_tasks`` set, observing a task beyond that many drops the least
+    recently observed one and returns its keys for the predictor to delete;
+    tasks of fitted (past) sessions are pinned, never dropped (their counts
+    are part of the fitted data). Deterministic: order is observation order.
+    """
+
+    max_tasks: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    _tasks: dict[str, list] = attrs.field(init=False, factory=dict)  # task -> [calls, ends, {from models}]
+    _pinned: set[str] = attrs.field(init=False, factory=set)
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self._tasks)
+
+    def pin(self, task: str) -> None:
+        self._pinned.add(task)
+
+    def observe(self, task: str, from_model: str | None, ended: bool) -> list[tuple[str, str]]:
+        """Count a transition from ``from_model`` (or a session end); returns the
+        ``(task, from_model)`` keys of a task dropped to keep ``max_tasks``."""
+        entry = self._tasks.pop(task, None) or [0, 0, set()]
+        self._tasks[task] = entry  # most recently observed last
+        entry[1 if ended else 0] += 1
+        if from_model is not None:
+            entry[2].add(from_model)
+        if self.max_tasks is None or len(self._tasks) <= self.max_tasks:
+            return []
+        victim = next((t for t in self._tasks if t not in self._pinned and t != task), None)
+        if victim is None:
+            return []
+        return [(victim, m) for m in sorted(self._tasks.pop(victim)[2])]
+
+    def another_call_probability(self, task: str, pseudo_count: float) -> float:
+        """``(calls + a) / (calls + ends + 2a)``: 1/2 when nothing is known."""
+        calls, ends, _ = self._tasks.get(task, (0, 0, ()))
+        total = calls + ends + 2 * pseudo_count
+        return 0.5 if total <= 0 else (calls + pseudo_count) / total
+
+
 class SwitchPredictor(ABC):
     """Strategy: P(switch | task, current model) and the next-model distribution."""
 
@@ -73,6 +123,19 @@ class SwitchPredictor(ABC):
     def observe_transition(self, session_id: str, task: str, from_model: str, to_model: str) -> None:
         """Online update: the session's call after ``from_model`` went to ``to_model``."""
 
+    def observe_session_end(self, session_id: str, task: str) -> None:
+        """The session ended (the manager's ``on_session_end``): it makes no
+        further call. An implementer must drop every state it keeps for
+        ``session_id`` (a gateway ends sessions by the thousand) and may learn
+        from it, e.g. P(another call | task). Default: nothing kept, nothing
+        learned."""
+
+    def limit_tasks(self, max_tasks: int) -> None:
+        """Keep live state of at most ``max_tasks`` tasks (least recently
+        observed dropped first): a serving front door names tasks after what
+        clients send. An implementer that keeps state per task must honour it.
+        Default: nothing is kept per task."""
+
 
 @attrs.define
 class EmpiricalSwitchPredictor(SwitchPredictor):
@@ -82,17 +145,29 @@ class EmpiricalSwitchPredictor(SwitchPredictor):
     ``fit`` loads past sessions; predicting for a session that was part of the
     fitted set leaves that session out (leave-one-session-out), so a replayed
     session never predicts its own future. Live transitions are added online.
+
+    ``max_tasks`` (default: no bound) keeps the live counts of at most that
+    many tasks, the least recently observed dropped first: the task is named
+    by the client (a gateway's ``X-Session-Task``), so without a bound a
+    client sending fresh names grows the map without end. Ended sessions are
+    counted per task (:meth:`another_call_probability`).
     """
 
     pseudo_count: float = attrs.field(default=1.0, validator=non_negative)
+    max_tasks: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
     _counts: dict[tuple[str, str], dict[str, float]] = attrs.field(
         init=False, factory=lambda: defaultdict(lambda: defaultdict(float))
     )
     _fitted: dict[str, dict[tuple[str, str], dict[str, float]]] = attrs.field(init=False, factory=dict)
+    _task_memory: TaskMemory = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._task_memory = TaskMemory(self.max_tasks)
 
     def fit(self, sessions: Iterable[tuple[str, str, Sequence[str]]]) -> EmpiricalSwitchPredictor:
         """Learn from past sessions: ``(session_id, task, models of its calls)``."""
         for session_id, task, calls in sessions:
+            self._task_memory.pin(task)
             own = self._fitted.setdefault(session_id, defaultdict(lambda: defaultdict(float)))
             for a, b in zip(calls, calls[1:]):
                 self._counts[(task, a)][b] += 1.0
@@ -101,6 +176,24 @@ class EmpiricalSwitchPredictor(SwitchPredictor):
 
     def observe_transition(self, session_id: str, task: str, from_model: str, to_model: str) -> None:
         self._counts[(task, from_model)][to_model] += 1.0
+        for key in self._task_memory.observe(task, from_model, ended=False):
+            self._counts.pop(key, None)
+
+    def observe_session_end(self, session_id: str, task: str) -> None:
+        for key in self._task_memory.observe(task, None, ended=True):
+            self._counts.pop(key, None)
+
+    def limit_tasks(self, max_tasks: int) -> None:
+        self.max_tasks = self._task_memory.max_tasks = max_tasks
+
+    def another_call_probability(self, task: str) -> float:
+        """P(a call of ``task`` is followed by another one), from the live
+        transitions and session ends of that task (see :class:`TaskMemory`)."""
+        return self._task_memory.another_call_probability(task, self.pseudo_count)
+
+    def num_tasks(self) -> int:
+        """Tasks with live counts kept (at most ``max_tasks`` unpinned ones)."""
+        return self._task_memory.num_tasks
 
     def _row(self, session_id: str, task: str, current: str) -> dict[str, float]:
         row = dict(self._counts.get((task, current), {}))
@@ -199,6 +292,7 @@ __all__ = [
     "SwitchPredictor",
     "Target",
     "Targeting",
+    "TaskMemory",
     "TopK",
     "next_model_distribution_from_counts",
     "rank_targets",

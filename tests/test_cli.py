@@ -39,7 +39,7 @@ def test_unknown_policy_argument_is_named_with_the_known_ones() -> None:
 def test_fake_backend_simulate_prints_table(capsys) -> None:
     assert main(["simulate", "--backend", "fake", "--duration", "20", "--policies", "no-shadow,harvest-slo"]) == 0
     out = capsys.readouterr().out
-    assert "no-shadow" in out and "harvest-slo" in out and "switch TTFT" in out
+    assert "no-shadow" in out and "harvest-slo" in out and "sw TTFT" in out
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ def test_negative_slo_in_scenario_names_full_path():
 
 def test_scenario_errors_before_anything_runs(monkeypatch):
     drawn = []
-    monkeypatch.setattr(ScenarioRun, "draw_workload", lambda run: drawn.append(run) or Workload())
+    monkeypatch.setattr(ScenarioRun, "draw_workload", lambda run, sessions=None: drawn.append(run) or Workload())
     raises_one(lambda: FakeBackend().run({"slo": {"ttft_s": -2}}, ShadowConfig()), "scenario.slo.ttft_s", "-2")
     raises_one(
         lambda: FakeBackend().run({"duration_s": 1.0}, ShadowConfig(PluginRef("harvest-slo", {"beta": -1}))),
@@ -137,7 +137,7 @@ def test_unknown_policy_name_through_the_composition_root(monkeypatch):
     assert info.value.field.endswith("policy.name")
 
     drawn = []
-    monkeypatch.setattr(ScenarioRun, "draw_workload", lambda run: drawn.append(run) or Workload())
+    monkeypatch.setattr(ScenarioRun, "draw_workload", lambda run, sessions=None: drawn.append(run) or Workload())
     raises_one(lambda: FakeBackend().run({}, cfg), "shadow.policy.name", "'nope'")
     assert drawn == []
 

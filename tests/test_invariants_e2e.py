@@ -139,9 +139,13 @@ def test_core_imports_only_attrs_and_numpy() -> None:
     engine, torch or test library, and no module imports one."""
     code = (
         "import sys, pkgutil, importlib, shadowcore\n"
-        "for m in pkgutil.walk_packages(shadowcore.__path__, 'shadowcore.'):\n"
-        "    if not m.name.startswith('shadowcore.testing'):\n"
-        "        importlib.import_module(m.name)\n"
+        "def walk(path, prefix):\n"  # not pkgutil.walk_packages: it imports every package, the kit's too
+        "    for m in pkgutil.iter_modules(path, prefix):\n"
+        "        if not m.name.startswith('shadowcore.testing'):\n"
+        "            module = importlib.import_module(m.name)\n"
+        "            if m.ispkg:\n"
+        "                walk(module.__path__, m.name + '.')\n"
+        "walk(shadowcore.__path__, 'shadowcore.')\n"
         "bad = sorted(n for n in sys.modules if n.split('.')[0] in "
         "('torch', 'vllm', 'vidur', 'hypothesis', 'pytest', 'transformers'))\n"
         "print(','.join(bad))\n"

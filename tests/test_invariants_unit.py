@@ -20,7 +20,7 @@ from shadowcore.hook import EngineHook
 from shadowcore.kv import KVClass, KVClassManager, KVClassPolicy
 from shadowcore.manager import ShadowManager
 from shadowcore.slack import EagerController, HarvestController, SloSlackController
-from shadowcore.switch import EmpiricalSwitchPredictor, TopK
+from shadowcore.switch import AllOthers, EmpiricalSwitchPredictor, TopK
 from shadowcore.testing import strategies as sst
 from shadowcore.testing.machines import KVClassMachine, SlackControllerMachine, StubEnginePort
 from shadowcore.types import CallArrival, StepOutcome, StepSnapshot
@@ -173,6 +173,81 @@ def test_jobs_served_in_nonincreasing_switch_probability():
             hook.end_step(StepOutcome(instance, 0, plan.predicted_s))
 
     with_the_real_manager()
+
+
+_OPS = st.one_of(
+    st.tuples(st.just("call"), st.integers(0, 2), st.sampled_from(MODELS), st.integers(0, 300)),
+    st.tuples(st.just("output"), st.integers(0, 2), st.integers(0, 40)),
+    st.tuples(st.just("tool"), st.integers(0, 2), st.integers(0, 80)),
+    st.tuples(st.just("epoch"), st.integers(0, 2), st.integers(0, 200)),
+    st.tuples(st.just("end"), st.integers(0, 2)),
+    st.tuples(st.just("pending"), st.integers(0, 7)),  # the index's own pass (it drops complete jobs)
+    st.tuples(st.just("reserve"), st.integers(0, 3), st.integers(-1, 64)),  # -1: all that is missing
+    st.tuples(st.just("commit"), st.integers(0, 3), st.booleans(), st.integers(0, 64)),
+    st.tuples(st.just("refresh"), st.integers(0, 3), st.sampled_from([0, 16, 100, 10**6])),
+)
+
+
+def _engine_op(job, op) -> None:
+    """What engines do to a job behind the manager's back: reserve, commit (fresh
+    or stale, any size) and refresh to any cached count (evictions included)."""
+    if op[0] == "reserve":
+        job.reserve(job.num_missing_tokens if op[2] < 0 else op[2])
+    elif op[0] == "commit":
+        start = job.num_held_tokens if op[2] else job.num_held_tokens + 1
+        job.commit(job.epoch, start, min(op[3], job.num_inflight_tokens), op[3])
+    else:
+        job.refresh(op[2], 0)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=SUPPRESS, phases=PHASES)
+@given(st.lists(_OPS, min_size=20, max_size=80), st.sampled_from([1, 16]), st.sampled_from([AllOthers(), TopK(1)]))
+def test_pending_index_equals_full_scan(ops, block_size, targeting):
+    """Flat cost keeps the order exactly: after any sequence of router-side
+    events and engine-side changes to jobs, ``pending_jobs`` of every instance
+    is the same list as a full scan of the instance's jobs (missing tokens,
+    sorted by non-increasing switch probability, then creation order)."""
+    cluster = _Cluster(block_size)
+    manager = ShadowManager(cluster, MODELS, EmpiricalSwitchPredictor(1.0), targeting)
+    instances = list(itertools.chain.from_iterable(cluster.instances(m) for m in MODELS))
+    for t, op in enumerate(ops):
+        sid = f"s{op[1]}"
+        if op[0] == "call":
+            manager.on_call_arrival(CallArrival(sid, op[2], op[3], float(t), "t"))
+        elif op[0] in ("output", "tool", "epoch") and sid in manager:
+            {"output": manager.on_output_tokens, "tool": manager.on_tool_result,
+             "epoch": manager.on_new_epoch}[op[0]](sid, op[2])
+        elif op[0] == "end":
+            manager.on_session_end(sid)
+        elif op[0] == "pending":
+            manager.pending_jobs(instances[op[1]])
+        elif op[0] in ("reserve", "commit", "refresh"):
+            jobs = list(manager.jobs())
+            if jobs:
+                _engine_op(jobs[op[1] % len(jobs)], op)
+        for instance in instances:
+            scan = [j for j in manager.jobs() if j.instance_id == instance and j.num_missing_tokens > 0]
+            scan.sort(key=lambda j: (-j.switch_probability, j.sequence))
+            got = manager.pending_jobs(instance)
+            assert [j.key for j in got] == [j.key for j in scan], (t, op, instance)
+            assert manager.num_active_jobs(instance) <= sum(1 for j in manager.jobs() if j.instance_id == instance)
+
+
+def test_idle_complete_jobs_cost_nothing():
+    """A session whose jobs hold their whole target drops out of the index:
+    10,000 idle sessions leave ``pending_jobs`` looking at the busy one only."""
+    cluster = _Cluster(16)
+    manager = ShadowManager(cluster, ("A", "B"), EmpiricalSwitchPredictor(1.0), TopK(1))
+    for i in range(10_000):
+        manager.on_call_arrival(CallArrival(f"idle{i}", "A", 64, float(i), "t"))
+    for job in manager.jobs():
+        job.refresh(64, 0)  # everything shadowed
+    assert manager.pending_jobs("B-0") == [] and manager.num_active_jobs("B-0") == 0
+    manager.on_call_arrival(CallArrival("busy", "A", 64, 1e4, "t"))
+    assert [j.key.session_id for j in manager.pending_jobs("B-0")] == ["busy"]
+    assert manager.num_active_jobs("B-0") == 1
+    manager.on_output_tokens("idle7", 16)  # history growth brings an idle session back
+    assert {j.key.session_id for j in manager.pending_jobs("B-0")} == {"busy", "idle7"}
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=SUPPRESS, phases=PHASES)

@@ -20,6 +20,7 @@ PACKAGES = {  # top-level package -> the folder that holds it
     "shadow_vllm": ROOT / "backends",
     "shadow_gateway": ROOT / "backends",
     "shadow_policies": ROOT / "policies",
+    "shadow_traces": ROOT,
 }
 
 

@@ -65,3 +65,16 @@ def test_workload_values_are_checked() -> None:
         PlannedCall("small", 10, 5, gap_after_s=float("inf"))
     with pytest.raises(ConfigError, match="one input, output"):
         session("c", 0.0, ("small", "large"), (10,), (5, 5))
+
+
+def test_scripted_sessions_are_not_drawn(monkeypatch) -> None:
+    """With ``sessions`` the scenario's own sessions are never drawn (a
+    one-model trace replay has none to draw)."""
+
+    def never(run):
+        raise AssertionError("sessions drawn")
+
+    monkeypatch.setattr(FakeRun, "session_plans", never)
+    sc = FakeScenario.from_dict(SMALL)
+    run = FakeRun(sc, _config(), sessions=())
+    assert run.workload.sessions == () and run.workload.normal == draw_workload(sc, sessions=()).normal

@@ -20,27 +20,40 @@ Invariants:
 * An unhealthy instance is never placed while a healthy one serves the model
   (its estimated completion is pushed beyond any healthy one's), and gets no
   shadow work.
+* An ejected instance (outlier: a routed call that timed out or got no first
+  byte within ``upstream.first_byte_bound_s``) is treated as unhealthy for
+  placement and shadow work until its ejection ends, whatever ``/health``
+  says; a passing health check does not end an ejection.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import time
+from array import array
+
 import attrs
 
 from shadow_gateway.config import GatewayConfig, InstanceConfig, ModelConfig, SchedulerKind
-from shadowcore.job import SessionHistory
+from shadowcore.job import SessionHistory, token_array
 
 UNHEALTHY_PENALTY_S = 1e9
 
 
+def _ids(x: Sequence[int], n: int) -> array:
+    """The first ``n`` ids as a history keeps them (histories are arrays; JSON gives lists)."""
+    return token_array(x[:n])
+
+
 def common_prefix(a: Sequence[int], a_len: int, b: Sequence[int], b_len: int) -> int:
-    """Length of the common prefix of ``a[:a_len]`` and ``b[:b_len]``."""
+    """Length of the common prefix of ``a[:a_len]`` and ``b[:b_len]`` (lists or arrays alike)."""
     n = min(a_len, b_len)
     if a is b:
         return n
+    a, b = _ids(a, n), _ids(b, n)
     lo, hi = 0, n  # galloping would be faster; slices compare at C speed
-    if a[:n] == b[:n]:
+    if a == b:
         return n
     while lo < hi:  # binary search on prefix equality
         mid = (lo + hi + 1) // 2
@@ -55,9 +68,9 @@ def common_prefix(a: Sequence[int], a_len: int, b: Sequence[int], b_len: int) ->
 class KnownPrefix:
     """Tokens of one session expected cached on one instance, by source."""
 
-    routed_ids: list[int] | None = None
+    routed_ids: Sequence[int] | None = None
     routed_len: int = 0
-    shadow_ids: list[int] | None = None
+    shadow_ids: Sequence[int] | None = None
     shadow_len: int = 0
     #: (known list, its length, other list, final common prefix) per source.
     _settled: dict[str, tuple[object, int, object, int]] = attrs.field(factory=dict, repr=False)
@@ -91,7 +104,17 @@ class InstanceState:
     num_routed_inflight: int = 0
     num_inflight_uncached_tokens: int = 0
     shadow_blocked_until_s: float = 0.0
+    ejected_until_s: float = 0.0  # time.monotonic() before which the instance is ejected (an outlier)
     known: dict[str, KnownPrefix] = attrs.Factory(dict)
+
+    @property
+    def ejected(self) -> bool:
+        return self.ejected_until_s > 0.0 and time.monotonic() < self.ejected_until_s
+
+    @property
+    def available(self) -> bool:
+        """Healthy and not ejected: may get new placements and shadow work."""
+        return self.healthy and not self.ejected
 
     @property
     def id(self) -> str:
@@ -146,18 +169,26 @@ class GatewayCluster:
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
         inst = self.by_id[instance_id]
         t = (inst.num_inflight_uncached_tokens + num_uncached_tokens) / inst.model.prefill_tokens_per_s
-        return t + (0.0 if inst.healthy else UNHEALTHY_PENALTY_S)
+        return t + (0.0 if inst.available else UNHEALTHY_PENALTY_S)
 
     # -- gateway bookkeeping ---------------------------------------------------------
     def healthy_instances(self, model: str) -> list[InstanceState]:
-        return [self.by_id[i] for i in self.instances(model) if self.by_id[i].healthy]
+        """Instances of the model that may take new work (healthy and not ejected)."""
+        return [self.by_id[i] for i in self.instances(model) if self.by_id[i].available]
 
-    def record_routed(self, instance_id: str, session_id: str, ids: list[int], num_tokens: int) -> None:
+    def eject(self, instance_id: str, for_s: float) -> bool:
+        """Take the instance out of placement and shadow work for ``for_s``; True when it was not ejected."""
+        inst = self.by_id[instance_id]
+        was = inst.ejected
+        inst.ejected_until_s = max(inst.ejected_until_s, time.monotonic() + for_s)
+        return not was
+
+    def record_routed(self, instance_id: str, session_id: str, ids: Sequence[int], num_tokens: int) -> None:
         inst = self.by_id[instance_id]
         k = inst.known.setdefault(session_id, KnownPrefix())
         k.routed_ids, k.routed_len = ids, num_tokens - num_tokens % inst.model.block_size
 
-    def record_shadow(self, instance_id: str, session_id: str, ids: list[int], num_tokens: int) -> None:
+    def record_shadow(self, instance_id: str, session_id: str, ids: Sequence[int], num_tokens: int) -> None:
         inst = self.by_id[instance_id]
         k = inst.known.setdefault(session_id, KnownPrefix())
         k.shadow_ids, k.shadow_len = ids, num_tokens - num_tokens % inst.model.block_size

@@ -16,11 +16,21 @@ models' instances. Models that name a ``tokenizer`` must name the same one
 (checked here); with ``tokenizer_check`` on (the default) the gateway also
 tokenizes a probe on one instance of every model at startup and refuses to
 start when they disagree (:meth:`shadow_gateway.gateway.Gateway.check_tokenizers`).
+
+Secrets: client API keys (``auth.api_keys``, or the environment variable
+:data:`API_KEYS_ENV`) and upstream credentials (``api_key_env`` of a model or
+instance: the *name* of an environment variable) are read once, here; they
+never appear in a repr, an error message or a log line. Without client keys
+the gateway listens on a loopback address only.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import ipaddress
+import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,9 +39,28 @@ from urllib.parse import urlparse
 import attrs
 import yaml
 
+from shadow_gateway.recording import RecordConfig
 from shadowcore._validators import non_empty_str, non_negative, non_negative_int, positive, positive_int
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
+
+#: Environment variable with client API keys: comma-separated ``KEY`` or ``TENANT:KEY`` entries.
+API_KEYS_ENV = "SHADOWPREFILL_GATEWAY_API_KEYS"
+#: Tenant names: letters, digits, ``.``, ``_``, ``-`` (never ``:``, which separates
+#: a tenant from a session id inside the gateway).
+TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MIN_KEY_LENGTH = 16
+LOOPBACK_NAMES = frozenset({"localhost"})
+
+
+class _Redacted:
+    """Stands for a secret in an error message."""
+
+    def __repr__(self) -> str:
+        return "<redacted>"
+
+
+REDACTED = _Redacted()
 
 
 class SchedulerKind(enum.Enum):
@@ -47,11 +76,26 @@ def _url(_instance: Any, attribute: Any, value: Any) -> None:
         raise ConfigError(attribute.name, value, "must be an http(s) URL such as http://127.0.0.1:8001")
 
 
+def _env_name(_instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, str) or (value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value)):
+        raise ConfigError(attribute.name, value, "must be the name of an environment variable")
+
+
 @attrs.frozen
 class InstanceConfig:
     url: str = attrs.field(validator=_url, converter=lambda u: u.rstrip("/") if isinstance(u, str) else u)
     id: str = ""  # default: "<model>/<index>"
     scheduler: SchedulerKind = attrs.field(default=SchedulerKind.SHADOW, converter=lambda v: _enum(SchedulerKind, v))
+    #: Name of the environment variable holding this instance's API key (vLLM's
+    #: ``--api-key``); default: the model's ``api_key_env``.
+    api_key_env: str = attrs.field(default="", validator=_env_name)
+    #: The key itself, read from ``api_key_env`` when the configuration loads.
+    api_key: str = attrs.field(default="", repr=False)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """Headers every request to this instance carries (routed calls, shadows, probes)."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @attrs.frozen
@@ -77,6 +121,8 @@ class ModelConfig:
     #: Name of the tokenizer (e.g. the Hugging Face repo or path the servers
     #: load); models that name one must all name the same.
     tokenizer: str = attrs.field(default="", validator=lambda _i, a, v: _str(a, v))
+    #: Default ``api_key_env`` of this model's instances.
+    api_key_env: str = attrs.field(default="", validator=_env_name)
 
     @property
     def upstream_name(self) -> str:
@@ -89,6 +135,10 @@ class SessionConfig:
     field: str = attrs.field(default="session_id", validator=non_empty_str)
     task_header: str = attrs.field(default="X-Session-Task", validator=non_empty_str)
     idle_timeout_s: float = attrs.field(default=3600.0, validator=positive)
+    #: Most sessions kept; a new session beyond it ends the least recently seen idle one (LRU).
+    max_sessions: int = attrs.field(default=100_000, validator=positive_int)
+    #: Most tasks (X-Session-Task values) whose counts the switch predictor keeps, LRU.
+    max_tasks: int = attrs.field(default=10_000, validator=positive_int)
 
 
 @attrs.frozen
@@ -111,6 +161,14 @@ class UpstreamConfig:
     #: attempt fails before any byte reached the client (connection error, 5xx, timeout).
     retries: int = attrs.field(default=1, validator=non_negative_int)
     max_connections: int = attrs.field(default=512, validator=positive_int)
+    #: Outlier ejection: a routed call with no response after this long (a hung instance whose
+    #: /health may still answer), or one that timed out, takes its instance out of placement and
+    #: shadow work for ``eject_s`` (the call itself waits on, up to ``read_timeout_s``).
+    first_byte_bound_s: float = attrs.field(default=30.0, validator=positive)
+    eject_s: float = attrs.field(default=30.0, validator=positive)
+    #: Response bodies, stream lines and shadow bodies this large (bytes) are decoded and encoded
+    #: in a worker process, off the event loop (shadow_gateway.offload).
+    offload_min_bytes: int = attrs.field(default=1 << 20, validator=positive_int)
 
 
 @attrs.frozen
@@ -132,6 +190,40 @@ class ShadowSubmitConfig:
 
 
 @attrs.frozen
+class ApiKey:
+    """One client key; the sessions made with it belong to ``tenant`` (keys
+    that name the same tenant share its sessions)."""
+
+    key: str = attrs.field(repr=False)
+    tenant: str
+
+
+@attrs.frozen
+class AuthConfig:
+    """Client API keys. None: every client is trusted, and the gateway listens
+    on a loopback address only."""
+
+    api_keys: tuple[ApiKey, ...] = attrs.field(default=(), converter=tuple)
+    #: With keys: each tenant's requests (routed and plain calls, shadows) carry
+    #: a ``cache_salt`` of their own, so no tenant hits (or learns from
+    #: ``cached_tokens``) another tenant's prefix cache entries.
+    isolate_caches: bool = attrs.field(default=True, validator=lambda _i, a, v: _bool(a, v))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api_keys)
+
+
+@attrs.frozen
+class AccessLogConfig:
+    """One structured line per call on the logger ``shadow_gateway.access``."""
+
+    enabled: bool = attrs.field(default=True, validator=lambda _i, a, v: _bool(a, v))
+    #: Add the request body to each line (prompts: off by default).
+    bodies: bool = attrs.field(default=False, validator=lambda _i, a, v: _bool(a, v))
+
+
+@attrs.frozen
 class GatewayConfig:
     models: tuple[ModelConfig, ...] = attrs.field(converter=tuple)
     router: PluginRef = attrs.Factory(lambda: PluginRef("client-model"))
@@ -140,11 +232,15 @@ class GatewayConfig:
     health: HealthConfig = attrs.Factory(HealthConfig)
     upstream: UpstreamConfig = attrs.Factory(UpstreamConfig)
     shadow_submit: ShadowSubmitConfig = attrs.Factory(ShadowSubmitConfig)
-    host: str = "127.0.0.1"
-    port: int = attrs.field(default=8000, validator=non_negative_int)
+    auth: AuthConfig = attrs.Factory(AuthConfig)
+    access_log: AccessLogConfig = attrs.Factory(AccessLogConfig)
+    host: str = attrs.field(default="127.0.0.1", validator=lambda _i, a, v: check_host(a.name, v))
+    port: int = attrs.field(default=8000, validator=lambda _i, a, v: check_port(a.name, v))
     #: At startup, tokenize a probe on one instance of every model and refuse
     #: to start when two models disagree.
     tokenizer_check: bool = attrs.field(default=True, validator=lambda _i, a, v: _bool(a, v))
+    #: Record every routed call as a session trace (None: off; shadow_gateway.recording).
+    record: RecordConfig | None = None
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -155,6 +251,40 @@ class GatewayConfig:
     @property
     def model_names(self) -> tuple[str, ...]:
         return tuple(m.name for m in self.models)
+
+
+def check_host(field: str, value: Any) -> None:
+    """A listen address: an IP address or a host name."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(field, value, "must be a string: an IP address or a host name such as 127.0.0.1")
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*",
+                            value):
+            raise ConfigError(field, value, "must be an IP address or a host name such as 127.0.0.1") from None
+
+
+def check_port(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ConfigError(field, value, "must be a TCP port, an integer in [1, 65535]")
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen(field: str, host: str, auth: AuthConfig) -> None:
+    """Without client keys the gateway listens on loopback only."""
+    if not auth.enabled and not is_loopback(host):
+        raise ConfigError(field, host, f"without client API keys (auth.api_keys or ${API_KEYS_ENV}) the gateway "
+                          "listens on a loopback address only (127.0.0.1, ::1, localhost); configure keys to "
+                          "serve other hosts")
 
 
 def _bool(attribute: Any, value: Any) -> None:
@@ -211,17 +341,17 @@ class _Source:
         return ConfigError(field, value, problem + where)
 
 
-def load_config(path: str | Path) -> GatewayConfig:
-    """Read and validate a gateway YAML file."""
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Read and validate a gateway YAML file (secrets from ``environ``, default ``os.environ``)."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise ConfigError("--config", str(path), str(e)) from None
-    return parse_config(text, source=str(path))
+    return parse_config(text, source=str(path), environ=environ)
 
 
-def parse_config(text: str, source: str = "") -> GatewayConfig:
+def parse_config(text: str, source: str = "", environ: Mapping[str, str] | None = None) -> GatewayConfig:
     src = _Source(source)
     try:
         node = yaml.compose(text)
@@ -239,41 +369,109 @@ def parse_config(text: str, source: str = "") -> GatewayConfig:
         data = _compose(node, "", src.lines)
     except ConfigError as e:
         raise src.error(e.field, e.value, e.problem) from None
-    return from_dict(data, src)
+    return from_dict(data, src, environ)
 
 
-def from_dict(data: Any, src: _Source | None = None) -> GatewayConfig:
+KNOWN_SECTIONS = ("models", "router", "shadow", "session", "health", "upstream", "shadow_submit", "listen",
+                  "tokenizer_check", "auth", "access_log", "record")
+
+
+def from_dict(data: Any, src: _Source | None = None, environ: Mapping[str, str] | None = None) -> GatewayConfig:
     src = src or _Source()
+    env = os.environ if environ is None else environ
     if not isinstance(data, Mapping):
         raise src.error("", data, "the configuration must be a mapping")
-    known = {"models", "router", "shadow", "session", "health", "upstream", "shadow_submit", "listen",
-             "tokenizer_check"}
     for k in data:
-        if k not in known:
-            raise src.error(str(k), data[k], f"unknown field (known: {', '.join(sorted(known))})")
+        if k not in KNOWN_SECTIONS:
+            raise src.error(str(k), data[k], f"unknown field (known: {', '.join(sorted(KNOWN_SECTIONS))})")
     if "models" not in data:
         raise src.error("models", None, "is required: a mapping of model name -> {instances: [...]}")
-    models = _models(data["models"], src)
+    models = _models(data["models"], src, env)
     router = _plugin("router", data.get("router", "client-model"), src)
     try:
         shadow = ShadowConfig.from_dict(data.get("shadow", {}), field="shadow")
     except ConfigError as e:
         raise src.error(e.field, e.value, e.problem) from None
     listen = data.get("listen", {})
-    if not isinstance(listen, Mapping) or set(listen) - {"host", "port"}:
+    if not isinstance(listen, Mapping):
         raise src.error("listen", listen, "must be a mapping with host and port")
+    for k in listen:
+        if k not in ("host", "port"):
+            raise src.error(f"listen.{k}", listen[k], "unknown field (known: host, port)")
+    auth = _auth(data.get("auth", {}), src, env)
     cfg = _build(GatewayConfig, "", {
-        "models": models, "router": router, "shadow": shadow,
+        "models": models, "router": router, "shadow": shadow, "auth": auth,
         "session": _build(SessionConfig, "session", data.get("session", {}), src),
         "health": _build(HealthConfig, "health", data.get("health", {}), src),
         "upstream": _build(UpstreamConfig, "upstream", data.get("upstream", {}), src),
         "shadow_submit": _build(ShadowSubmitConfig, "shadow_submit", data.get("shadow_submit", {}), src),
+        "access_log": _build(AccessLogConfig, "access_log", data.get("access_log", {}), src),
         **{k: listen[k] for k in ("host", "port") if k in listen},
         **({"tokenizer_check": data["tokenizer_check"]} if "tokenizer_check" in data else {}),
+        **({"record": _build(RecordConfig, "record", data["record"], src)} if "record" in data else {}),
     }, src, prefix_of={"host": "listen.host", "port": "listen.port"})
+    try:
+        check_listen("listen.host", cfg.host, cfg.auth)
+    except ConfigError as e:
+        raise src.error(e.field, e.value, e.problem) from None
     _check_policy(cfg, src)
     _check_tokenizer_names(cfg, src)
     return cfg
+
+
+def _auth(data: Any, src: _Source, env: Mapping[str, str]) -> AuthConfig:
+    """Client keys from ``auth.api_keys`` (a key, ``{key, tenant}`` or
+    ``{key_env, tenant}`` each) and from :data:`API_KEYS_ENV`."""
+    if not isinstance(data, Mapping):
+        raise src.error("auth", data, "must be a mapping with api_keys")
+    for k in data:
+        if k not in ("api_keys", "isolate_caches"):
+            raise src.error(f"auth.{k}", data[k], "unknown field (known: api_keys, isolate_caches)")
+    isolate = data.get("isolate_caches", True)
+    if not isinstance(isolate, bool):
+        raise src.error("auth.isolate_caches", isolate, "must be true or false")
+    raw = data.get("api_keys", [])
+    if not isinstance(raw, list):
+        raise src.error("auth.api_keys", raw, "must be a list of keys or {key | key_env, tenant} mappings")
+    found: list[tuple[str, str, str]] = []  # (field, key, tenant)
+    for i, entry in enumerate(raw):
+        field = f"auth.api_keys[{i}]"
+        if isinstance(entry, str):
+            entry = {"key": entry}
+        if not isinstance(entry, Mapping):
+            raise src.error(field, REDACTED, "must be a key or a {key | key_env, tenant} mapping")
+        for k in entry:
+            if k not in ("key", "key_env", "tenant"):
+                raise src.error(f"{field}.{k}", entry[k], "unknown field (known: key, key_env, tenant)")
+        if ("key" in entry) == ("key_env" in entry):
+            raise src.error(field, REDACTED, "needs exactly one of key (the key) and key_env (a variable holding it)")
+        if "key_env" in entry:
+            name = entry["key_env"]
+            if not isinstance(name, str) or not env.get(name):
+                raise src.error(f"{field}.key_env", name, "names no set environment variable")
+            key = env[name]
+        else:
+            key = entry["key"]
+        found.append((field, key, entry.get("tenant", "")))
+    for i, item in enumerate(e for e in env.get(API_KEYS_ENV, "").split(",") if e.strip()):
+        tenant, sep, key = item.strip().partition(":")
+        found.append((f"${API_KEYS_ENV}[{i}]", key if sep else tenant, tenant if sep else ""))
+    keys: list[ApiKey] = []
+    seen: dict[str, str] = {}
+    for field, key, tenant in found:
+        if not isinstance(key, str) or len(key) < MIN_KEY_LENGTH or not key.isprintable() or " " in key:
+            raise src.error(field, REDACTED, f"an API key must be a string of at least {MIN_KEY_LENGTH} "
+                            "printable characters without spaces")
+        if key in seen:
+            raise src.error(field, REDACTED, f"the same key as {seen[key]}")
+        seen[key] = field
+        if tenant == "":
+            tenant = "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+        elif not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
+            raise src.error(f"{field}.tenant" if field.startswith("auth") else field, tenant,
+                            "a tenant name is 1 to 64 letters, digits, '.', '_' or '-'")
+        keys.append(ApiKey(key, tenant))
+    return AuthConfig(tuple(keys), isolate)
 
 
 def _check_tokenizer_names(cfg: GatewayConfig, src: _Source) -> None:
@@ -327,19 +525,35 @@ def _build(cls: type, field: str, data: Any, src: _Source, prefix_of: Mapping[st
         raise src.error(field, dict(data), str(e)) from None
 
 
-def _instance(field: str, data: Any, src: _Source, default_id: str) -> InstanceConfig:
+def _instance(field: str, data: Any, src: _Source, default_id: str, env: Mapping[str, str],
+              default_key_env: str = "") -> InstanceConfig:
     if isinstance(data, str):
         data = {"url": data}
     if isinstance(data, Mapping) and "url" not in data:
         raise src.error(f"{field}.url", None, "is required")
+    if isinstance(data, Mapping) and "api_key" in data:
+        raise src.error(f"{field}.api_key", REDACTED, "give api_key_env, the name of an environment variable "
+                        "holding the key, not the key itself")
     inst = _build(InstanceConfig, field, data, src)
+    key_env = inst.api_key_env or default_key_env
+    if key_env:
+        if not env.get(key_env):
+            where = f"{field}.api_key_env" if inst.api_key_env else field.rpartition(".")[0] + ".api_key_env"
+            raise src.error(where, key_env, "names no set environment variable")
+        inst = attrs.evolve(inst, api_key_env=key_env, api_key=env[key_env])
     return inst if inst.id else attrs.evolve(inst, id=default_id)
 
 
-def _models(data: Any, src: _Source) -> tuple[ModelConfig, ...]:
+def _url_key(url: str) -> str:
+    p = urlparse(url)
+    port = p.port or (443 if p.scheme == "https" else 80)
+    return f"{p.scheme}://{(p.hostname or '').lower()}:{port}{p.path.rstrip('/')}"
+
+
+def _models(data: Any, src: _Source, env: Mapping[str, str]) -> tuple[ModelConfig, ...]:
     if not isinstance(data, Mapping) or not data:
         raise src.error("models", data, "must be a non-empty mapping of model name -> {instances: [...]}")
-    out, seen = [], {}
+    out, seen, urls = [], {}, {}
     for name, m in data.items():
         field = f"models.{name}"
         if not isinstance(m, Mapping):
@@ -347,14 +561,24 @@ def _models(data: Any, src: _Source) -> tuple[ModelConfig, ...]:
         raw = m.get("instances")
         if not isinstance(raw, list) or not raw:
             raise src.error(f"{field}.instances", raw, "must be a non-empty list of instances (URLs)")
-        instances = tuple(_instance(f"{field}.instances[{i}]", d, src, f"{name}/{i}") for i, d in enumerate(raw))
+        key_env = m.get("api_key_env", "")
+        if not isinstance(key_env, str):
+            raise src.error(f"{field}.api_key_env", key_env, "must be the name of an environment variable")
+        instances = tuple(_instance(f"{field}.instances[{i}]", d, src, f"{name}/{i}", env, key_env)
+                          for i, d in enumerate(raw))
         shadow = m.get("shadow_instance")
         if shadow is not None:
-            shadow = _instance(f"{field}.shadow_instance", shadow, src, f"{name}/shadow")
-        for i, inst in enumerate(instances + ((shadow,) if shadow else ())):
+            shadow = _instance(f"{field}.shadow_instance", shadow, src, f"{name}/shadow", env, key_env)
+        fields = [f"{field}.instances[{i}]" for i in range(len(instances))] + [f"{field}.shadow_instance"]
+        for f, inst in zip(fields, instances + ((shadow,) if shadow else ()), strict=False):
             if inst.id in seen:
-                raise src.error(f"{field}.instances[{i}].id", inst.id, f"duplicates the id of {seen[inst.id]}")
-            seen[inst.id] = field
+                raise src.error(f"{f}.id", inst.id, f"duplicates the id of {seen[inst.id]}")
+            seen[inst.id] = f
+            u = _url_key(inst.url)
+            if u in urls:
+                raise src.error(f"{f}.url", inst.url,
+                                f"duplicates the URL of {urls[u]}: one server is one instance")
+            urls[u] = f
         rest = {k: v for k, v in m.items() if k not in ("instances", "shadow_instance", "price")}
         price = _build(PriceConfig, f"{field}.price", m.get("price", {}), src)
         out.append(_build(ModelConfig, field, {"name": str(name), "instances": instances, "price": price,

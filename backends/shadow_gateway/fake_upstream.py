@@ -4,7 +4,8 @@ uses) on a real loopback socket, with fault injection.
 It tokenizes bytes (token id = byte value, plus ``vocab_offset`` to play a
 model with another tokenizer), applies a one-line chat template,
 keeps a block-level prefix cache (so ``usage.prompt_tokens_details.cached_tokens``
-is real for its own requests), streams SSE like vLLM (``return_token_ids``,
+is real for its own requests; a request's ``cache_salt`` seeds its block
+hashes, as in vLLM), streams SSE like vLLM (``return_token_ids``,
 ``stream_options.include_usage``), and serves ``/tokenize``, ``/health`` and
 ``/metrics`` (``vllm:num_requests_waiting``).
 
@@ -12,6 +13,15 @@ Faults, switchable while it runs: ``fail_status`` (answer every completion
 with that status), ``fail_shadows_only``, ``hang`` (never answer), ``delay_s``
 before answering, ``die_after_tokens`` (drop the connection mid-stream),
 :meth:`FakeUpstream.kill` (stop listening and drop connections).
+
+``api_key`` plays a server started with ``--api-key``: every endpoint but
+``/health`` answers 401 without ``Authorization: Bearer <api_key>``
+(stricter than vLLM, which guards ``/v1`` only), and ``auth_seen`` records
+(path, whether the key was right) for each request.
+
+``stop_token`` plays a model that ends its reply with an end-of-turn token:
+the output's last id is ``stop_token`` (a special token: not in the text),
+``finish_reason`` ``stop``.
 
 ``shadow_short_tokens`` plays the shadow scheduler ending a tagged shadow
 early (a tail below its ``n_min``): it caches the prompt's whole blocks but
@@ -31,6 +41,7 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -47,10 +58,32 @@ def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = Tr
     return text + ("<|assistant|>" if add_generation_prompt else "")
 
 
+class _KeyCheck:
+    """ASGI middleware of :attr:`FakeUpstream.api_key`."""
+
+    def __init__(self, app: Any, fake: FakeUpstream) -> None:
+        self.app, self.fake = app, fake
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        key = self.fake.api_key
+        if scope["type"] != "http" or key is None or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        ok = (b"authorization", f"Bearer {key}".encode()) in scope["headers"]
+        self.fake.auth_seen.append((scope["path"], ok))
+        if not ok:
+            await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class FakeUpstream:
     def __init__(self, name: str = "fake", block_size: int = 16, token_delay_s: float = 0.0,
-                 vocab_offset: int = 0) -> None:
+                 vocab_offset: int = 0, api_key: str | None = None, stop_token: int | None = None) -> None:
         self.name = name
+        self.api_key = api_key
+        self.stop_token = stop_token
+        self.auth_seen: list[tuple[str, bool]] = []
         self.vocab_offset = vocab_offset
         self.block_size = block_size
         self.token_delay_s = token_delay_s
@@ -64,7 +97,7 @@ class FakeUpstream:
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self._cache: set[bytes] = set()
         self._lock = threading.Lock()
-        self.app = Starlette(routes=[
+        self.app = Starlette(middleware=[Middleware(_KeyCheck, fake=self)], routes=[
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/tokenize", self._tokenize, methods=["POST"]),
@@ -101,26 +134,27 @@ class FakeUpstream:
             pass
 
     # -- cache ---------------------------------------------------------------------------
-    def _hashes(self, ids: list[int]) -> list[bytes]:
-        out, parent = [], b""
+    def _hashes(self, ids: list[int], salt: str | None = None) -> list[bytes]:
+        """Block hashes, chained; a ``cache_salt`` seeds the chain (as vLLM's does)."""
+        out, parent = [], (salt or "").encode()
         for i in range(len(ids) // self.block_size):
             block = ids[i * self.block_size:(i + 1) * self.block_size]
             parent = hashlib.blake2b(parent + json.dumps(block).encode(), digest_size=8).digest()
             out.append(parent)
         return out
 
-    def cached_tokens(self, ids: list[int]) -> int:
+    def cached_tokens(self, ids: list[int], salt: str | None = None) -> int:
         n = 0
         with self._lock:
-            for h in self._hashes(ids[: max(0, len(ids) - 1)]):
+            for h in self._hashes(ids[: max(0, len(ids) - 1)], salt):
                 if h not in self._cache:
                     break
                 n += self.block_size
         return n
 
-    def _insert(self, ids: list[int]) -> None:
+    def _insert(self, ids: list[int], salt: str | None = None) -> None:
         with self._lock:
-            self._cache.update(self._hashes(ids))
+            self._cache.update(self._hashes(ids, salt))
 
     def shadow_requests(self) -> list[dict[str, Any]]:
         return [b for _, b in self.requests if (b.get("vllm_xargs") or {}).get("shadowprefill_kind") == "shadow"
@@ -165,28 +199,32 @@ class FakeUpstream:
         if self.fail_status is not None and (is_shadow or not self.fail_shadows_only):
             return JSONResponse({"error": {"message": "injected failure", "code": self.fail_status}},
                                 status_code=self.fail_status)
-        cached = self.cached_tokens(ids)
+        salt = body.get("cache_salt")
+        cached = self.cached_tokens(ids, salt)
         n_out = int(body.get("max_tokens") or 8)
         out = [ord("a") + (sum(ids) + i) % 26 for i in range(n_out)]
+        finish = "length"
+        if self.stop_token is not None and not tagged_shadow(body):
+            out[-1], finish = self.stop_token, "stop"
         tagged = (body.get("vllm_xargs") or {}).get("shadowprefill_kind") == "shadow"
         if tagged and self.shadow_short_tokens:
             held = max(0, len(ids) - self.shadow_short_tokens) // self.block_size * self.block_size
-            self._insert(ids[:held])
+            self._insert(ids[:held], salt)
             stop = ShadowStop(ShadowEnd.BELOW_N_MIN, held).to_stop_reason()
             return JSONResponse({"id": "cmpl-1", "object": "text_completion", "model": body.get("model"),
                                  "choices": [{"index": 0, "text": "", "finish_reason": "stop", "stop_reason": stop}],
                                  "usage": {"prompt_tokens": len(ids), "completion_tokens": 0,
                                            "total_tokens": len(ids)}})
-        self._insert(ids + out[:-1])
+        self._insert(ids + out[:-1], salt)
         usage = {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out,
                  "prompt_tokens_details": {"cached_tokens": cached}}
         want_ids = bool(body.get("return_token_ids"))
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(body, ids, out, usage, chat, want_ids, include_usage),
+            return StreamingResponse(self._stream(body, ids, out, usage, chat, want_ids, include_usage, finish),
                                      media_type="text/event-stream")
-        text = bytes(out).decode()
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        text = _text(out, self.stop_token)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -200,7 +238,7 @@ class FakeUpstream:
         return JSONResponse(data)
 
     async def _stream(self, body: dict[str, Any], ids: list[int], out: list[int], usage: dict[str, Any], chat: bool,
-                      want_ids: bool, include_usage: bool):
+                      want_ids: bool, include_usage: bool, finish: str = "length"):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
@@ -218,11 +256,11 @@ class FakeUpstream:
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             last = i == len(out) - 1
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish if last else None}
             if chat:
-                choice["delta"] = {"content": chr(t)}
+                choice["delta"] = {"content": _text([t], self.stop_token)}
             else:
-                choice["text"] = chr(t)
+                choice["text"] = _text([t], self.stop_token)
             if want_ids:
                 choice["token_ids"] = [t]
                 if not chat:
@@ -232,6 +270,15 @@ class FakeUpstream:
         if include_usage:
             yield f"data: {json.dumps({'id': 'cmpl-1', 'object': obj, 'choices': [], 'usage': usage})}\n\n".encode()
         yield b"data: [DONE]\n\n"
+
+
+def tagged_shadow(body: dict[str, Any]) -> bool:
+    return (body.get("vllm_xargs") or {}).get("shadowprefill_kind") == "shadow"
+
+
+def _text(ids: list[int], stop_token: int | None) -> str:
+    """The text of output ids (a special stop token has none)."""
+    return bytes(t for t in ids if t != stop_token).decode()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,11 @@ prompt that does not extend the history starts a new epoch), and every output
 chunk's ids extend it further, so shadow jobs grow while the call streams.
 Calls without a session id are proxied plainly.
 
+Sessions belong to tenants: with client API keys configured, a session id
+is namespaced by the tenant of the key that sent it (:meth:`Gateway.session_key`),
+so another key naming the same id reaches a different session, and the
+switch predictor's task names are namespaced the same way.
+
 Invariants:
 
 * Nothing on a routed call's path waits for shadow work: shadow requests run
@@ -26,6 +31,15 @@ Invariants:
   fields it added itself (token ids, the usage chunk it asked for).
 * One routed call per session at a time: a concurrent call of a busy session
   is served plainly (counted as a fallback), never queued.
+* A routed call changes its session (the manager's
+  :meth:`~shadowcore.manager.ShadowManager.on_call_arrival`, the
+  predictor's transition, the history) only once an upstream accepted it
+  (answered 200); until then the gateway only reads the manager
+  (:meth:`~shadowcore.manager.ShadowManager.placement`). A call every
+  upstream rejected leaves its session as it was.
+* Every request to an instance (routed and plain calls, shadows, health
+  checks, ``/tokenize`` probes) carries that instance's own credentials
+  (``api_key_env``); a client's ``Authorization`` header is never forwarded.
 
 Speed: routed and plain calls go through an aiohttp session (C-accelerated
 HTTP parsing; httpx's pure-Python stack cost several milliseconds of CPU per
@@ -37,9 +51,12 @@ rewritten chunks of one read go out in one write.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import itertools
 import json
 import logging
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -50,9 +67,13 @@ import httpx
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import GatewayConfig, SchedulerKind
 from shadow_gateway.metrics import GatewayMetrics
+from shadow_gateway.offload import Offloader
+from shadow_gateway.recording import CallFacts, Recorder
 from shadow_gateway.router import RouteError, Router, RouteRequest, Warmth, load_router
 from shadow_gateway.shadow import ShadowDispatcher
+from shadow_gateway.validation import BadRequest, check_session_id, header_text
 from shadowcore.errors import ConfigError
+from shadowcore.job import token_array
 from shadowcore.manager import ShadowManager
 from shadowcore.pipeline import build_runtime
 from shadowcore.types import CallArrival, JobKey
@@ -63,12 +84,18 @@ RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 #: What a failed, dropped or timed-out upstream connection raises.
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 JSON_HEADERS = {"content-type": "application/json"}
+#: Token-id lists as responses carry them: JSON lists, or arrays when decoded off the loop (shadow_gateway.offload).
+TOKEN_LISTS = (list, array)
 #: Text every model's ``/tokenize`` must turn into the same ids (see ``tokenizer_check``).
 TOKENIZER_PROBE = "ShadowPrefill tokenizer probe: Grüße, 東京! def f(x):\n    return x ** 2  # 12345 <|tool|>"
 
 
 class TokenizerMismatch(ConfigError):
     """Two models of one gateway tokenize the same text differently."""
+
+
+class UpstreamCredentials(ConfigError):
+    """An instance refuses the credentials the gateway has for it."""
 
 
 class UpstreamFailed(Exception):
@@ -81,16 +108,30 @@ class UpstreamFailed(Exception):
 
 @attrs.define(eq=False)
 class CallContext:
-    """One routed call in flight."""
+    """One routed call in flight (``session_id`` is the gateway's key: tenant and client id)."""
 
     session_id: str
     model: str
-    is_switch: bool
+    task: str = ""
+    is_switch: bool = False
     instance: InstanceState | None = None
     client_wants_ids: bool = False
     client_wants_usage: bool = False
     prompt_seen: bool = False
     started_s: float = 0.0
+    #: The manager knows the call (an upstream accepted it).
+    accepted: bool = False
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int | None = None
+    num_shadow_tokens_used: int = 0
+    usage: Any = None  # the upstream's usage, when one came (for the recorder)
+    prompt_ids: list[int] | None = None
+    request: Any = None  # messages / prompt, only when the recorder records text
+
+
+def session_hash(session_key: str) -> str:
+    """What logs show of a session: a digest, never the id."""
+    return hashlib.sha256(session_key.encode()).hexdigest()[:16]
 
 
 @attrs.define(eq=False)
@@ -107,18 +148,27 @@ class Gateway:
     client: httpx.AsyncClient = attrs.field(init=False)  # health checks, /tokenize
     upstream: aiohttp.ClientSession = attrs.field(init=False)  # routed and plain calls
     busy: set[str] = attrs.field(init=False, factory=set)
+    offload: Offloader = attrs.field(init=False)  # large JSON off the event loop
     last_seen_s: dict[str, float] = attrs.field(init=False, factory=dict)
+    #: Per session: where the last accepted call's prompt ended in the history.
+    prompt_end: dict[str, int] = attrs.field(init=False, factory=dict)
     _epoch0_s: float = attrs.field(init=False, default=0.0)
     _tasks: list[asyncio.Task] = attrs.field(init=False, factory=list)
+    recorder: Recorder | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self.cluster = GatewayCluster(self.config)
         runtime = build_runtime(self.config.shadow, self.cluster, self.config.model_names,
                                 self.cluster.shadow_instances())
         self.manager = runtime.manager
+        self.manager.predictor.limit_tasks(self.config.session.max_tasks)
         self.router = load_router(self.config.router)
-        self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics)
+        self.offload = Offloader(self.config.upstream.offload_min_bytes)
+        self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics,
+                                        self.offload, session_fields=self.session_cache_fields)
         self._epoch0_s = self.clock()
+        if self.config.record is not None:
+            self.recorder = Recorder(self.config.record, self._epoch0_s, self.config.model_names)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -134,25 +184,39 @@ class Gateway:
             connector=aiohttp.TCPConnector(limit=u.max_connections, force_close=False),
             skip_auto_headers=("User-Agent",),
         )
+        self.offload.start()
         self.shadows.start()
         self._tasks.append(asyncio.create_task(self._health_loop(), name="gateway-health"))
         self._tasks.append(asyncio.create_task(self._expiry_loop(), name="gateway-expiry"))
 
     async def check_tokenizers(self) -> dict[str, list[int]]:
         """Tokenize :data:`TOKENIZER_PROBE` on the first answering instance of
-        every model; raise :class:`TokenizerMismatch` when two models disagree.
-        A model none of whose instances answers is skipped (logged): a dead
-        instance must not keep the gateway from starting."""
+        every model; raise :class:`TokenizerMismatch` when two models disagree,
+        :class:`UpstreamCredentials` when an instance refuses the gateway's
+        key for it (401/403). A model none of whose instances answers is
+        skipped (logged): a dead instance must not keep the gateway from starting."""
         async with httpx.AsyncClient(timeout=self.config.health.timeout_s) as client:
             async def probe(model: str) -> list[int] | None:
                 for inst_id in self.cluster.instances(model):
-                    url = self.cluster.by_id[inst_id].url + "/tokenize"
-                    try:
-                        r = await client.post(url, json={"model": self.config.model(model).upstream_name,
-                                                         "prompt": TOKENIZER_PROBE})
-                        tokens = r.json().get("tokens") if r.status_code == 200 else None
+                    inst = self.cluster.by_id[inst_id]
+                    tokens, answers = None, []
+                    try:  # /v1/models: vLLM's --api-key guards /v1 (its /tokenize may be open)
+                        answers.append(await client.get(inst.url + "/v1/models", headers=inst.config.auth_headers))
+                        answers.append(await client.post(inst.url + "/tokenize", headers=inst.config.auth_headers,
+                                                         json={"model": self.config.model(model).upstream_name,
+                                                               "prompt": TOKENIZER_PROBE}))
+                        if answers[-1].status_code == 200:
+                            tokens = answers[-1].json().get("tokens")
                     except (httpx.HTTPError, OSError, ValueError, AttributeError):
-                        tokens = None
+                        pass
+                    for r in answers:
+                        if r.status_code in (401, 403):  # misconfigured, not down: every shadow and routed
+                            # call would be refused the same way
+                            raise UpstreamCredentials(
+                                f"models.{model}.api_key_env", inst.config.api_key_env or None,
+                                f"instance {inst.id} refused the gateway's credentials ({r.url.path} answered "
+                                f"{r.status_code}): give the variable holding the key it was started with "
+                                "(vLLM's --api-key)")
                     if isinstance(tokens, list):
                         return tokens
                 log.warning("tokenizer check: no instance of %r answered /tokenize; not checked", model)
@@ -181,6 +245,9 @@ class Gateway:
         await self.shadows.close()
         await self.client.aclose()
         await self.upstream.close()
+        self.offload.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
     # -- RouterView ----------------------------------------------------------------------
     @property
@@ -219,13 +286,43 @@ class Gateway:
         return Warmth(session_id, model, best, n, best_n, job.num_inflight_tokens if job else 0)
 
     # -- entry points --------------------------------------------------------------------
-    def session_of(self, headers: Any, body: dict[str, Any]) -> tuple[str | None, str]:
+    def cache_fields(self, tenant: str | None) -> dict[str, str]:
+        """Body fields of every request made for ``tenant`` (``auth.isolate_caches``):
+        a ``cache_salt`` of its own, the same on every gateway replica."""
+        if tenant is None or not self.config.auth.isolate_caches:
+            return {}
+        return {"cache_salt": "sp-" + hashlib.sha256(b"shadowprefill cache salt\0" + tenant.encode()).hexdigest()[:32]}
+
+    def session_cache_fields(self, session_key: str) -> dict[str, str]:
+        """:meth:`cache_fields` of the tenant that owns a session (shadows)."""
+        if not self.config.auth.enabled:
+            return {}
+        return self.cache_fields(session_key.partition(":")[0])
+
+    @staticmethod
+    def session_key(tenant: str | None, session_id: str) -> str:
+        """The gateway's key of a client's session: the id itself without
+        client keys, else ``tenant:id`` (tenant names have no ``:``)."""
+        return session_id if tenant is None else f"{tenant}:{session_id}"
+
+    def session_of(self, headers: Any, body: dict[str, Any], tenant: str | None = None) -> tuple[str | None, str]:
+        """(session key or None, task) of a call; removes the session field
+        from ``body``. :class:`BadRequest` for a bad id, or a header and a
+        body field that name different sessions."""
         cfg = self.config.session
         from_body = body.pop(cfg.field, None)
-        sid = headers.get(cfg.header) or from_body
-        if sid is not None and (not isinstance(sid, str) or not sid):
-            raise RouteError(f"{cfg.field} = {sid!r}: a session id must be a non-empty string")
-        return sid, headers.get(cfg.task_header, "")
+        raw = headers.get(cfg.header)
+        from_header = check_session_id(cfg.header, header_text(cfg.header, raw)) if raw is not None else None
+        if from_body is not None:
+            check_session_id(cfg.field, from_body)
+            if from_header is not None and from_header != from_body:
+                raise BadRequest(cfg.field, f"{cfg.header} and {cfg.field} name different sessions")
+        sid = from_header if from_header is not None else from_body
+        task = headers.get(cfg.task_header, "")
+        task = check_session_id(cfg.task_header, header_text(cfg.task_header, task)) if task else ""
+        if sid is None:
+            return None, task
+        return self.session_key(tenant, sid), (self.session_key(tenant, task) if task else "")
 
     def choose_model(self, endpoint: str, body: dict[str, Any], session_id: str | None) -> str:
         s = self.manager.session(session_id) if session_id else None
@@ -236,58 +333,97 @@ class Gateway:
         return model
 
     def begin_routed(self, session_id: str, model: str, task: str, body: dict[str, Any]) -> CallContext | None:
-        """Register a routed call with the manager; None: serve it plainly."""
+        """A routed call about to be sent: the session is busy, the manager
+        is only read (where would it place the call); None: serve it plainly."""
         if session_id in self.busy:
             self.metrics.fallbacks.labels("session-busy").inc()
             return None
         try:
-            placement = self.manager.on_call_arrival(
-                CallArrival(session_id, model, 0, max(0.0, self.clock() - self._epoch0_s), task, new_token_ids=())
-            )
+            instance_id = self.manager.placement(session_id, model)
         except Exception:  # bookkeeping must never fail a call
-            log.exception("session %s: manager rejected the call; serving it plainly", session_id)
+            log.exception("session %s: no placement; serving the call plainly", session_hash(session_id))
             self.metrics.fallbacks.labels("manager-error").inc()
             return None
         self.busy.add(session_id)
-        self.last_seen_s[session_id] = self.clock()
-        ctx = CallContext(session_id, model, placement.is_switch, self.cluster.by_id[placement.instance_id],
+        ctx = CallContext(session_id, model, task, instance=self.cluster.by_id[instance_id],
                           client_wants_ids=bool(body.get("return_token_ids")), started_s=self.clock())
-        self.shadows.on_call_arrival(session_id, placement.instance_id)
-        self.shadows.wake_all()
+        if self.recorder is not None and self.recorder.wants_text:
+            ctx.request = body.get("messages", body.get("prompt"))
         return ctx
+
+    def accept(self, ctx: CallContext, inst: InstanceState) -> None:
+        """The upstream accepted the call (status 200): register it with the
+        manager now, on the instance that serves it."""
+        ctx.instance = inst
+        try:
+            if ctx.session_id not in self.manager:
+                self._make_room()
+            placement = self.manager.on_call_arrival(
+                CallArrival(ctx.session_id, ctx.model, 0, max(0.0, self.clock() - self._epoch0_s), ctx.task,
+                            new_token_ids=())
+            )
+        except Exception:  # bookkeeping must never fail a call
+            log.exception("session %s: manager rejected the call; serving it plainly", session_hash(ctx.session_id))
+            self.metrics.fallbacks.labels("manager-error").inc()
+            return
+        ctx.accepted, ctx.is_switch = True, placement.is_switch
+        self.metrics.calls.labels(ctx.model, "routed").inc()
+        if ctx.is_switch:
+            self.metrics.switch_calls.labels(ctx.model).inc()
+        self._seen(ctx.session_id)
+        self.shadows.on_call_arrival(ctx.session_id, inst.id)
+        self.shadows.wake_all()
 
     def end_routed(self, ctx: CallContext, ok: bool) -> None:
         self.busy.discard(ctx.session_id)
+        if not ctx.accepted:
+            return
         s = self.manager.session(ctx.session_id)
         if ok and s is not None and ctx.instance is not None and s.history.token_ids is not None:
             # the instance holds the prompt and all output but the last token
             self.cluster.record_routed(ctx.instance.id, ctx.session_id, s.history.token_ids,
                                        max(0, s.history.num_tokens - 1))
         self.metrics.call_seconds.labels(ctx.model).observe(self.clock() - ctx.started_s)
-        self.last_seen_s[ctx.session_id] = self.clock()
+        if ctx.session_id in self.last_seen_s:
+            self._seen(ctx.session_id)
         if ok:
             self.shadows.on_call_complete(ctx.session_id)
+        if self.recorder is not None:
+            try:
+                self.recorder.on_call_end(CallFacts(ctx.session_id, ctx.model, ctx.task, ctx.started_s, self.clock(),
+                                                    ctx.usage, ctx.prompt_ids, ctx.request), ok)
+            except Exception:  # recording never fails a call
+                log.exception("session %s: recording failed", session_hash(ctx.session_id))
+                self.metrics.errors.labels("recording", ctx.model).inc()
         self.shadows.wake_all()
 
     # -- token ids from the upstream's responses ------------------------------------------
     def on_prompt_ids(self, ctx: CallContext, ids: list[int], num_cached: int | None) -> None:
         ctx.prompt_seen = True
-        s = self.manager.session(ctx.session_id)
+        ctx.prompt_ids = ids
+        s = self.manager.session(ctx.session_id) if ctx.accepted else None
         if s is None:
             return
         h = s.history
         n = h.num_tokens
-        old = h.token_ids or []
-        if len(ids) >= n and old[:n] == ids[:n]:
+        if len(ids) >= n and (not n or h.token_ids == token_array(ids[:n])):
             self.manager.on_tool_result(ctx.session_id, len(ids) - n, ids[n:])
         else:  # the prompt does not extend the history: a new epoch (jobs restart, caches still hit)
-            self.metrics.fallbacks.labels("history-diverged").inc()
-            h.compact(len(ids), ids)
+            end = self.prompt_end.get(ctx.session_id, 0)
+            # A client that re-sends the rendered conversation extends the last
+            # prompt, not its output as generated (an end-of-turn token, another
+            # tokenization of the reply): not a diverged history.
+            extends_prompt = (0 < end <= len(ids) and h.token_ids is not None
+                              and h.token_ids[:end] == token_array(ids[:end]))
+            self.metrics.fallbacks.labels("history-re-rendered" if extends_prompt else "history-diverged").inc()
+            self.manager.on_new_epoch(ctx.session_id, len(ids), ids)
+        self.prompt_end[ctx.session_id] = len(ids)
         if num_cached is not None and ctx.instance is not None:
             self._count_cached(ctx, ids, num_cached)
         self.shadows.wake_all()
 
     def _count_cached(self, ctx: CallContext, ids: list[int], num_cached: int) -> None:
+        ctx.num_cached_tokens = num_cached
         self.metrics.cached_tokens.labels(ctx.model).inc(num_cached)
         if not ctx.is_switch:
             return
@@ -296,13 +432,14 @@ class Gateway:
         if known is not None:
             via_routed, via_shadow = known.matched(ids, len(ids))
             used = max(0, min(num_cached, via_shadow) - via_routed)
+            ctx.num_shadow_tokens_used = used
             if used:
                 self.metrics.shadow_tokens_used.labels(ctx.model).inc(used)
         if num_cached == 0:
             self.metrics.fallbacks.labels("cold-switch").inc()
 
     def on_output_ids(self, ctx: CallContext, ids: list[int]) -> None:
-        if not ctx.prompt_seen or not ids:
+        if not ctx.prompt_seen or not ids or not ctx.accepted:
             return
         if ctx.session_id in self.manager:
             self.manager.on_output_tokens(ctx.session_id, len(ids), ids)
@@ -337,23 +474,30 @@ class Gateway:
     async def open_upstream(self, path: str, body: dict[str, Any], model: str, ctx: CallContext | None,
                             headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, InstanceState]:
         """The first attempt that answers with a non-retryable status; the
-        response is open (streamed) and the caller must close it."""
+        response is open (streamed) and the caller must close it. A routed
+        call an upstream accepted (200) is registered (:meth:`accept`)."""
         last = UpstreamFailed(503, json.dumps({"error": {"message": f"no instance of {model!r} answered",
                                                          "type": "upstream_unavailable"}}).encode())
         for inst in self.attempt_order(model, ctx.instance if ctx else None):
             payload = self.upstream_body(body, model, inst, ctx)
             inst.num_routed_inflight += 1
+            watchdog = asyncio.get_running_loop().call_later(
+                self.config.upstream.first_byte_bound_s, self.eject, inst, "first-byte-bound")
             try:
                 resp = await self.upstream.post(inst.url + path, data=json.dumps(payload).encode(),
-                                                headers={**headers, **JSON_HEADERS})
+                                                headers={**headers, **inst.config.auth_headers, **JSON_HEADERS})
             except UPSTREAM_ERRORS as e:
                 inst.num_routed_inflight -= 1
+                if isinstance(e, TimeoutError):
+                    self.eject(inst, "timeout")
                 self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
                 if self.cluster.mark(inst.id, False):
                     self.shadows.wake_all()
                 last = UpstreamFailed(502, json.dumps({"error": {"message": f"instance {inst.id}: {e!r}",
                                                                  "type": "upstream_error"}}).encode())
                 continue
+            finally:
+                watchdog.cancel()
             if resp.status in RETRYABLE_STATUS:
                 try:
                     data = await resp.read()
@@ -367,6 +511,8 @@ class Gateway:
             if ctx is not None and ctx.instance is not inst:
                 self.metrics.fallbacks.labels("retried-elsewhere").inc()
                 ctx.instance = inst
+            if ctx is not None and resp.status == 200:
+                self.accept(ctx, inst)
             return resp, inst
         raise last
 
@@ -375,16 +521,16 @@ class Gateway:
         """A whole (non-streamed) response: feed ids, strip what we added."""
         try:
             ids = _prompt_ids(data)
-            if isinstance(ids, list):
+            if isinstance(ids, TOKEN_LISTS):
                 self.on_prompt_ids(ctx, ids, _cached(data.get("usage")))
             else:
                 self.metrics.fallbacks.labels("no-token-ids").inc()
             choices = data.get("choices") or []
-            if choices and isinstance(choices[0].get("token_ids"), list):
+            if choices and isinstance(choices[0].get("token_ids"), TOKEN_LISTS):
                 self.on_output_ids(ctx, choices[0]["token_ids"])
             self._count_usage(ctx, data.get("usage"))
         except Exception:
-            log.exception("session %s: bookkeeping failed", ctx.session_id)
+            log.exception("session %s: bookkeeping failed", session_hash(ctx.session_id))
             self.metrics.errors.labels("bookkeeping", ctx.model).inc()
         if not ctx.client_wants_ids:
             _strip_ids(data)
@@ -394,21 +540,21 @@ class Gateway:
         """One SSE chunk; None drops it (the usage chunk the client did not ask for)."""
         try:
             ids = _prompt_ids(data)
-            if isinstance(ids, list) and not ctx.prompt_seen:
+            if isinstance(ids, TOKEN_LISTS) and not ctx.prompt_seen:
                 self.on_prompt_ids(ctx, ids, None)
             for c in data.get("choices") or []:
-                if c.get("index", 0) == 0 and isinstance(c.get("token_ids"), list):
+                if c.get("index", 0) == 0 and isinstance(c.get("token_ids"), TOKEN_LISTS):
                     self.on_output_ids(ctx, c["token_ids"])
             usage = data.get("usage")
             if usage and not data.get("choices"):
                 self._count_usage(ctx, usage)
                 cached = _cached(usage)
-                if cached is not None and ctx.prompt_seen:
+                if cached is not None and ctx.prompt_seen and ctx.accepted:
                     s = self.manager.session(ctx.session_id)
                     if s is not None and s.history.token_ids is not None:
                         self._count_cached(ctx, s.history.token_ids, cached)
         except Exception:
-            log.exception("session %s: bookkeeping failed", ctx.session_id)
+            log.exception("session %s: bookkeeping failed", session_hash(ctx.session_id))
             self.metrics.errors.labels("bookkeeping", ctx.model).inc()
         if not ctx.client_wants_ids:
             _strip_ids(data)
@@ -419,7 +565,9 @@ class Gateway:
         return data
 
     def _count_usage(self, ctx: CallContext, usage: Any) -> None:
+        ctx.usage = usage
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            ctx.num_prompt_tokens = usage["prompt_tokens"]
             self.metrics.prompt_tokens.labels(ctx.model).inc(usage["prompt_tokens"])
 
     def rewrite_event_line(self, ctx: CallContext, line: bytes) -> bytes | None:
@@ -439,6 +587,17 @@ class Gateway:
             return None
         return b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
 
+    async def _rewrite(self, ctx: CallContext, line: bytes) -> bytes | None:
+        """:meth:`rewrite_event_line`, with a long line decoded and encoded off the event loop."""
+        if len(line) < self.offload.min_bytes or not line.startswith(b"data:"):
+            return self.rewrite_event_line(ctx, line)
+        try:
+            data = await self.offload.decode(line[5:].strip())
+        except ValueError:
+            return line + b"\n\n"
+        out = self.process_chunk(ctx, data) if isinstance(data, dict) else data
+        return None if out is None else b"data: " + await self.offload.encode(out) + b"\n\n"
+
     async def stream_chunks(self, ctx: CallContext | None, resp: aiohttp.ClientResponse, inst: InstanceState,
                             on_end: Callable[[bool], None]) -> AsyncIterator[bytes]:
         ok = False
@@ -448,20 +607,26 @@ class Gateway:
                     yield raw
                 ok = True
                 return
-            pending = b""
+            pending = bytearray()  # a long line arrives in many reads: appended, split once it ends
             async for raw in resp.content.iter_any():
-                *lines, pending = (pending + raw).split(b"\n")
-                out = [self.rewrite_event_line(ctx, line.rstrip(b"\r")) for line in lines if line.strip()]
+                pending += raw
+                if b"\n" not in raw:
+                    continue
+                *lines, rest = bytes(pending).split(b"\n")
+                pending = bytearray(rest)
+                out = [await self._rewrite(ctx, line.rstrip(b"\r")) for line in lines if line.strip()]
                 batch = b"".join(x for x in out if x)
                 if batch:
                     yield batch
             if pending.strip():
-                last = self.rewrite_event_line(ctx, pending.rstrip(b"\r"))
+                last = await self._rewrite(ctx, bytes(pending).rstrip(b"\r"))
                 if last:
                     yield last
             ok = True  # the upstream closed the stream normally
         except UPSTREAM_ERRORS as e:
             self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
+            if isinstance(e, TimeoutError):
+                self.eject(inst, "timeout")
             err = {"error": {"message": f"instance {inst.id} failed mid-stream: {e!r}", "type": "upstream_error"}}
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
@@ -472,6 +637,13 @@ class Gateway:
                 resp.close()
             on_end(ok)
 
+    def eject(self, inst: InstanceState, reason: str) -> None:
+        """Outlier ejection (see ``upstream.first_byte_bound_s``): no new placement or shadow work there for
+        ``upstream.eject_s``, whatever its /health says."""
+        if self.cluster.eject(inst.id, self.config.upstream.eject_s):
+            log.warning("instance %s ejected for %.0f s (%s)", inst.id, self.config.upstream.eject_s, reason)
+            self.metrics.ejections.labels(inst.id, reason).inc()
+
     # -- background loops --------------------------------------------------------------------
     async def _health_loop(self) -> None:
         h = self.config.health
@@ -481,7 +653,8 @@ class Gateway:
 
     async def _check(self, inst: InstanceState) -> None:
         try:
-            r = await self.client.get(inst.url + "/health", timeout=self.config.health.timeout_s)
+            r = await self.client.get(inst.url + "/health", headers=inst.config.auth_headers,
+                                      timeout=self.config.health.timeout_s)
             ok = r.status_code == 200
         except (httpx.HTTPError, OSError):
             ok = False
@@ -491,20 +664,47 @@ class Gateway:
             log.warning("instance %s is now %s", inst.id, "healthy" if ok else "unhealthy")
             self.shadows.wake_all()
 
+    # -- session lifetime: idle timeout and LRU cap (last_seen_s is in last-seen order) ----------
+    def _seen(self, session_id: str) -> None:
+        self.last_seen_s.pop(session_id, None)
+        self.last_seen_s[session_id] = self.clock()
+
+    def _make_room(self) -> None:
+        """Before a new session: end least recently seen idle sessions beyond ``session.max_sessions``."""
+        over = self.manager.num_sessions - self.config.session.max_sessions + 1
+        if over > 0:
+            for sid in [s for s in itertools.islice(self.last_seen_s, over + len(self.busy)) if s not in self.busy
+                        ][:over]:
+                self.end_session(sid)
+                self.metrics.fallbacks.labels("session-evicted-lru").inc()
+
     async def _expiry_loop(self) -> None:
         timeout = self.config.session.idle_timeout_s
         while True:
             await asyncio.sleep(min(60.0, timeout / 4))
-            now = self.clock()
-            for sid, seen in list(self.last_seen_s.items()):
-                if now - seen > timeout and sid not in self.busy:
-                    self.end_session(sid)
+            self.expire_idle()
+
+    def expire_idle(self) -> int:
+        """End sessions idle longer than ``session.idle_timeout_s`` (oldest first; stops at the first recent one)."""
+        cutoff, ended = self.clock() - self.config.session.idle_timeout_s, []
+        for sid, seen in self.last_seen_s.items():
+            if seen >= cutoff:
+                break
+            if sid not in self.busy:
+                ended.append(sid)
+        for sid in ended:
+            self.end_session(sid)
+        return len(ended)
 
     def end_session(self, session_id: str) -> bool:
         known = session_id in self.manager
         self.manager.on_session_end(session_id)
         self.cluster.forget_session(session_id)
+        self.shadows.forget_session(session_id)
         self.last_seen_s.pop(session_id, None)
+        self.prompt_end.pop(session_id, None)
+        if self.recorder is not None:
+            self.recorder.forget(session_id)
         return known
 
 

@@ -27,6 +27,7 @@ class GatewayMetrics:
     fallbacks: Counter = attrs.field(init=False)
     errors: Counter = attrs.field(init=False)
     call_seconds: Histogram = attrs.field(init=False)
+    ejections: Counter = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         r = self.registry
@@ -49,5 +50,7 @@ class GatewayMetrics:
         self.fallbacks = Counter(P + "fallbacks", "Degraded paths taken (reason)", ["reason"], registry=r)
         self.errors = Counter(P + "errors", "Upstream errors (where: routed, plain, shadow, health)",
                               ["where", "instance"], registry=r)
+        self.ejections = Counter(P + "ejections", "Instances taken out of placement as outliers (reason: "
+                                 "first-byte-bound, timeout)", ["instance", "reason"], registry=r)
         self.call_seconds = Histogram(P + "call_seconds", "Routed call duration at the gateway", ["model"],
                                       registry=r)

@@ -104,8 +104,12 @@ _WAITING = re.compile(r"^vllm:num_requests_waiting(?:\{[^}]*\})?\s+([0-9.eE+-]+)
 
 def parse_num_waiting(metrics_text: str, source: str = "/metrics") -> int:
     """``vllm:num_requests_waiting`` from a Prometheus exposition (summed over
-    label sets); a missing gauge is an error naming ``source``."""
+    label sets; 0 for a declared gauge without a sample, as prometheus'
+    multiprocess mode shows one never set); a missing gauge is an error naming
+    ``source``."""
     values = _WAITING.findall(metrics_text)
+    if not values and "# TYPE vllm:num_requests_waiting gauge" in metrics_text:
+        return 0  # declared, never set (prometheus multiprocess mode before the first request): nothing waits
     if not values:
         raise ValueError(f"{source}: no vllm:num_requests_waiting gauge")
     return round(sum(float(v) for v in values))

@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import uvicorn
 
         from shadow_gateway.app import create_app
-        from shadow_gateway.config import load_config
+        from shadow_gateway.config import check_host, check_listen, check_port, load_config
         from shadow_gateway.gateway import Gateway
     except ImportError as e:
         print(f"shadowprefill serve: error: {e}; install the gateway extra: pip install 'shadowprefill[gateway]'",
@@ -40,6 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         config = load_config(args.config)
+        if args.host is not None:
+            check_host("--host", args.host)
+            check_listen("--host", args.host, config.auth)
+        if args.port is not None:
+            check_port("--port", args.port)
         gateway = Gateway(config)  # loads the router and the shadow policy: errors before listening
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill serve: error: {e}", file=sys.stderr)
@@ -57,7 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"policy {config.shadow.policy.name})")
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(config, gateway), host=args.host or config.host, port=args.port or config.port,
+    host = args.host if args.host is not None else config.host
+    port = args.port if args.port is not None else config.port
+    uvicorn.run(create_app(config, gateway), host=host, port=port,
                 log_level=args.log_level, access_log=False)
     return 0
 

@@ -31,7 +31,7 @@ Invariants:
   early (a tail below its ``n_min``, a policy that runs no shadows).
 * A job the instance ended early is not sent again until its context grows
   (or a new epoch starts): resending the same prefix would end the same way.
-* Unhealthy instances get no shadow work (dropped first).
+* Unhealthy and ejected instances get no shadow work (dropped first).
 * A lane fills at most once per ``fill_interval_s``, and wakes are coalesced
   per event-loop turn: per-token growth of a streaming call costs the routed
   path one scheduled callback, not a pass over every lane's jobs.
@@ -45,6 +45,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -53,7 +54,8 @@ import attrs
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import SchedulerKind, ShadowSubmitConfig
 from shadow_gateway.metrics import GatewayMetrics
-from shadowcore.job import ShadowJob
+from shadow_gateway.offload import Offloader, encode
+from shadowcore.job import ShadowJob, token_array
 from shadowcore.manager import ShadowManager
 from shadowcore.types import JobKey
 from shadowcore.wire import ShadowEnd, ShadowTag, TagKind, parse_stop
@@ -78,6 +80,9 @@ class ShadowDispatcher:
     cluster: GatewayCluster
     config: ShadowSubmitConfig
     metrics: GatewayMetrics
+    offload: Offloader | None = None  # large shadow bodies encoded off the event loop
+    #: Body fields every shadow of a session carries (the gateway's per-tenant ``cache_salt``).
+    session_fields: Any = lambda _session_id: {}
     client: aiohttp.ClientSession = attrs.field(init=False)
     lanes: dict[str, Lane] = attrs.field(init=False, factory=dict)
     request_level: Any = attrs.field(init=False, default=None)  # RequestLevelShadower when stock instances exist
@@ -155,6 +160,9 @@ class ShadowDispatcher:
         if not inst.healthy:
             return  # the health checker wakes every lane when it comes back
         now = time.monotonic()
+        if inst.ejected:
+            self.wake_later(lane, inst.ejected_until_s - now)
+            return
         if now < inst.shadow_blocked_until_s:
             self.wake_later(lane, inst.shadow_blocked_until_s - now)
             return
@@ -179,11 +187,11 @@ class ShadowDispatcher:
         start = job.reserve(num_missing)
         tag = ShadowTag(TagKind.SHADOW, job.key.session_id, job.key.target_model, epoch, job.switch_probability)
         body = {"model": inst.model.upstream_name, "prompt": ids[:target], "max_tokens": 1,
-                "vllm_xargs": tag.to_extra_args()}
+                "vllm_xargs": tag.to_extra_args(), **self.session_fields(job.key.session_id)}
         task = asyncio.create_task(self._send(lane, job, body, ids, target, epoch, start, num_missing))
         lane.inflight[job.key] = task
 
-    async def _send(self, lane: Lane, job: ShadowJob, body: dict, ids: list[int], target: int, epoch: int,
+    async def _send(self, lane: Lane, job: ShadowJob, body: dict, ids: Sequence[int], target: int, epoch: int,
                     start: int, num_missing: int) -> None:
         inst = lane.instance
         try:
@@ -207,8 +215,9 @@ class ShadowDispatcher:
         mode = "request-level" if inst.scheduler is SchedulerKind.STOCK else "tagged"
         num_held = 0
         try:
-            async with self.client.post(f"{inst.url}/v1/completions", data=json.dumps(body).encode(),
-                                        headers=JSON_HEADERS) as r:
+            data = await self.offload.encode(body) if self.offload is not None else encode(body)
+            async with self.client.post(f"{inst.url}/v1/completions", data=data,
+                                        headers={**JSON_HEADERS, **inst.config.auth_headers}) as r:
                 if r.status != 200:
                     outcome = f"http-{r.status // 100}xx"
                 else:
@@ -221,7 +230,7 @@ class ShadowDispatcher:
         self.metrics.shadow_requests.labels(inst.model.name, mode, outcome).inc()
         return outcome, num_held
 
-    def _account(self, inst: InstanceState, mode: str, outcome: str, session_id: str, ids: list[int],
+    def _account(self, inst: InstanceState, mode: str, outcome: str, session_id: str, ids: Sequence[int],
                  num_context: int, num_tokens: int) -> None:
         if outcome in ("completed", "partial"):
             self.cluster.record_shadow(inst.id, session_id, ids, num_context)
@@ -229,6 +238,21 @@ class ShadowDispatcher:
         else:
             self.metrics.errors.labels("shadow", inst.id).inc()
             inst.shadow_blocked_until_s = time.monotonic() + self.config.backoff_s
+
+    def forget_session(self, session_id: str) -> None:
+        """Drop everything kept for the session (it ended): its request-level
+        context and pending request-level shadows, its lanes' declines."""
+        for inst in self.cluster.by_id.values():
+            if self._rl_context.pop((inst.id, session_id), None) is not None and self.request_level is not None:
+                self.request_level.on_call_arrival(session_id, inst.id)  # drops a pending shadow there
+        for lane in self.lanes.values():
+            if lane.declined:
+                for model in self.manager.models:
+                    lane.declined.pop(JobKey(session_id, model), None)
+
+    def num_session_entries(self) -> int:
+        """Per-session entries kept (request-level contexts, declines): 0 once every session ended."""
+        return len(self._rl_context) + sum(len(lane.declined) for lane in self.lanes.values())
 
     # -- request-level mode (stock instances) ------------------------------------------------
     def on_call_arrival(self, session_id: str, instance_id: str) -> None:
@@ -248,7 +272,7 @@ class ShadowDispatcher:
         for model in self.manager.models:
             job = self.manager.job(JobKey(session_id, model))
             inst = self.cluster.by_id.get(job.instance_id) if job is not None else None
-            if inst is None or inst.scheduler is not SchedulerKind.STOCK or not inst.healthy:
+            if inst is None or inst.scheduler is not SchedulerKind.STOCK or not inst.available:
                 continue
             if time.monotonic() < inst.shadow_blocked_until_s:
                 self.metrics.fallbacks.labels("shadow-dropped-backoff").inc()
@@ -293,7 +317,7 @@ class ShadowDispatcher:
         if not inst.healthy:
             return 1  # nothing goes to an unhealthy instance
         try:
-            async with self.client.get(f"{inst.url}/metrics",
+            async with self.client.get(f"{inst.url}/metrics", headers=inst.config.auth_headers,
                                        timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s)) as r:
                 r.raise_for_status()
                 return parse_num_waiting(await r.text(), f"{inst.url}/metrics")
@@ -308,12 +332,13 @@ class ShadowDispatcher:
         inst = self.cluster.by_id[shadow.destination.instance_id]
         body = completions_body(shadow, inst.model.upstream_name)
         body["priority"] = self.config.request_level_priority
+        body.update(self.session_fields(shadow.session_id))
         ids = self._rl_context.get((inst.id, shadow.session_id))
 
         async def send() -> None:
             num_prompt = len(shadow.prompt_token_ids)
             outcome, num_held = await self._post(inst, body, num_prompt)
-            if ids is not None and ids[:num_prompt] == list(shadow.prompt_token_ids):
+            if ids is not None and ids[:num_prompt] == token_array(shadow.prompt_token_ids):
                 self._account(inst, "request-level", outcome, shadow.session_id, ids, num_held, num_held)
             self.request_level.on_shadow_finished(shadow.submission_id, outcome == "completed")
             self._schedule_rl_pump()

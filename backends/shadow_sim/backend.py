@@ -27,8 +27,9 @@ class SimBackend:
         run_cls = SimRun if sc.pd is None else PDRun
         return run_cls(sc, shadow, observers).run()
 
-    def compare(self, scenario: Mapping[str, Any], configs: Any) -> str | None:
+    def compare(self, scenario: Mapping[str, Any], configs: Any, out: Any = None, wide: bool = False) -> str | None:
         """``shadowprefill simulate`` on this backend: an experiment (the embedded
         default for an empty scenario, or ``{"experiment": {...}}``) through the
-        experiment runner; None for a plain scenario (run policy by policy)."""
-        return simulate_table(scenario, configs)
+        experiment runner, writing the result folder ``out`` when given; None
+        for a plain scenario (run policy by policy)."""
+        return simulate_table(scenario, configs, out=out, wide=wide)

@@ -60,6 +60,10 @@ class EngineShadowConfig:
     #: finishing them (``shadowprefill:tail-below-n-min``). Only for clients that end
     #: them themselves (abort, or a superseding shadow): docs/vllm.md, "Tails below n_min".
     keep_tails_below_n_min: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    #: Refit the latency model online from the engine's measured steps
+    #: (``shadowcore.latency_fit.OnlineLatencyFit`` arguments: ``min_steps``,
+    #: ``every``, ``window``); None: the configured model stays (the default).
+    refit: Mapping[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -68,6 +72,7 @@ class EngineShadowConfig:
             "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s},
             "latency": self.latency.to_dict(),
             "keep_tails_below_n_min": self.keep_tails_below_n_min,
+            **({"refit": dict(self.refit)} if self.refit is not None else {}),
         }
 
     @classmethod
@@ -79,7 +84,7 @@ class EngineShadowConfig:
                 raise ConfigError(f"{field}:{e.lineno}:{e.colno}", data, e.msg) from None
         if not isinstance(data, Mapping):
             raise ConfigError(field, data, "must be a JSON object")
-        known = {"shadow", "instance_id", "slo", "latency", "keep_tails_below_n_min"}
+        known = {"shadow", "instance_id", "slo", "latency", "keep_tails_below_n_min", "refit"}
         for k in data:
             if k not in known:
                 raise ConfigError(f"{field}.{k}", data[k], f"unknown field (known: {', '.join(sorted(known))})")
@@ -96,7 +101,7 @@ class EngineShadowConfig:
         keep_tails = data.get("keep_tails_below_n_min", False)
         if not isinstance(keep_tails, bool):
             raise ConfigError(f"{field}.keep_tails_below_n_min", keep_tails, "must be true or false")
-        return cls(shadow, instance_id, slo, latency, keep_tails)
+        return cls(shadow, instance_id, slo, latency, keep_tails, _refit(data.get("refit"), f"{field}.refit"))
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> EngineShadowConfig:
@@ -105,6 +110,19 @@ class EngineShadowConfig:
         if not isinstance(extra, Mapping):
             raise ConfigError("additional_config", extra, "must be a mapping")
         return cls.from_dict(extra.get(CONFIG_KEY, {}))
+
+    def attach_refit(self, hook: Any, asynchronous: bool) -> Any:
+        """The online latency refit of ``hook`` when configured (None otherwise)."""
+        if self.refit is None:
+            return None
+        if asynchronous:
+            raise ConfigError(f"{FIELD}.refit", dict(self.refit), "needs measured step times: the synchronous "
+                              "scheduler (under async scheduling a step's end is not observed)")
+        from shadowcore.latency_fit import OnlineLatencyFit
+
+        fit = OnlineLatencyFit(hook, **self.refit, tpot_slo_s=self.slo.tpot_s)
+        hook.observers.add(fit)
+        return fit
 
     def build_latency(self) -> LatencyModel:
         field = f"{FIELD}.latency"
@@ -138,3 +156,26 @@ def engine_args(policy: str | Mapping[str, Any] = "harvest-slo", *, asynchronous
         "scheduler_cls": ASYNC_SCHEDULER_CLS if asynchronous else SCHEDULER_CLS,
         "additional_config": {CONFIG_KEY: data},
     }
+
+
+def _refit(data: Any, field: str) -> dict[str, int] | None:
+    """The ``refit`` field, checked by building the refit's settings."""
+    if data is None:
+        return None
+    if not isinstance(data, Mapping):
+        raise ConfigError(field, data, "must be a JSON object (min_steps, every, window) or null")
+    from shadowcore.latency_fit import OnlineLatencyFit
+
+    known = {"min_steps", "every", "window"}
+    for k in data:
+        if k not in known:
+            raise ConfigError(f"{field}.{k}", data[k], f"unknown field (known: {', '.join(sorted(known))})")
+
+    class _Hook:  # what the settings' validators need of a hook
+        latency = LinearLatencyModel()
+
+    try:
+        OnlineLatencyFit(_Hook(), **data)
+    except ConfigError as e:
+        raise ConfigError(f"{field}.{e.field}", e.value, e.problem) from None
+    return dict(data)

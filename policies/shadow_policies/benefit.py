@@ -56,6 +56,7 @@ from shadowcore.switch import (
     ProbabilityGate,
     SwitchPredictor,
     Target,
+    TaskMemory,
     Targeting,
     TopK,
     next_model_distribution_from_counts,
@@ -88,7 +89,9 @@ class PopulationBackoffPredictor(SwitchPredictor):
     one included: staying), where ``p_pop`` is the population's share with a
     symmetric Dirichlet prior of ``pseudo_count`` per model seen. With nothing
     observed it is uniform over the models it has seen, and ``switch_probability``
-    is 1/2 (the limit of the prior).
+    is 1/2 (the limit of the prior). The session's own counts are dropped when it
+    ends; ``max_tasks`` bounds the tasks whose counts are kept (least recently
+    observed dropped first; default: no bound).
     """
 
     prior_strength: float = attrs.field(default=4.0, validator=non_negative)
@@ -96,14 +99,42 @@ class PopulationBackoffPredictor(SwitchPredictor):
     pseudo_count: float = attrs.field(default=1.0, validator=non_negative)
     _population: dict[str, dict[str, float]] = attrs.field(init=False, factory=_counts)
     _task: dict[tuple[str, str], dict[str, float]] = attrs.field(init=False, factory=_counts)
-    _own: dict[tuple[str, str], dict[str, float]] = attrs.field(init=False, factory=_counts)
+    max_tasks: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    _own: dict[str, dict[str, dict[str, float]]] = attrs.field(  # session -> from -> to
+        init=False, factory=lambda: defaultdict(_counts))
     _known: dict[str, None] = attrs.field(init=False, factory=dict)  # every model seen, in order
+    _task_memory: TaskMemory = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._task_memory = TaskMemory(self.max_tasks)
 
     def observe_transition(self, session_id: str, task: str, from_model: str, to_model: str) -> None:
         self._known.update(dict.fromkeys((from_model, to_model)))
         self._population[from_model][to_model] += 1.0
         self._task[(task, from_model)][to_model] += 1.0
-        self._own[(session_id, from_model)][to_model] += 1.0
+        self._own[session_id][from_model][to_model] += 1.0
+        for key in self._task_memory.observe(task, from_model, ended=False):
+            self._task.pop(key, None)
+
+    def observe_session_end(self, session_id: str, task: str) -> None:
+        """The session's own counts go with it; the task's stay (at most ``max_tasks`` tasks)."""
+        self._own.pop(session_id, None)
+        for key in self._task_memory.observe(task, None, ended=True):
+            self._task.pop(key, None)
+
+    def limit_tasks(self, max_tasks: int) -> None:
+        self.max_tasks = self._task_memory.max_tasks = max_tasks
+
+    def another_call_probability(self, task: str) -> float:
+        """P(a call of ``task`` is followed by another one) (see :class:`~shadowcore.switch.TaskMemory`)."""
+        return self._task_memory.another_call_probability(task, self.pseudo_count)
+
+    def num_sessions(self) -> int:
+        """Sessions whose own transitions are kept (live sessions with a transition)."""
+        return len(self._own)
+
+    def num_tasks(self) -> int:
+        return self._task_memory.num_tasks
 
     def _row(self, session_id: str, task: str, current: str, models: Sequence[str]) -> dict[str, float]:
         pop = self._population.get(current, {})
@@ -112,7 +143,7 @@ class PopulationBackoffPredictor(SwitchPredictor):
         row = {m: (self.prior_strength * w / total if total > 0 else 0.0) for m, w in prior.items()}
         for m, n in self._task.get((task, current), {}).items():
             row[m] = row.get(m, 0.0) + n
-        for m, n in self._own.get((session_id, current), {}).items():
+        for m, n in self._own.get(session_id, {}).get(current, {}).items():
             row[m] = row.get(m, 0.0) + self.session_weight * n
         return row
 

@@ -33,11 +33,15 @@ class CallRecord:
 @attrs.frozen
 class ScenarioResult:
     """A backend's answer to ``run``: the policy's name, every finished
-    routed call, and the summary metrics."""
+    routed call, the summary metrics, the warnings about the policy on these
+    engines (``ShadowRuntime.notices``) and the warm-up (calls arriving
+    earlier are not in the metrics)."""
 
     policy: str
     calls: tuple[CallRecord, ...]
     metrics: Mapping[str, float]
+    notices: tuple[str, ...] = ()
+    warmup_s: float = 0.0
 
 
 def mean(values: Iterable[float]) -> float:

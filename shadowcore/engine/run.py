@@ -18,7 +18,7 @@ instance's TPOT SLO; a rejected one is counted and is a miss.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -80,11 +80,13 @@ class ScenarioRun:
             self.runtime.observers.add(obs)
         for inst in self.cluster.by_id.values():  # fixed order: attach draws from the runtime's generator
             inst.hook = self.attach_hook(inst)
+            if inst.hook is not None:
+                self.runtime.check_reach(inst.hook, inst.tpot_slo_s)
         self._dedicated.update(dedicated.values())
-        workload = self.workload if self.workload is not None else self.draw_workload()
-        if self.sessions is not None:
-            workload = attrs.evolve(workload, sessions=tuple(self.sessions))
-        self.workload = workload
+        if self.workload is None:
+            self.workload = self.draw_workload(self.sessions)
+        elif self.sessions is not None:
+            self.workload = attrs.evolve(self.workload, sessions=tuple(self.sessions))
         self.driver = SessionDriver(self.loop, self.runtime.manager, self)
 
     # -- what a backend provides -----------------------------------------------------
@@ -111,9 +113,10 @@ class ScenarioRun:
         """The instances normal traffic may arrive at (not the dedicated ones), in cluster order."""
         return [i for i in self.cluster.by_id if i not in self._dedicated]
 
-    def draw_workload(self) -> Workload:
-        """The workload when none is given: :meth:`session_plans` and :meth:`normal_traffic`."""
-        return Workload(tuple(self.session_plans()), self.normal_traffic())
+    def draw_workload(self, sessions: Sequence[SessionPlan] | None = None) -> Workload:
+        """The workload when none is given: :meth:`session_plans` (or
+        ``sessions``, and then none are drawn) and :meth:`normal_traffic`."""
+        return Workload(tuple(self.session_plans() if sessions is None else sessions), self.normal_traffic())
 
     def session_plans(self) -> list[SessionPlan]:
         """The drawn sessions (default: the scenario's Markov sessions)."""
@@ -139,7 +142,8 @@ class ScenarioRun:
         assert self.workload is not None
         self.driver.schedule(self.workload, self.serving_instances())
         self.loop.run()
-        return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary())
+        return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary(), tuple(self.runtime.notices),
+                              self.scenario.warmup_s)
 
     # -- the driver's serving port ---------------------------------------------------
     def input_token_ids(self, session_id: str, call_index: int, model: str, num_tokens: int) -> None:
@@ -206,6 +210,7 @@ class ScenarioRun:
             "shadow_tokens": float(shadow_tokens),
             "shadow_tokens_used": float(used),
             "rejected_requests": float(len(self.driver.rejected) + len(self.rejected_normal)),
+            **{f"steps_{why}": float(n) for why, n in self.runtime.step_counts().items()},
         }
 
 

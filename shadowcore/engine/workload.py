@@ -245,13 +245,13 @@ def normal_requests(streams: Iterable[tuple[str, Iterable[tuple[float, int, int]
 
 
 def draw_workload(sc: ScenarioSpec, serving: Sequence[str] | None = None, normal_rate_per_s: float | None = None,
-                  ) -> Workload:
-    """Markov sessions and Poisson normal traffic on ``serving`` (default:
-    :meth:`ScenarioSpec.serving_instances`), the k-th instance drawing from
-    ``[seed, 2, k]``."""
+                  sessions: Sequence[SessionPlan] | None = None) -> Workload:
+    """Markov sessions (or ``sessions``, and then none are drawn) and Poisson
+    normal traffic on ``serving`` (default: :meth:`ScenarioSpec.serving_instances`),
+    the k-th instance drawing from ``[seed, 2, k]``."""
     serving = sc.serving_instances() if serving is None else serving
     normal = normal_requests((inst, draw_normal(sc, k, normal_rate_per_s)) for k, inst in enumerate(serving))
-    return Workload(tuple(draw_sessions(sc)), normal)
+    return Workload(tuple(draw_sessions(sc) if sessions is None else sessions), normal)
 
 
 def from_agent_sessions(agents: Iterable[Any]) -> list[SessionPlan]:

@@ -17,8 +17,8 @@ Main entry points:
   and :class:`~shadowcore.latency.LinearLatencyModel` instances;
 * :func:`kv_policies`, :func:`host_tier_params`, :func:`hash_chains` -- the KV
   classes;
-* :func:`slack_controllers`, :func:`targetings`, :func:`ranked_targets` -- the
-  strategy objects shipped with the core;
+* :func:`slack_controllers`, :func:`switch_predictors`, :func:`targetings`,
+  :func:`ranked_targets` -- the strategy objects shipped with the core;
 * :func:`step_outcomes` -- an engine's report for a given plan.
 
 The composite strategies ``request_views``, ``batches``, ``snapshots``,
@@ -45,7 +45,18 @@ from shadowcore.slack import (
     SlackController,
     SloSlackController,
 )
-from shadowcore.switch import AllOthers, NoTargets, ProbabilityGate, Target, Targeting, TopK, rank_targets
+from shadowcore.switch import (
+    AllOthers,
+    EmpiricalSwitchPredictor,
+    FixedSwitchPredictor,
+    NoTargets,
+    ProbabilityGate,
+    SwitchPredictor,
+    Target,
+    Targeting,
+    TopK,
+    rank_targets,
+)
 from shadowcore.types import (
     ChunkResult,
     JobKey,
@@ -313,6 +324,14 @@ def slack_controllers(*, include_eager: bool = True, include_disabled: bool = Tr
     if include_disabled:
         options.append(st.just(None).map(lambda _: NoShadowController()))
     return st.one_of(*options)
+
+
+def switch_predictors() -> st.SearchStrategy[SwitchPredictor]:
+    """Fresh instances of the shipped predictors with random parameters."""
+    return st.one_of(
+        st.builds(EmpiricalSwitchPredictor, pseudo_count=st.sampled_from([0.0, 1.0]) | st.floats(0.0, 10.0)),
+        st.builds(FixedSwitchPredictor, probabilities()),
+    )
 
 
 def targetings(max_k: int = 4) -> st.SearchStrategy[Targeting]:

@@ -36,6 +36,38 @@ def test_example_config_loads():
     (GOOD + "colour: red\n", "colour", 6, "'red'"),
     ("models:\n  a: {instances: []}\n", "models.a.instances", 2, "[]"),
     ("models:\n  a:\n    instances: [http://h:1\n", None, None, "''"),
+    # listen: port range, host type, unknown keys, loopback only without client keys
+    (GOOD + "listen: {port: 70000}\n", "listen.port", 6, "70000"),
+    (GOOD + "listen:\n  host: 127.0.0.1\n  port: 0\n", "listen.port", 8, "0"),
+    (GOOD + "listen:\n  host: 123\n", "listen.host", 7, "123"),
+    (GOOD + "listen:\n  host: 'no such host!'\n", "listen.host", 7, "'no such host!'"),
+    (GOOD + "listen:\n  port: 8000\n  hots: x\n", "listen.hots", 8, "'x'"),
+    (GOOD + "listen: {host: 0.0.0.0}\n", "listen.host", 6, "'0.0.0.0'"),
+    # duplicate instance URLs (also across models, and spelled differently)
+    ("models:\n  a:\n    instances: [http://127.0.0.1:1]\n  b:\n    instances:\n      - http://127.0.0.1:1/\n",
+     "models.b.instances[0].url", 6, "'http://127.0.0.1:1'"),
+    ("models:\n  a:\n    instances:\n      - url: http://h:80\n      - url: http://H\n",
+     "models.a.instances[1].url", 5, "'http://H'"),
+    # unknown keys at every level
+    ("models:\n  a:\n    instances: [http://h:1]\n    colour: red\n", "models.a.colour", 4, "'red'"),
+    ("models:\n  a:\n    instances:\n      - {url: 'http://h:1', colour: red}\n",
+     "models.a.instances[0].colour", 4, "'red'"),
+    (GOOD + "session:\n  header: X-S\n  timeout: 3\n", "session.timeout", 8, "3"),
+    (GOOD + "auth:\n  api_keys: []\n  colour: red\n", "auth.colour", 8, "'red'"),
+    (GOOD + "access_log: {bodies: 1}\n", "access_log.bodies", 6, "1"),
+    # client keys: never echoed
+    (GOOD + "auth:\n  api_keys:\n    - short-key\n", "auth.api_keys[0]", 8, "<redacted>"),
+    (GOOD + "auth:\n  api_keys:\n    - {key: aaaaaaaaaaaaaaaaaaaa, tenant: 'a:b'}\n", "auth.api_keys[0].tenant",
+     8, "'a:b'"),
+    (GOOD + "auth:\n  api_keys:\n    - aaaaaaaaaaaaaaaaaaaa\n    - aaaaaaaaaaaaaaaaaaaa\n", "auth.api_keys[1]", 9,
+     "<redacted>"),
+    (GOOD + "auth:\n  api_keys:\n    - {key_env: SHADOWPREFILL_TEST_UNSET}\n", "auth.api_keys[0].key_env", 8,
+     "'SHADOWPREFILL_TEST_UNSET'"),
+    # upstream credentials: an environment variable's name, never the key
+    ("models:\n  a:\n    instances:\n      - {url: 'http://h:1', api_key: sk-secret}\n",
+     "models.a.instances[0].api_key", 4, "<redacted>"),
+    ("models:\n  a:\n    api_key_env: SHADOWPREFILL_TEST_UNSET\n    instances: [http://h:1]\n",
+     "models.a.api_key_env", 3, "'SHADOWPREFILL_TEST_UNSET'"),
 ])
 def test_bad_config_names_field_value_and_line(text, field, line, value):
     with pytest.raises(ConfigError) as info:
@@ -51,6 +83,35 @@ def test_bad_config_names_field_value_and_line(text, field, line, value):
         assert value in msg
 
 
+def test_secrets_come_from_the_environment_and_never_show(monkeypatch):
+    env = {"UP_KEY": "upstream-secret-123", "CLIENT_KEY": "client-secret-aaaaaaa",
+           "SHADOWPREFILL_GATEWAY_API_KEYS": "team-b:client-secret-bbbbbbb, client-secret-ccccccc"}
+    text = ("listen: {host: 0.0.0.0}\nauth:\n  api_keys:\n    - {key_env: CLIENT_KEY, tenant: team-a}\n"
+            "models:\n  a:\n    api_key_env: UP_KEY\n    instances: [http://h:1, {url: 'http://h:2', id: x}]\n")
+    cfg = parse_config(text, "gw.yaml", env)
+    assert [k.tenant for k in cfg.auth.api_keys][:2] == ["team-a", "team-b"]
+    assert cfg.auth.api_keys[2].tenant.startswith("key-")  # a key without a tenant is a tenant of its own
+    assert [i.auth_headers for i in cfg.model("a").instances] == [{"authorization": "Bearer upstream-secret-123"}] * 2
+    for secret in ("upstream-secret-123", "client-secret"):
+        assert secret not in repr(cfg)
+    with pytest.raises(ConfigError) as info:  # a bad key in the variable: named by position, never shown
+        parse_config(GOOD, "gw.yaml", {"SHADOWPREFILL_GATEWAY_API_KEYS": "t:short-secret"})
+    assert info.value.field == "$SHADOWPREFILL_GATEWAY_API_KEYS[0]" and "short-secret" not in str(info.value)
+
+
+def test_serve_without_client_keys_listens_on_loopback_only(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(GOOD + "tokenizer_check: false\n")
+    monkeypatch.delenv("SHADOWPREFILL_GATEWAY_API_KEYS", raising=False)
+    assert cli_main(["serve", "--config", str(cfg), "--check", "--host", "0.0.0.0"]) == 2
+    assert "--host = '0.0.0.0': without client API keys" in capsys.readouterr().err
+    assert cli_main(["serve", "--config", str(cfg), "--check", "--port", "70000"]) == 2
+    assert "--port = 70000: must be a TCP port" in capsys.readouterr().err
+    assert cli_main(["serve", "--config", str(cfg), "--check", "--host", "::1"]) == 0
+    monkeypatch.setenv("SHADOWPREFILL_GATEWAY_API_KEYS", "team:" + "k" * 20)
+    assert cli_main(["serve", "--config", str(cfg), "--check", "--host", "0.0.0.0"]) == 0
+
+
 def test_policy_field_takes_the_command_line_syntax():
     cfg = parse_config(GOOD + 'shadow: {policy: \'harvest-slo:{"beta": 0.3, "delta": 0.1}\'}\n', "gw.yaml")
     assert cfg.shadow.policy == PluginRef("harvest-slo", {"beta": 0.3, "delta": 0.1})
@@ -64,7 +125,7 @@ def test_serve_command_reports_bad_config(tmp_path, capsys):
     bad = tmp_path / "g.yaml"
     bad.write_text(GOOD + "listen: {port: -1}\n")
     assert cli_main(["serve", "--config", str(bad), "--check"]) == 2
-    assert f"listen.port = -1: must be an integer >= 0 ({bad}:6)" in capsys.readouterr().err
+    assert f"listen.port = -1: must be a TCP port, an integer in [1, 65535] ({bad}:6)" in capsys.readouterr().err
     assert cli_main(["serve", "--config", str(EXAMPLE), "--check"]) == 0
 
 

@@ -16,6 +16,11 @@ gateways (one server pair: starting vLLM on 2 cores takes most of a minute):
 In both, a session that switches models finds its context cached on the new
 model (vLLM's own ``usage.prompt_tokens_details.cached_tokens``); the same
 switch without the gateway's session (plain calls) finds nothing cached.
+
+Both servers run with ``--api-key``: the gateways know the key only through
+``api_key_env`` and send it on routed calls, shadows (request-level and
+tagged), ``/metrics`` reads and tokenizer probes; a request without it gets
+vLLM's 401.
 Each test uses its own token sequences, so the shared prefix caches do not mix.
 
 vLLM runs in its own interpreter: this one when it imports vllm, else
@@ -58,6 +63,9 @@ if VLLM_PYTHON is None:
                 allow_module_level=True)
 
 BLOCK = 32
+UPSTREAM_KEY = "e2e-vllm-key-" + os.urandom(8).hex()
+KEY_ENV = "SHADOWPREFILL_E2E_VLLM_KEY"
+AUTH = {"Authorization": f"Bearer {UPSTREAM_KEY}"}
 
 
 def _free_port() -> int:
@@ -83,7 +91,7 @@ def vllm_servers(tmp_path_factory) -> Iterator[dict[str, str]]:
                    "--scheduler", "sync", "--model", str(root / name),
                    "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
                    "--block-size", str(BLOCK), "--max-model-len", "2048", "--dtype", "float32",
-                   "--enable-prompt-tokens-details", "--scheduling-policy", "priority"]
+                   "--enable-prompt-tokens-details", "--scheduling-policy", "priority", "--api-key", UPSTREAM_KEY]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True), log, root / f"{name}.log"))
             urls[name] = f"http://127.0.0.1:{port}"
@@ -100,8 +108,10 @@ def vllm_servers(tmp_path_factory) -> Iterator[dict[str, str]]:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"vLLM did not become healthy: {Path(log_path).read_text()[-3000:]}")
                 time.sleep(0.5)
+        os.environ[KEY_ENV] = UPSTREAM_KEY  # the gateways' api_key_env
         yield urls
     finally:
+        os.environ.pop(KEY_ENV, None)
         for proc, log, _ in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -117,7 +127,8 @@ def vllm_servers(tmp_path_factory) -> Iterator[dict[str, str]]:
 def _config(vllm_servers: dict[str, str], scheduler: str, **shadow_submit: float) -> dict:
     """A gateway over both servers, every instance with ``scheduler`` (stock or shadow)."""
     return {
-        "models": {name: {"block_size": BLOCK, "instances": [{"url": url, "scheduler": scheduler}]}
+        "models": {name: {"block_size": BLOCK, "api_key_env": KEY_ENV,
+                          "instances": [{"url": url, "scheduler": scheduler}]}
                    for name, url in vllm_servers.items()},
         "shadow": {"policy": "harvest-slo"},
         "health": {"interval_s": 1.0},
@@ -144,6 +155,31 @@ def _context(seed: int, n: int = 300) -> list[int]:
     return [(seed * 7919 + i * 104729) % 400 + 40 for i in range(n)]  # the tiny vocabulary has 467 ids
 
 
+def test_the_servers_demand_their_key_and_the_gateway_sends_it_on_probes(gw, vllm_servers):
+    import asyncio
+
+    body = {"model": "tiny-a", "prompt": _context(9, 8), "max_tokens": 1}
+    url = vllm_servers["tiny-a"] + "/v1/completions"
+    assert httpx.post(url, json=body, timeout=60).status_code == 401  # the key is enforced
+    assert httpx.post(url, json=body, headers=AUTH, timeout=60).status_code == 200
+    # tokenizer probes (as at startup) answered by both models
+    assert asyncio.run(gw.gateway.check_tokenizers()).keys() == {"tiny-a", "tiny-b"}
+    # without the key the startup probe stops the gateway with one error naming the field
+    from shadow_gateway.config import from_dict
+    from shadow_gateway.gateway import Gateway, UpstreamCredentials
+
+    bare = _config(vllm_servers, "stock")
+    for m in bare["models"].values():
+        m.pop("api_key_env")
+    with pytest.raises(UpstreamCredentials, match=r"api_key_env = None: instance tiny-./0 refused .*/v1/models "
+                                                  r"answered 401"):
+        asyncio.run(Gateway(from_dict(bare)).check_tokenizers())
+    # a warmth query that tokenizes the next prompt (/tokenize through the gateway)
+    r = httpx.post(gw.url + "/v1/shadowprefill/warmth", timeout=60,
+                   json={"session_id": "never-called", "model": "tiny-b", "prompt": "x"})
+    assert r.status_code == 404  # no such session: nothing to count
+
+
 def test_switch_finds_context_cached_after_a_shadow(gw, vllm_servers):
     c = httpx.Client(timeout=120)
     prompt = _context(1)
@@ -163,6 +199,14 @@ def test_switch_finds_context_cached_after_a_shadow(gw, vllm_servers):
     assert cached == len(context) // BLOCK * BLOCK, switch["usage"]
     assert gw.metric("shadowprefill_gateway_shadow_tokens_used_total", model="tiny-b") == cached
     assert gw.metric("shadowprefill_gateway_switch_calls_total", model="tiny-b") == 1
+    # the next prompt, tokenized by tiny-a behind its key (/tokenize through the gateway)
+    wp = c.post(gw.url + "/v1/shadowprefill/warmth",
+                json={"session_id": "e2e", "model": "tiny-a", "prompt": "a tool result"})
+    assert wp.status_code == 200 and wp.json()["num_prompt_tokens"] > 0, wp.text
+    for outcome in ("http-4xx", "failed", "timeout"):
+        for model in ("tiny-a", "tiny-b"):
+            assert gw.metric("shadowprefill_gateway_shadow_requests_total", model=model, mode="request-level",
+                             outcome=outcome) == 0
 
 
 def test_same_switch_without_a_session_is_cold(gw, vllm_servers):
@@ -188,9 +232,19 @@ def test_streaming_chat_session_through_real_vllm(gw, vllm_servers):
     assert r.text.rstrip().endswith("data: [DONE]")
     assert all("token_ids" not in ch["choices"][0] for ch in chunks if ch["choices"])
     history = gw.gateway.manager.history("chat")
-    tokenized = httpx.post(vllm_servers["tiny-a"] + "/tokenize", json={"model": "tiny-a", "messages": messages}).json()
-    assert history.token_ids[: tokenized["count"]] == tokenized["tokens"]
+    tokenized = httpx.post(vllm_servers["tiny-a"] + "/tokenize", headers=AUTH,
+                           json={"model": "tiny-a", "messages": messages}).json()
+    assert history.token_ids[: tokenized["count"]].tolist() == tokenized["tokens"]
     assert history.num_tokens == tokenized["count"] + 8  # prompt + streamed output ids
+    # the client re-sends the conversation with the reply as text: not a diverged history
+    reply = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "ok"}]
+    with httpx.Client(timeout=120) as c:
+        r = c.post(gw.url + "/v1/chat/completions", headers={"X-Session-Id": "chat"},
+                   json={"model": "tiny-a", "messages": messages, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert gw.gateway.manager.session("chat").num_calls == 2
+    assert gw.metric("shadowprefill_gateway_fallbacks_total", reason="history-diverged") == 0
 
 
 def test_tagged_mode_switch_finds_the_context_the_shadow_scheduler_prefilled(gw_tagged, vllm_servers):
@@ -230,3 +284,74 @@ def test_tagged_mode_switch_finds_the_context_the_shadow_scheduler_prefilled(gw_
     cached = switch_cached(context, 8, {"X-Session-Id": "tagged"})
     assert cached == expected > 0
     assert gw_tagged.metric("shadowprefill_gateway_shadow_tokens_used_total", model="tiny-b") == cached
+    assert gw_tagged.metric("shadowprefill_gateway_shadow_requests_total", model="tiny-b", mode="tagged",
+                            outcome="http-4xx") == 0  # every shadow carried the key
+
+
+def test_tenants_behind_gateway_keys_get_salted_caches_and_their_own_switches(vllm_servers):
+    """A gateway with two client keys over the same servers (tagged mode):
+    team-a's switch finds the context its (salted) shadow prefilled on tiny-b;
+    team-b sending the very same tokens finds none of them cached (vLLM's own
+    count), and cannot see team-a's session."""
+    keys = {"team-a": "e2e-client-key-team-a-" + os.urandom(4).hex(),
+            "team-b": "e2e-client-key-team-b-" + os.urandom(4).hex()}
+    cfg = _config(vllm_servers, "shadow")
+    cfg["auth"] = {"api_keys": [{"key": k, "tenant": t} for t, k in keys.items()]}
+    g = GatewayServer(cfg).start()
+    try:
+        c = httpx.Client(timeout=120)
+        a = {"Authorization": f"Bearer {keys['team-a']}", "X-Session-Id": "tenant-session"}
+        b = {"Authorization": f"Bearer {keys['team-b']}"}
+        prompt = _context(21)
+        first = c.post(g.url + "/v1/completions", headers=a,
+                       json={"model": "tiny-a", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                             "return_token_ids": True})
+        assert first.status_code == 200, first.text
+        context = prompt + first.json()["choices"][0]["token_ids"]
+        expected = len(context) // BLOCK * BLOCK
+        wait_for(lambda: g.metric("shadowprefill_gateway_shadow_tokens_submitted_total", model="tiny-b",
+                                  mode="tagged") >= expected, timeout_s=60, what="team-a's salted shadow")
+        warmth = {"session_id": "tenant-session", "model": "tiny-b"}
+        assert c.get(g.url + "/v1/shadowprefill/warmth", params=warmth, headers=b).status_code == 404
+        plain = c.post(g.url + "/v1/completions", headers=b,
+                       json={"model": "tiny-b", "prompt": context + _context(22, 40), "max_tokens": 4})
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another tenant's cache
+        switch = c.post(g.url + "/v1/completions", headers=a,
+                        json={"model": "tiny-b", "prompt": context + _context(23, 40), "max_tokens": 4})
+        assert switch.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == expected > 0
+    finally:
+        g.stop()
+
+
+def _engine_metric(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_vllm_metrics_export_the_engine_shadow_counters(gw_tagged, vllm_servers):
+    """``vllm-serve`` puts the shadow scheduler's counters on vLLM's own
+    ``/metrics``: after a tagged shadow and a switch that used it (the test
+    above, or this one's own session), tiny-b shows planned >= computed > 0,
+    prefilled shadow requests, and the switch's cached tokens counted as used."""
+    c = httpx.Client(timeout=120)
+    prompt = _context(11)
+    r = c.post(gw_tagged.url + "/v1/completions", headers={"X-Session-Id": "metrics"},
+               json={"model": "tiny-a", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                     "return_token_ids": True}).json()
+    context = prompt + r["choices"][0]["token_ids"]
+    b = vllm_servers["tiny-b"]
+    wait_for(lambda: _engine_metric(b, "shadowprefill_engine_shadow_requests_total", instance="tiny-b",
+                                    reason="prefilled") >= 1, timeout_s=60, what="a prefilled shadow on /metrics")
+    computed = _engine_metric(b, "shadowprefill_engine_shadow_tokens_computed_total", instance="tiny-b")
+    planned = _engine_metric(b, "shadowprefill_engine_shadow_tokens_planned_total", instance="tiny-b")
+    assert planned >= computed >= len(context) // BLOCK * BLOCK - BLOCK > 0
+    used_before = _engine_metric(b, "shadowprefill_engine_shadow_tokens_used_total", instance="tiny-b")
+    r = c.post(gw_tagged.url + "/v1/completions", headers={"X-Session-Id": "metrics"},
+               json={"model": "tiny-b", "prompt": context + _context(12, 40), "max_tokens": 2}).json()
+    cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+    used = _engine_metric(b, "shadowprefill_engine_shadow_tokens_used_total", instance="tiny-b") - used_before
+    assert used == cached > 0  # the switch hit exactly the shadow's blocks (promoted: used)

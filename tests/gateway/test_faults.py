@@ -5,6 +5,7 @@ no routed call is lost."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -154,3 +155,46 @@ def test_concurrent_sessions_under_faults_lose_no_routed_call(upstreams, gateway
                 for m in ("a", "b") for k in ("routed", "plain"))
     assert total == num_sessions * num_calls
     assert not gw.gateway.busy
+
+
+def test_hung_but_healthy_instance_is_ejected_within_the_bound(upstreams, gateway):
+    """a/0 hangs on completions while its /health answers: the first call that
+    waits past ``first_byte_bound_s`` ejects it (within the bound, while that
+    call still waits), new sessions go to a/1, no shadow goes there, and the
+    ejection outlives passing health checks until ``eject_s`` ends."""
+    a, (b,) = upstreams(2), upstreams(1)
+    cfg = two_model_config(a, [b])
+    cfg["upstream"].update({"first_byte_bound_s": 0.3, "eject_s": 2.0, "read_timeout_s": 1.5, "retries": 0})
+    gw = gateway(cfg)
+    a[0].hang = True
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        hung = pool.submit(_call, gw.url, "first", "a", PROMPT)  # placed on a/0 (both idle: the first wins)
+        wait_for(lambda: gw.metric("shadowprefill_gateway_ejections_total", instance="a/0",
+                                   reason="first-byte-bound") == 1, timeout_s=2.0, what="ejection")
+        ejected_after_s = time.monotonic() - t0
+        assert not hung.done()  # ejected while the call still waits, not after its read timeout
+        assert gw.gateway.cluster.by_id["a/0"].healthy  # its /health still answers
+        for i in range(4):  # new sessions avoid it
+            status, _ = _call(gw.url, f"new{i}", "a", PROMPT)
+            assert status == 200
+        assert hung.result(timeout=5)[0] == 502  # it ends by its own read timeout, its instance already out
+    assert ejected_after_s < 1.0
+    completions = [[body for path, body in u.requests if path.endswith("completions")] for u in a]
+    assert len(completions[0]) == 1 and len(completions[1]) == 4
+    assert gw.gateway.cluster.by_id["a/0"].ejected  # health checks passed meanwhile: still out
+    wait_for(lambda: not gw.gateway.cluster.by_id["a/0"].ejected, timeout_s=4.0, what="the ejection to end")
+    assert [i.id for i in gw.gateway.cluster.healthy_instances("a")] == ["a/0", "a/1"]
+
+
+def test_shadows_stop_going_to_an_ejected_instance(upstreams, gateway):
+    (a,), (b,) = upstreams(1), upstreams(1)
+    gw = gateway(two_model_config([a], [b]))
+    gw.gateway.cluster.eject("b/0", 60.0)
+    status, _ = _call(gw.url, "s", "a", PROMPT)
+    assert status == 200
+    time.sleep(0.3)  # lanes had many fill intervals to send the shadow
+    assert b.shadow_requests() == []
+    gw.gateway.cluster.by_id["b/0"].ejected_until_s = 0.0  # the ejection ends
+    assert _call(gw.url, "s", "a", PROMPT + " more")[0] == 200
+    wait_for(lambda: len(b.shadow_requests()) >= 1, what="the shadow after the ejection")

@@ -122,7 +122,7 @@ def test_streaming_chat_passes_chunks_and_streams_output_into_the_history(upstre
     history = gw.gateway.manager.history("s1")
     from shadow_gateway.fake_upstream import chat_prompt
 
-    assert history.token_ids == encode(chat_prompt(messages)) + encode(text)
+    assert history.token_ids.tolist() == encode(chat_prompt(messages)) + encode(text)
     # a follow-up that appends the assistant turn extends the same epoch (no divergence)
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Now run it."}]
     r = client.post(gw.url + "/v1/chat/completions", headers=SESSION,
@@ -132,7 +132,7 @@ def test_streaming_chat_passes_chunks_and_streams_output_into_the_history(upstre
     assert chunks[-1]["usage"]["prompt_tokens"] > 0  # asked for by the client: forwarded
     text2 = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert gw.metric("shadowprefill_gateway_fallbacks_total", reason="history-diverged") == 0
-    assert history.token_ids == encode(chat_prompt(messages)) + encode(text2)
+    assert history.token_ids.tolist() == encode(chat_prompt(messages)) + encode(text2)
 
 
 def test_calls_without_a_session_are_proxied_plainly(upstreams, gateway, client):

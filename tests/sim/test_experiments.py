@@ -40,8 +40,8 @@ def _call(sid: str, i: int, model: str, switch: bool, lat: float, prompt: int, c
     return Call(sid, i, model, switch, ttft, lat, prompt, cached, out)
 
 
-def _run(policy: str, calls: list[Call], shadow: float = 0.0, met=(True,), energy=1.0) -> RunRecord:
-    return RunRecord(policy, 0, "peak", tuple(calls), frozenset({"a", "b"}), tuple(met), 100, shadow, 0.0,
+def _run(policy: str, calls: list[Call], shadow: float = 0.0, met=(True,), energy=1.0, used=0.0) -> RunRecord:
+    return RunRecord(policy, 0, "peak", tuple(calls), frozenset({"a", "b"}), tuple(met), 100, shadow, used,
                      energy, energy, 10.0)
 
 
@@ -56,7 +56,7 @@ def test_metrics_on_a_hand_computed_case() -> None:
         _call("a", 0, "Qwen2.5-7B", False, 1.0, 1000, 0),
         _call("a", 1, "Llama-3.1-70B", True, 3.0, 2000, 1500, ttft=0.5),
         _call("b", 0, "Qwen2.5-7B", False, 2.0, 1000, 500),
-    ], shadow=3000.0, met=(True, True, True, True))
+    ], shadow=3000.0, met=(True, True, True, True), used=1200.0)
     oracle = _run("oracle-host", [
         _call("a", 0, "Qwen2.5-7B", False, 1.0, 1000, 0),
         _call("a", 1, "Llama-3.1-70B", True, 2.0, 2000, 2000, ttft=0.2),
@@ -84,8 +84,9 @@ def test_metrics_on_a_hand_computed_case() -> None:
     assert s["task_time_s"] == pytest.approx(4.0) and s["task_time_red"] == pytest.approx(0.2)
     # normal SLO: 3/4 -> 4/4 is +25 points
     assert s["normal_slo_pp"] == pytest.approx(0.25)
-    # 1500 extra cached switch tokens over the baseline's, of 3000 shadow tokens
-    assert s["shadow_unused_share"] == pytest.approx(0.5)
+    # the engine served 1200 of 3000 shadow tokens; the switch calls found 1500 extra over the baseline's
+    assert s["shadow_unused_share"] == pytest.approx(1 - 1200 / 3000) and s["shadow_tokens_used"] == 1200.0
+    assert s["switch_extra_cached_share"] == pytest.approx(1500 / 3000)
     assert math.isnan(out["no-shadow"]["shadow_unused_share"])
 
 
@@ -222,11 +223,24 @@ def test_sweep_writes_rows_and_summary(tmp_path, capsys) -> None:
     for r in table:
         if r["policy"] == "no-shadow":
             assert float(r["call_latency_red"]) == 0.0
-    summary = json.loads((out / "summary.json").read_text())["Q7/L70"]
+    summary = json.loads((out / "summary.json").read_text())["comparisons"]["Q7/L70"]
     assert summary["runs"] == 2 and summary["baseline"] == "no-shadow"
     hsh = summary["policies"][hsh_name]
     assert hsh["shadow_tokens"]["mean"] > 0 and hsh["switch_hit_rate"]["mean"] >= 0
-    assert "harvest-slo-host" in capsys.readouterr().out
+    assert summary["steps"][hsh_name]["granted"] > 0 and summary["silent"] == []
+    printed = capsys.readouterr().out
+    assert "harvest-slo-host" in printed and "± is one standard error" in printed
+    assert max(len(line) for line in printed.splitlines() if not line.startswith(("wrote", "warning"))) <= 120
+    # the result folder: per-call records that agree with the summary, the wide table, the plots
+    import pyarrow.parquet as pq
+
+    calls = pq.read_table(out / "calls.parquet").to_pylist()
+    assert {c["policy"] for c in calls} == {"no-shadow", hsh_name, "oracle-host"}
+    assert {c["seed"] for c in calls} == {0, 1} and all(c["label"] == "Q7/L70" for c in calls)
+    assert any(c["is_switch"] and c["measured"] for c in calls)
+    assert "unused shadow" in (out / "table.txt").read_text()  # every column, with its legend
+    for name in ("cdf_switch_ttft.png", "cdf_switch_latency.png", "reductions.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -266,7 +280,7 @@ def _capture(monkeypatch, module, attr: str, position: int, keyword: str) -> lis
 def test_sweep_takes_policies_with_json_arguments(argv, monkeypatch, tmp_path) -> None:
     from shadow_sim.experiments import sweep
 
-    seen = _capture(monkeypatch, sweep, "run_grid", 2, "refs")
+    seen = _capture(monkeypatch, sweep, "run_grid_records", 2, "refs")
     with pytest.raises(_Stop):
         sweep.main([*argv, "--out", str(tmp_path)])
     assert seen == [[HSLO_REF, PluginRef("no-shadow")]]
@@ -281,7 +295,8 @@ def test_reproduce_adds_policies_with_json_arguments_to_every_study(argv, monkey
         reproduce.main(["--quick", *argv, "--out", str(tmp_path)])
     assert seen == [[HSLO_REF, PluginRef("no-shadow")]]
     studies = reproduce.studies(True, extra=seen[0])
-    assert studies and all(p[-2:] == (HSLO_REF, PluginRef("no-shadow")) for *_f, p in studies)
+    # each study gets the extra policy, after its own; one it already has (no-shadow) is not added twice
+    assert studies and all(p[-1] == HSLO_REF and p.count(PluginRef("no-shadow")) == 1 for *_f, p in studies)
 
 
 @pytest.mark.parametrize("argv", [AS_LIST, AS_FLAGS])

@@ -41,7 +41,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from shadow_sim.experiments.normal import poisson
+from shadow_sim.experiments.normal import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, poisson
 from shadow_sim.experiments.spec import SIMULATE_DEFAULT, Experiment, NormalOnlyRun
 from shadow_sim.hardware import get_device
 from shadow_sim.latency import latency_model, resolve_profile, vidur_available
@@ -108,6 +108,8 @@ def _key(ex: Experiment, model: str, settings: ProbeSettings) -> str:
     source = lengths.source
     if lengths.is_file:
         source = hashlib.sha256(Path(lengths.source).read_bytes()).hexdigest()
+        if lengths.caps != (MAX_PROMPT_TOKENS, MAX_OUTPUT_TOKENS):  # default caps keep the earlier keys
+            source += f":caps={lengths.caps[0]},{lengths.caps[1]}"
     fields = {
         "v": METHOD_VERSION, "model": model, "device": sc.device, "tp": sc.tp_of(model), "latency": sc.latency,
         "slo": attrs.asdict(sc.slo), "budget": sc.token_budget, "seqs": sc.max_num_seqs, "block": sc.block_size,

@@ -71,7 +71,7 @@ class ResultStore:
         calls = tuple(Call(*(cols[f][i] for f in _CALL_FIELDS)) for i in range(table.num_rows))
         return RunRecord(calls=calls, measured_sessions=frozenset(meta["measured_sessions"]),
                          normal_met=tuple(meta["normal_met"]), summary=meta["summary"],
-                         **{f: meta[f] for f in _RUN_FIELDS})
+                         notices=tuple(meta.get("notices", ())), **{f: meta[f] for f in _RUN_FIELDS})
 
     def save(self, task: Task, record: RunRecord) -> Path:
         import pyarrow as pa
@@ -83,7 +83,7 @@ class ResultStore:
                      else pa.float64() if f.endswith("_s") else pa.int64()) for f in _CALL_FIELDS}
         meta = {"version": PART_VERSION, "task": repr(task), "measured_sessions": sorted(record.measured_sessions),
                 "normal_met": list(record.normal_met), "summary": dict(record.summary),
-                **{f: getattr(record, f) for f in _RUN_FIELDS}}
+                "notices": list(record.notices), **{f: getattr(record, f) for f in _RUN_FIELDS}}
         schema = pa.schema([(f, types[f]) for f in _CALL_FIELDS], metadata={"shadowprefill": json.dumps(meta)})
         table = pa.Table.from_pydict(cols, schema=schema)
         target = self.path(task)

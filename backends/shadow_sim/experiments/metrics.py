@@ -19,10 +19,20 @@ Definitions:
   window that met both SLOs (a change is in percentage points);
 * energy per good request: GPU energy of the run / (completed routed calls +
   normal requests that met their SLO);
-* unused shadow share: 1 - (extra cached tokens the policy's switch calls found
-  over the baseline's, same calls, every completed session) / shadow tokens
-  computed (NaN without shadow work). The extra hits are what shadow work bought,
-  whether they came from HBM or the host tier;
+* shadow tokens used (ONE definition, the engine's): tokens of shadow-computed
+  KV blocks that a routed call or a normal request was served from -- a prefix
+  hit on a shadow block in HBM or reloaded from the host tier, counted once per
+  block when the hit promotes it (``KVClassManager.num_shadow_blocks_used`` x
+  block size, summed over instances; every completed request, warm-up included);
+* unused shadow share (the table's "unused shadow"): 1 - shadow tokens used /
+  shadow tokens computed (NaN without shadow work). Its cross-check,
+  ``switch_extra_cached_share``, is the extra cached tokens the policy's switch
+  calls found over the baseline's (same calls, every completed session) / shadow
+  tokens computed: what shadow work bought on switch calls. The two agree when
+  only switch calls hit shadow blocks and the baseline's hits are the policy's
+  too (tests/sim/test_session_replay.py reconciles them on a run); they differ by
+  shadow blocks hit by other requests and by hits the baseline had and the
+  policy lost to eviction;
 * prefill throughput: (uncached routed prompt tokens + normal prompt tokens +
   shadow tokens) / the run's makespan;
 * oracle gain captured: (baseline - policy) / (baseline - oracle) of the
@@ -97,6 +107,7 @@ class RunRecord:
     energy_per_good_request_j: float
     makespan_s: float
     summary: Mapping[str, float] = attrs.field(factory=dict)
+    notices: tuple[str, ...] = ()  # warnings about the policy on the run's engines (ScenarioResult.notices)
 
 
 def price(model: str) -> tuple[float, float]:
@@ -153,6 +164,7 @@ def run_metrics(run: RunRecord, keys: set[tuple[str, int]]) -> dict[str, float]:
         "normal_slo_attainment": _mean(1.0 if m else 0.0 for m in run.normal_met),
         "energy_per_good_request_j": run.energy_per_good_request_j,
         "shadow_tokens": run.shadow_tokens,
+        "shadow_tokens_used": run.shadow_tokens_used,
         "prefill_tokens_per_s": prefill / run.makespan_s if run.makespan_s > 0 else math.nan,
     }
 
@@ -199,19 +211,22 @@ def compare_runs(runs: Sequence[RunRecord], baseline: str, oracle: str | None) -
     absolute = {r.policy: run_metrics(r, keys) for r in runs}
     base_run = next(r for r in runs if r.policy == baseline)
     for r in runs:
-        absolute[r.policy]["shadow_unused_share"] = unused_shadow_share(r, base_run)
+        absolute[r.policy]["shadow_unused_share"] = (1.0 - r.shadow_tokens_used / r.shadow_tokens
+                                                     if r.shadow_tokens else math.nan)
+        absolute[r.policy]["switch_extra_cached_share"] = switch_extra_cached_share(r, base_run)
     base = absolute[baseline]
     ora = absolute.get(oracle) if oracle else None
     return {p: {**m, **relative_metrics(m, base, ora)} for p, m in absolute.items()}
 
 
-def unused_shadow_share(run: RunRecord, base: RunRecord) -> float:
+def switch_extra_cached_share(run: RunRecord, base: RunRecord) -> float:
+    """Extra cached tokens of ``run``'s switch calls over ``base``'s (same calls) / shadow tokens."""
     if not run.shadow_tokens:
         return math.nan
     cached = {(c.session_id, c.call_index): c.num_cached_tokens for c in base.calls if c.is_switch}
     extra = sum(max(0, c.num_cached_tokens - cached[(c.session_id, c.call_index)])
                 for c in run.calls if c.is_switch and (c.session_id, c.call_index) in cached)
-    return max(0.0, 1.0 - extra / run.shadow_tokens)
+    return extra / run.shadow_tokens
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float]:

@@ -25,9 +25,16 @@ Arrivals (:class:`NormalTraffic`):
   run is tiled (repeated end to end); instance ``k`` starts its copy at offset
   ``k / n`` of the window, so instances do not see identical bursts.
 
+Caps: a trace file's prompts and outputs are capped at ``max_prompt_tokens`` /
+``max_output_tokens`` (default 8,192 / 1,024 as in Appendix D.1; ``None``: no
+cap), because the small models' windows are short. The caps are never silent:
+:meth:`NormalTraffic.cap_report` counts the capped requests of the trace
+(prompt and output separately), and ``simulate`` / ``sweep`` print the counts
+under the table and store them in ``summary.json``. The embedded tables are
+statistics of already-capped traces: other caps are an error there.
+
 Invariants: arrivals are deterministic for (seed, instance index); no request is
-dropped or clamped beyond the documented 8,192/1,024 caps, which are reported
-(:attr:`ReplayWindow.num_capped`).
+dropped, and none is clamped beyond the caps above, which are reported.
 """
 
 from __future__ import annotations
@@ -91,22 +98,73 @@ def _load(path: str) -> Trace:
 
 
 @functools.lru_cache(maxsize=8)
-def _capped(path: str) -> tuple[Trace, int]:
-    return _load(path).capped(MAX_PROMPT_TOKENS, MAX_OUTPUT_TOKENS)
+def _capped(path: str, max_prompt: int | None = MAX_PROMPT_TOKENS,
+            max_output: int | None = MAX_OUTPUT_TOKENS) -> tuple[Trace, int]:
+    return _load(path).capped(max_prompt, max_output)
+
+
+def _optional_cap(_instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(attribute.name, value, "must be an integer >= 1, or null for no cap")
+
+
+@attrs.frozen
+class CapReport:
+    """How many requests of a trace file the caps shortened (a request may count in both)."""
+
+    source: str
+    num_requests: int
+    num_prompt_capped: int
+    num_output_capped: int
+    max_prompt_tokens: int | None
+    max_output_tokens: int | None
+
+    def line(self) -> str:
+        def part(n: int, cap: int | None, what: str) -> str:
+            if cap is None:
+                return f"{what}s uncapped"
+            return f"{n} {what}s > {cap} capped ({n / self.num_requests:.2%})"
+        return (f"normal traffic {self.source}: {self.num_requests} requests; "
+                f"{part(self.num_prompt_capped, self.max_prompt_tokens, 'prompt')}, "
+                f"{part(self.num_output_capped, self.max_output_tokens, 'output')} "
+                "(caps: normal.max_prompt_tokens / normal.max_output_tokens, null for none)")
+
+
+@functools.lru_cache(maxsize=8)
+def cap_report(path: str, max_prompt: int | None, max_output: int | None) -> CapReport:
+    reqs = _load(path).requests
+    return CapReport(path, len(reqs),
+                     sum(max_prompt is not None and r.num_prompt_tokens > max_prompt for r in reqs),
+                     sum(max_output is not None and r.num_output_tokens > max_output for r in reqs),
+                     max_prompt, max_output)
 
 
 @attrs.frozen
 class LengthSource:
-    """Where prompt/output lengths come from: an embedded table name or a trace path."""
+    """Where prompt/output lengths come from: an embedded table name or a trace path
+    (with its caps; see the module docstring)."""
 
     source: str = "azure-conv"
+    max_prompt_tokens: int | None = attrs.field(default=MAX_PROMPT_TOKENS, validator=_optional_cap)
+    max_output_tokens: int | None = attrs.field(default=MAX_OUTPUT_TOKENS, validator=_optional_cap)
 
     def __attrs_post_init__(self) -> None:
         if self.source not in _QUANTILES and not self.is_file:
             raise ConfigError("normal.source", self.source,
                               f"neither an embedded length table ({', '.join(EMBEDDED)}) nor a trace file path")
         if self.is_file:
-            _capped(self.source)  # malformed rows stop here with file:line:column
+            self.capped()  # malformed rows stop here with file:line:column
+        elif self.caps != (MAX_PROMPT_TOKENS, MAX_OUTPUT_TOKENS):
+            raise ConfigError("max_prompt_tokens", self.caps,
+                              f"the embedded table {self.source!r} is a statistic of traces capped at "
+                              f"{MAX_PROMPT_TOKENS}/{MAX_OUTPUT_TOKENS}; other caps need a trace file")
+
+    @property
+    def caps(self) -> tuple[int | None, int | None]:
+        return self.max_prompt_tokens, self.max_output_tokens
+
+    def capped(self) -> Trace:
+        return _capped(self.source, *self.caps)[0]
 
     @property
     def is_file(self) -> bool:
@@ -115,7 +173,7 @@ class LengthSource:
     def draw(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
         """``n`` (prompt, output) lengths as int64 arrays, each >= 1."""
         if self.is_file:
-            reqs = _capped(self.source)[0].requests
+            reqs = self.capped().requests
             idx = rng.integers(len(reqs), size=n)
             p = np.fromiter((reqs[i].num_prompt_tokens for i in idx), np.int64, n)
             o = np.fromiter((reqs[i].num_output_tokens for i in idx), np.int64, n)
@@ -145,15 +203,23 @@ class NormalTraffic:
     source: str = "azure-conv"
     rho: float = attrs.field(default=0.7, validator=positive)
     window: str = attrs.field(default="peak", validator=_check_window)
+    max_prompt_tokens: int | None = attrs.field(default=MAX_PROMPT_TOKENS, validator=_optional_cap)
+    max_output_tokens: int | None = attrs.field(default=MAX_OUTPUT_TOKENS, validator=_optional_cap)
 
     def __attrs_post_init__(self) -> None:
-        lengths = LengthSource(self.source)
+        lengths = self.lengths
         if self.kind == "trace" and not lengths.is_file:
             raise ConfigError("normal.source", self.source, "trace replay needs a trace file path")
 
     @property
     def lengths(self) -> LengthSource:
-        return LengthSource(self.source)
+        return LengthSource(self.source, self.max_prompt_tokens, self.max_output_tokens)
+
+    def cap_report(self) -> CapReport | None:
+        """What the caps shortened in the trace file (None: an embedded table)."""
+        if not self.lengths.is_file:
+            return None
+        return cap_report(self.source, self.max_prompt_tokens, self.max_output_tokens)
 
     def arrivals(self, capacity_per_s: float, end_s: float, seed: int, instance_index: int,
                  num_instances: int) -> list[tuple[float, int, int]]:
@@ -162,7 +228,8 @@ class NormalTraffic:
         peak_rate = self.rho * capacity_per_s
         if self.kind == "poisson":
             return poisson(rng, peak_rate * self.lengths.relative_load(self.window), end_s, self.lengths)
-        return replay(self.source, self.window, peak_rate, end_s, instance_index, num_instances)
+        return replay(self.source, self.window, peak_rate, end_s, instance_index, num_instances,
+                      self.max_prompt_tokens, self.max_output_tokens)
 
 
 def poisson(rng: np.random.Generator, rate_per_s: float, end_s: float,
@@ -179,8 +246,9 @@ def poisson(rng: np.random.Generator, rate_per_s: float, end_s: float,
 
 
 def replay(path: str, window: str, peak_rate_per_s: float, end_s: float, instance_index: int,
-           num_instances: int) -> list[tuple[float, int, int]]:
-    trace, _ = _capped(path)
+           num_instances: int, max_prompt: int | None = MAX_PROMPT_TOKENS,
+           max_output: int | None = MAX_OUTPUT_TOKENS) -> list[tuple[float, int, int]]:
+    trace, _ = _capped(path, max_prompt, max_output)
     windows = trace.windows(min(REPLAY_WINDOW_S, trace.duration_s), 30.0)
     factor = peak_rate_per_s / windows["peak"].rate_per_s
     w = windows[window].scaled(factor)
@@ -201,6 +269,7 @@ def replay(path: str, window: str, peak_rate_per_s: float, end_s: float, instanc
     return out
 
 
-def num_capped(path: str) -> int:
-    """How many requests of the trace file the 8,192/1,024 caps shortened."""
-    return _capped(path)[1]
+def num_capped(path: str, max_prompt: int | None = MAX_PROMPT_TOKENS,
+               max_output: int | None = MAX_OUTPUT_TOKENS) -> int:
+    """How many requests of the trace file the caps shortened (prompt or output)."""
+    return _capped(path, max_prompt, max_output)[1]

@@ -24,11 +24,11 @@ from typing import Any
 from shadow_sim.experiments.calibrate import capacities
 from shadow_sim.experiments.distributed import ResultStore, execute_grid
 from shadow_sim.experiments.paper_numbers import PAPER
-from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, tasks_for
+from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, summary_json, tasks_for
 from shadow_sim.experiments.spec import PAIRS, Experiment
-from shadow_sim.experiments.sweep import no_nan, rows, summary_json, write_rows
+from shadow_sim.experiments.sweep import no_nan, rows, write_rows
 from shadowcore.cli import HelpFormatter, add_policy_options, describe, policies_from_args
-from shadowcore.config import PluginRef
+from shadowcore.config import PluginRef, policy_label
 from shadowcore.errors import ConfigError, PluginError
 
 MAIN_POLICIES = ("no-shadow", "host-tier", "harvest", "harvest-slo", "harvest-slo-host", "adaptive-host",
@@ -45,9 +45,11 @@ FULL = {"instances_per_model": 4, "duration_s": 600.0, "warmup_s": 120.0, "drain
 def studies(quick: bool, override: Mapping[str, Any] | None = None, extra: Sequence[PluginRef] = (),
             ) -> list[tuple[str, str, dict[str, Any], tuple[PluginRef, ...]]]:
     """(study, label, experiment fields, policies); ``override`` replaces base fields everywhere;
-    ``extra`` policies (``--policy``/``--policies``) are added to every study, after its own."""
+    ``extra`` policies (``--policy``/``--policies``) are added to every study, after its own
+    (those it has already are not added twice)."""
     base = {**(QUICK if quick else FULL), **(override or {})}
-    refs = lambda names: tuple(PluginRef(n) for n in names) + tuple(extra)
+    added = tuple(extra)
+    refs = lambda names: _joined(tuple(PluginRef(n) for n in names), added)
     pairs = ("Q7/L70", "L8/L70") if quick else ("Q7/L70", "L8/L70", "M7/L70", "L8/Nemo12")
     out = [("main", p, {**base, "models": list(PAIRS[p])}, refs(MAIN_POLICIES)) for p in pairs]
     for rho in ((0.3, 0.9) if quick else (0.2, 0.5, 0.8, 0.9)):
@@ -59,10 +61,16 @@ def studies(quick: bool, override: Mapping[str, Any] | None = None, extra: Seque
                                                       "input_tokens_median": 1000}}, refs(SHORT)))
     nm = {**base, "instances_per_model": base.get("instances_per_model", 2) // 2 or 1}
     n_policies = (PluginRef("no-shadow"), PluginRef("harvest-slo-host"), PluginRef("harvest-slo-host", {"top_k": 1}),
-                  PluginRef("adaptive-host"), PluginRef("benefit-host"), PluginRef("oracle-host"), *extra)
+                  PluginRef("adaptive-host"), PluginRef("benefit-host"), PluginRef("oracle-host"))
     for n in ((2, 5) if quick else (2, 3, 4, 5)):
-        out.append(("nmodels", f"N={n}", {**nm, "models": list(N_MODELS[:n])}, n_policies))
+        out.append(("nmodels", f"N={n}", {**nm, "models": list(N_MODELS[:n])}, _joined(n_policies, added)))
     return out
+
+
+def _joined(refs: tuple[PluginRef, ...], extra: tuple[PluginRef, ...]) -> tuple[PluginRef, ...]:
+    """``refs`` then the ``extra`` ones not among them (by table name)."""
+    names = {policy_label(r) for r in refs}
+    return refs + tuple(r for r in extra if policy_label(r) not in names)
 
 
 def run_all(quick: bool, jobs: int, progress: bool = True, override: Mapping[str, Any] | None = None, *,
@@ -115,14 +123,18 @@ def _lines(ax: Any, comps: Sequence[tuple[float, Comparison]], policies: Sequenc
     ax.axhline(0, color="black", linewidth=0.5)
 
 
-def figures(results: Mapping[str, tuple[str, Comparison]], out: Path) -> list[Path]:
+def figures(results: Mapping[str, tuple[str, Comparison]], out: Path, extra: Sequence[str] = ()) -> list[Path]:
+    """The figures; ``extra`` (the table names of the user's ``--policies``) joins every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    extra = [p for p in extra if p not in MAIN_POLICIES]
     main = [(k, c) for k, (s, c) in results.items() if s == "main"]
-    shown = [p for p in MAIN_POLICIES if p != "no-shadow"]
+    main_policies = [*MAIN_POLICIES, *extra]
+    shown = [p for p in main_policies if p != "no-shadow"]
+    short = [p for p in (*SHORT, *extra) if p != "no-shadow"]
     paths = []
 
     def save(fig: Any, name: str) -> None:
@@ -142,12 +154,12 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path) -> list[Pa
     ):
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
         for ax, (metric, title) in zip(axes, panels):
-            _bars(ax, main, MAIN_POLICIES if metric == "hit_rate" else shown, metric, title)
+            _bars(ax, main, main_policies if metric == "hit_rate" else shown, metric, title)
         axes[1].legend(fontsize=6, ncol=2)
         save(fig, name)
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    over = [p for p in ("harvest", "harvest-slo", "harvest-slo-host", "adaptive-host", "benefit-host", "oracle-host")]
+    over = ["harvest", "harvest-slo", "harvest-slo-host", "adaptive-host", "benefit-host", "oracle-host", *extra]
     for ax, (metric, title, scale) in zip(axes, (
             ("prefill_tput_inc", "(a) Prefill tok/s change incl. shadow (%)", 100.0),
             ("energy_inc", "(b) Energy per good request change (%)", 100.0),
@@ -162,7 +174,7 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path) -> list[Pa
     if q7 is not None:
         load = sorted(load + [(0.7, q7[1])], key=lambda x: x[0])
     fig, ax = plt.subplots(1, 1, figsize=(5, 3.4))
-    _lines(ax, load, [p for p in SHORT if p != "no-shadow"], "call_latency_red",
+    _lines(ax, load, short, "call_latency_red",
            "(e) LLM-call latency reduction (%) vs load", "normal-traffic load rho")
     ax.legend(fontsize=7)
     save(fig, "fig9e_load.png")
@@ -172,15 +184,15 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path) -> list[Pa
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
     for ax, (metric, title) in zip(axes, (("call_latency_red", "(a) LLM-call latency reduction (%)"),
                                           ("switch_latency_red", "(b) Switch-call latency reduction (%)"))):
-        _lines(ax, sw, [p for p in SHORT if p != "no-shadow"], metric, title, "switches per session (Markov router)")
+        _lines(ax, sw, short, metric, title, "switches per session (Markov router)")
     axes[0].legend(fontsize=7)
     save(fig, "fig15_switch_rate.png")
 
     nm = sorted(((int(k.split("=")[1]), c) for k, (s, c) in results.items() if s == "nmodels"), key=lambda x: x[0])
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
-    names = ["harvest-slo-host", "harvest-slo-host(top_k=1)", "adaptive-host", "benefit-host", "oracle-host"]
+    names = ["harvest-slo-host", "harvest-slo-host(top_k=1)", "adaptive-host", "benefit-host", *extra, "oracle-host"]
     _lines(axes[0], nm, names, "call_latency_red", "(d) LLM-call latency reduction (%)", "models per router")
-    _lines(axes[1], nm, names[:4], "shadow_unused_share", "(e) Unused shadow tokens (%)", "models per router")
+    _lines(axes[1], nm, names[:-1], "shadow_unused_share", "(e) Unused shadow tokens (%)", "models per router")
     axes[0].legend(fontsize=7)
     save(fig, "fig16_models_per_router.png")
     return paths
@@ -310,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="run on a Ray cluster (auto, local, HOST:PORT); finished runs are kept in OUT/parts")
     p.add_argument("--set", dest="override", default="{}",
                    help='JSON object of Experiment fields for every study, e.g. \'{"latency": "roofline"}\'')
-    add_policy_options(p, note="added to every study, after its own policies")
+    add_policy_options(p, note="added to every study, table and figure, after its own policies")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -328,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill reproduce: error: {e}", file=sys.stderr)
         return 2
-    figs = figures(results, out)
+    figs = figures(results, out, [policy_label(r) for r in extra])
     (out / "reproduction.md").write_text(markdown(results, args.quick))
     write_rows(rows({k: c for k, (_s, c) in results.items()}), out, "csv")
     (out / "summary.json").write_text(json.dumps(no_nan({k: summary_json(c) for k, (_s, c) in results.items()}),

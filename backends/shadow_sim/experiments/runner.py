@@ -17,9 +17,9 @@ from typing import Any
 import attrs
 
 from shadow_sim.experiments.calibrate import ProbeSettings, capacities
-from shadow_sim.experiments.metrics import Call, RunRecord, aggregate, compare_runs
+from shadow_sim.experiments.metrics import Call, RunRecord, aggregate, compare_runs, mean_se
 from shadow_sim.experiments.spec import Experiment, ExperimentRun
-from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.config import PluginRef, ShadowConfig, policy_label
 from shadowcore.errors import ConfigError
 
 DEFAULT_POLICIES = ("no-shadow", "harvest-slo-host", "oracle-host")
@@ -42,11 +42,6 @@ class Task:
         return policy_label(self.policy)
 
 
-def policy_label(ref: PluginRef) -> str:
-    """A policy's name in tables: its registered name, plus its arguments if any."""
-    if not ref.args:
-        return ref.name
-    return ref.name + "(" + ",".join(f"{k}={v}" for k, v in sorted(ref.args.items())) + ")"
 
 
 def run_task(task: Task) -> RunRecord:
@@ -69,7 +64,7 @@ def run_task(task: Task) -> RunRecord:
     return RunRecord(
         task.name, task.seed, task.window, calls, measured, normal_met,
         sum(r.num_prompt_tokens for r in workload.normal), m["shadow_tokens"], m["shadow_tokens_used"], m["energy_j"],
-        m["energy_per_good_request_j"], run.loop.now_s, dict(m),
+        m["energy_per_good_request_j"], run.loop.now_s, dict(m), tuple(result.notices),
     )
 
 
@@ -143,7 +138,12 @@ def baseline_and_oracle(names: Sequence[str]) -> tuple[str, str | None]:
 
 @attrs.frozen
 class Comparison:
-    """Per run and aggregated metrics of one grid label."""
+    """Per run and aggregated metrics of one grid label.
+
+    ``steps``: per policy, its planned steps by reason summed over runs
+    (``steps_*`` of the runs' summaries); ``silent``: the policies that can
+    shadow (their controller is not ``never_grants``) but planned no shadow
+    token in any run; ``notices``: the runs' warnings, each once."""
 
     label: str
     policies: tuple[str, ...]
@@ -151,6 +151,15 @@ class Comparison:
     oracle: str | None
     per_run: tuple[tuple[int, str, Mapping[str, Mapping[str, float]]], ...]  # (seed, window, metrics)
     summary: Mapping[str, Mapping[str, tuple[float, float]]]  # policy -> metric -> (mean, SE)
+    steps: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict)
+    silent: tuple[str, ...] = ()
+    notices: tuple[str, ...] = ()
+
+
+def _can_shadow(ref: PluginRef) -> bool:
+    from shadowcore.policy import load_policy
+
+    return not load_policy(ref).slack.cls.never_grants
 
 
 def compare(records: Sequence[RunRecord], tasks: Sequence[Task]) -> dict[str, Comparison]:
@@ -165,7 +174,22 @@ def compare(records: Sequence[RunRecord], tasks: Sequence[Task]) -> dict[str, Co
     out = {}
     for label, runs in by_label.items():
         base, oracle = baseline_and_oracle(names[label])
-        out[label] = Comparison(label, names[label], base, oracle, tuple(runs), aggregate([m for _, _, m in runs]))
+        mine = [(t, r) for t, r in zip(tasks, records) if t.label == label]
+        steps: dict[str, dict[str, float]] = {}
+        shadowed: dict[str, float] = {}
+        refs: dict[str, PluginRef] = {}
+        notices: dict[str, None] = {}
+        for t, r in mine:
+            refs[t.name] = t.policy
+            shadowed[t.name] = shadowed.get(t.name, 0.0) + r.shadow_tokens
+            row = steps.setdefault(t.name, {})
+            for k, v in r.summary.items():
+                if k.startswith("steps_"):
+                    row[k[6:]] = row.get(k[6:], 0.0) + v
+            notices.update(dict.fromkeys(r.notices))
+        silent = tuple(p for p in names[label] if shadowed.get(p, 0.0) == 0 and _can_shadow(refs[p]))
+        out[label] = Comparison(label, names[label], base, oracle, tuple(runs), aggregate([m for _, _, m in runs]),
+                                steps, silent, tuple(notices))
     return out
 
 
@@ -173,13 +197,22 @@ def run_comparison(ex: Experiment, policies: Sequence[PluginRef | str], seeds: S
                    windows: Sequence[str] = ("peak",), *, jobs: int = 1, progress: bool = False,
                    settings: ProbeSettings = DEFAULT_PROBE, label: str = "") -> Comparison:
     """Calibrate, run every (seed, window, policy), compare."""
+    return run_comparison_records(ex, policies, seeds, windows, jobs=jobs, progress=progress,
+                                  settings=settings, label=label)[0]
+
+
+def run_comparison_records(ex: Experiment, policies: Sequence[PluginRef | str], seeds: Sequence[int] = (0,),
+                           windows: Sequence[str] = ("peak",), *, jobs: int = 1, progress: bool = False,
+                           settings: ProbeSettings = DEFAULT_PROBE, label: str = "",
+                           ) -> tuple[Comparison, list[Task], list[RunRecord]]:
+    """:func:`run_comparison`, with the tasks and their records (the per-call data)."""
     refs = [p if isinstance(p, PluginRef) else PluginRef(p) for p in policies]
     if len({policy_label(r) for r in refs}) != len(refs):
         raise ConfigError("policies", [policy_label(r) for r in refs], "each policy may appear once")
     caps = {m: c.capacity_per_s for m, c in capacities(ex, settings, progress=progress).items()}
     tasks = tasks_for(ex, refs, seeds, windows, caps, label)
     records = with_progress(tasks, jobs, progress)
-    return compare(records, tasks)[label]
+    return compare(records, tasks)[label], tasks, records
 
 
 Executor = Callable[..., list[RunRecord]]  # (tasks, on_done) -> records in task order
@@ -213,6 +246,7 @@ def with_progress(tasks: Sequence[Task], jobs: int, progress: bool, *,
 
 # -- tables ---------------------------------------------------------------------------
 
+#: Every column (``--wide``): (metric, title, kind).
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("call_latency_s", "call lat (s)", "abs"),
     ("switch_latency_s", "switch lat (s)", "abs"),
@@ -231,6 +265,38 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("prefill_tput_inc", "prefill tput", "pct"),
     ("oracle_gain_switch", "oracle gain", "pct"),
 )
+#: The default columns: they fit 120 characters with the usual policy names.
+KEY_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("switch_ttft_s", "sw TTFT (s)", "abs"),
+    ("call_latency_red", "lat red", "pct"),
+    ("switch_latency_red", "sw lat red", "pct"),
+    ("switch_ttft_red", "sw TTFT red", "pct"),
+    ("switch_hit_rate", "sw hit", "pct"),
+    ("normal_slo_pp", "SLO pp", "pp"),
+    ("oracle_gain_switch", "oracle gain", "pct"),
+)
+#: What each metric is (the table's legend); "{base}" and "{oracle}" are filled in.
+LEGEND: dict[str, str] = {
+    "call_latency_s": "mean latency (to last token) of the matched calls",
+    "switch_latency_s": "mean latency of the matched switch calls (the call goes to another model than the last)",
+    "switch_ttft_s": "mean time to first token of the matched switch calls",
+    "call_latency_red": "reduction of the mean call latency against {base} (positive is better)",
+    "switch_latency_red": "reduction of the mean switch-call latency against {base}",
+    "switch_ttft_red": "reduction of the mean switch-call TTFT against {base}",
+    "task_time_red": "reduction of the LLM time per task (sum of a session's call latencies) against {base}",
+    "hit_rate": "cached prompt tokens / prompt tokens, all matched calls",
+    "switch_hit_rate": "cached prompt tokens / prompt tokens, matched switch calls",
+    "token_cost_red": "reduction of the routed token cost (cached input at 10%) against {base}",
+    "normal_slo_attainment": "share of normal requests that met both SLOs",
+    "normal_slo_pp": "change of the normal requests' SLO attainment against {base}, percentage points",
+    "energy_inc": "change of GPU energy per good request against {base}",
+    "shadow_unused_share": "share of shadow tokens whose KV no switch call used (extra hits over {base})",
+    "prefill_tput_inc": "change of prefill tokens/s (routed uncached + normal + shadow) against {base}",
+    "oracle_gain_switch": "share of {oracle}'s switch-latency reduction this policy gets: (base - policy) / (base - oracle)",
+}
+SILENT_MARK = "!"
+#: The default table's width limit (characters).
+TABLE_WIDTH = 120
 
 
 def _cell(mean: float, se: float, kind: str) -> str:
@@ -246,24 +312,83 @@ def _cell(mean: float, se: float, kind: str) -> str:
     return s + (f"±{100 * se:.1f}" if not math.isnan(se) else "")
 
 
-def format_table(c: Comparison, columns: Sequence[tuple[str, str, str]] = COLUMNS) -> str:
-    """A text table, one row per policy; ± is one standard error over seeds x windows."""
-    header = ["policy"] + [title for _, title, _ in columns]
-    rows = [[p] + [_cell(*c.summary[p][key], kind) for key, _, kind in columns] for p in c.policies]
+def aligned(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """``header``, a rule and ``rows``, the first column left-aligned, the others right-aligned."""
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(cells, widths)))
 
+    return [line(header), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
+def legend(columns: Sequence[tuple[str, str, str]], base: str, oracle: str | None) -> list[str]:
+    """One line per column: its title and what it is."""
+    width = max((len(title) for _, title, _ in columns), default=0)
+    out = []
+    for key, title, _ in columns:
+        if key == "oracle_gain_switch" and oracle is None:
+            text = "share of an oracle's switch-latency reduction (no oracle policy compared: -)"
+        else:
+            text = LEGEND[key].format(base=base, oracle=oracle)
+        out.append(f"  {title.ljust(width)}  {text}")
+    return out
+
+
+def format_table(c: Comparison, columns: Sequence[tuple[str, str, str]] | None = None, *,
+                 wide: bool = False) -> str:
+    """A text table, one row per policy, then a legend of its columns; ± is
+    one standard error over seeds x windows. ``columns`` (default:
+    :data:`KEY_COLUMNS`, or every one of :data:`COLUMNS` when ``wide``)."""
+    fit = columns is None and not wide
+    columns = list((COLUMNS if wide else KEY_COLUMNS) if columns is None else columns)
+    left_out: list[str] = []
+    while True:
+        header = ["policy"] + [title for _, title, _ in columns]
+        rows = [[p + (SILENT_MARK if p in c.silent else "")] + [_cell(*c.summary[p][key], kind)
+                                                                 for key, _, kind in columns] for p in c.policies]
+        if not fit or len(columns) <= 1 or max(map(len, aligned(header, rows))) <= TABLE_WIDTH:
+            break
+        left_out.insert(0, columns.pop()[1])  # long policy names: the last key columns make room
     n = len(c.per_run)
     calls = c.summary[c.baseline]["calls"][0]
-    note = (f"{n} run(s) (seeds x windows); matched calls per run: {calls:.0f}; reductions and changes against "
-            f"{c.baseline}" + (f"; oracle gain = share of {c.oracle}'s switch-latency reduction" if c.oracle else ""))
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows] + [note])
+    se = ("± is one standard error over the runs" if n > 1 else "one run: no standard error (give more seeds)")
+    note = [f"{n} run(s) (seeds x windows); matched calls per run: {calls:.0f}; {se}",
+            f"reductions and changes against {c.baseline}"]
+    if c.silent:
+        note.append(f"{SILENT_MARK} planned no shadow token in any run although it can shadow "
+                    f"({', '.join(c.silent)}): see the warnings above")
+    note += oracle_notes(c)
+    if left_out:
+        note.append(f"left out to fit {TABLE_WIDTH} columns: {', '.join(left_out)} (--wide shows every column)")
+    return "\n".join(aligned(header, rows) + note + legend(columns, c.baseline, c.oracle))
+
+
+def oracle_notes(c: Comparison, metric: str = "switch_latency_red") -> list[str]:
+    """A line per policy whose ``metric`` beats the oracle's: the oracle is
+    meant to bound every policy, and when it does not the runs are too few or
+    too short to tell them apart; the line gives the per-run difference (mean
+    ± 1 SE over runs) that shows it."""
+    if c.oracle is None:
+        return []
+    out = []
+    for p in c.policies:
+        if p in (c.oracle, c.baseline):
+            continue
+        diffs = [m[p][metric] - m[c.oracle][metric] for _s, _w, m in c.per_run
+                 if p in m and c.oracle in m and not math.isnan(m[p][metric] - m[c.oracle][metric])]
+        if not diffs or sum(diffs) <= 0:
+            continue
+        mean, se = mean_se(diffs)
+        spread = f"±{100 * se:.1f} (1 SE, {len(diffs)} runs)" if not math.isnan(se) else "(one run, no SE)"
+        out.append(f"{c.oracle} does not bound {p}: {metric} {100 * mean:+.1f} pp above it {spread}: "
+                   "add seeds or time")
+    return out
 
 
 def summary_json(c: Comparison) -> dict[str, Any]:
     return {
         "label": c.label, "baseline": c.baseline, "oracle": c.oracle, "runs": len(c.per_run),
         "policies": {p: {k: {"mean": v[0], "se": v[1]} for k, v in m.items()} for p, m in c.summary.items()},
+        "steps": {p: dict(m) for p, m in c.steps.items()}, "silent": list(c.silent), "notices": list(c.notices),
     }

@@ -32,7 +32,7 @@ from shadow_sim.experiments.normal import NormalTraffic
 from shadow_sim.models import MODELS, get_model
 from shadow_sim.simulator import SimRun, SimScenario
 from shadowcore._validators import non_negative, positive, positive_int
-from shadowcore.config import build_attrs
+from shadowcore.config import PluginRef, build_attrs
 from shadowcore.engine.cluster import EngineCluster
 from shadowcore.engine.workload import NormalRequest, SessionPlan, from_agent_sessions, normal_requests
 from shadowcore.errors import ConfigError
@@ -118,6 +118,17 @@ class Experiment:
     device: str = "H100-80GB"
     #: Further SimScenario fields (tp, slo, token_budget, block_size, Markov session fields...).
     scenario: dict = attrs.field(factory=dict, converter=_dict)
+    #: A session-trace file replayed instead of the preset (shadow_sim.experiments.session_file),
+    #: and its recorded model -> experiment model map (default: by name, then in order).
+    sessions: str = ""
+    session_models: dict = attrs.field(factory=dict, converter=_dict)
+    #: Re-route the file's sessions (shadowcore.workloads.reroute; default "replay": the recorded models).
+    session_router: PluginRef = attrs.field(default=PluginRef("replay"),
+                                            converter=lambda v: PluginRef.parse("session_router", v)
+                                            if not isinstance(v, PluginRef) else v)
+    #: sha256 of the session file's bytes (set from ``sessions``): part of the value, so a
+    #: resumed sweep never reuses runs of an edited file.
+    sessions_sha256: str = attrs.field(init=False, default="")
 
     def __attrs_post_init__(self) -> None:
         for key in ("models", "preset", "instances_per_model", "duration_s", "warmup_s", "session_rate_per_s",
@@ -125,7 +136,14 @@ class Experiment:
             if key in self.scenario:
                 raise ConfigError(f"scenario.{key}", self.scenario[key], "set it on the experiment, not in scenario")
         self.sim_scenario(0)  # validates the cluster (models fit the device, latency kind...)
-        if self.preset:
+        if self.sessions:
+            from shadow_sim.experiments import session_file
+
+            session_file.check(self)
+            object.__setattr__(self, "sessions_sha256", session_file.digest(self.sessions))
+        elif self.session_router.name != "replay":
+            raise ConfigError("session_router", self.session_router.name, "re-routes a session file: set sessions")
+        elif self.preset:
             self.session_preset()
 
     @classmethod
@@ -135,6 +153,10 @@ class Experiment:
             if "models" in data:
                 raise ConfigError(f"{field}.pair", data["pair"], "give either pair or models")
             data["models"] = get_pair(data.pop("pair"))
+        if data.get("sessions") and "duration_s" not in data:  # measure every session of the file
+            from shadow_sim.experiments import session_file
+
+            data["duration_s"] = session_file.default_duration_s(data["sessions"])
         return build_attrs(cls, field, data)
 
     @property
@@ -201,6 +223,10 @@ class ExperimentRun(SimRun):
     def session_plans(self) -> list[SessionPlan]:
         ex = self.experiment
         assert ex is not None
+        if ex.sessions:
+            from shadow_sim.experiments import session_file
+
+            return session_file.plans(ex, self.scenario.seed)
         if ex.preset:
             return from_agent_sessions(generate(ex.session_preset(), ex.end_s, self.scenario.seed))
         return super().session_plans()

@@ -4,14 +4,15 @@
 (cached), then every run in local worker processes (``--jobs``) or on a Ray
 cluster (``--ray [ADDRESS]``; Ray is imported only then). It writes one row per
 (pair, seed, window, policy) run to ``runs.parquet`` (pyarrow) or ``runs.csv``,
-and ``summary.json`` with mean and standard error per pair and policy.
+and the result folder of :mod:`shadow_sim.experiments.output` (per-call
+``calls.parquet``, ``summary.json`` with mean and standard error per pair and
+policy, ``table.txt``, PNG plots).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import sys
@@ -19,46 +20,67 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from shadow_sim.experiments.calibrate import capacities
 from shadow_sim.experiments.distributed import ResultStore, execute_grid
-from shadow_sim.experiments.normal import WINDOWS
+from shadow_sim.experiments.metrics import RunRecord
+from shadow_sim.experiments.normal import WINDOWS, CapReport, NormalTraffic
 from shadow_sim.experiments.runner import (
     DEFAULT_POLICIES,
     Comparison,
     Task,
     compare,
     format_table,
-    run_comparison,
-    summary_json,
+    run_comparison_records,
     tasks_for,
 )
 from shadow_sim.experiments.spec import PAIRS, SIMULATE_DEFAULT, Experiment, get_pair
 from shadowcore.cli import HelpFormatter, add_policy_options, describe, load_scenario, policies_from_args
-from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.config import PluginRef, ShadowConfig, parse_ref
 from shadowcore.errors import ConfigError, PluginError
 
 
 def simulate_table(scenario: Mapping[str, Any], configs: Sequence[ShadowConfig], *,
-                   jobs: int | None = None) -> str | None:
-    """The ``simulate`` table for an experiment, or None for a plain SimScenario
-    (the caller runs it the plain way). Empty ``scenario`` (or only
-    ``duration_s``): the embedded default; ``{"experiment": {...}}``: that experiment.
-    ``jobs`` (default: one process per run, at most one more than the CPUs; three
-    runs on two cores finish in 1.5 run-times instead of 2)."""
+                   jobs: int | None = None, out: Path | None = None, wide: bool = False) -> str | None:
+    """The ``simulate`` table for an experiment (its runs' warnings first), or
+    None for a plain SimScenario (the caller runs it the plain way). Empty
+    ``scenario`` (or only ``duration_s``): the embedded default;
+    ``{"experiment": {...}}``: that experiment. ``jobs`` (default: one process
+    per run, at most one more than the CPUs; three runs on two cores finish in
+    1.5 run-times instead of 2). ``out``: also write the result folder there
+    (:mod:`shadow_sim.experiments.output`); ``wide``: every column."""
     data = dict(scenario)
+    replay = {k: data.pop(k) for k in ("sessions", "session_router") if k in data}  # simulate --sessions, --router
     if set(data) <= {"duration_s", "latency_profile"}:
-        ex = Experiment.from_dict({**SIMULATE_DEFAULT, **data})
+        base = dict(SIMULATE_DEFAULT)
+        if replay.get("sessions"):  # the file's sessions set the measured window unless --duration does
+            base.pop("duration_s")
+        ex = Experiment.from_dict({**base, **data, **replay})
     elif "experiment" in data:
         extra = {k: v for k, v in data.items() if k != "experiment"}
-        ex = Experiment.from_dict({**data["experiment"], **extra})
+        ex = Experiment.from_dict({**data["experiment"], **extra, **replay})
+    elif replay:
+        sessions = replay.get("sessions")
+        raise ConfigError("--sessions", sessions, "replays into an experiment: give no --scenario, or one with "
+                          "{\"experiment\": {...}} (a plain scenario draws its own sessions)")
     else:
         return None
     refs = [c.policy for c in configs]
     seeds = sorted({c.seed for c in configs})
     if jobs is None:
         jobs = max(1, min(len(refs) * len(seeds), (os.cpu_count() or 1) + 1))
-    c = run_comparison(ex, refs, seeds=seeds, jobs=jobs, progress=True)
-    return format_table(c)
+    c, tasks, records = run_comparison_records(ex, refs, seeds=seeds, jobs=jobs, progress=True)
+    caps = ex.normal.cap_report()
+    text = "\n".join([f"warning: {n}" for n in c.notices] + [format_table(c, wide=wide)])
+    text += f"\n{caps.line()}" if caps is not None else ""
+    if out is not None:
+        from shadow_sim.experiments.output import write_comparisons
+
+        extra = {"normal_caps": attrs.asdict(caps)} if caps is not None else {}
+        paths = write_comparisons(out, tasks, records, {"": c}, extra)
+        text += f"\nwrote {', '.join(p.name for p in paths)} to {out}"
+    return text
 
 
 # -- sweep -----------------------------------------------------------------------------
@@ -82,6 +104,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, help="warm-up seconds")
     p.add_argument("--rho", type=float, help="normal-traffic load relative to capacity")
     p.add_argument("--normal-trace", help="replay this trace file as normal traffic (Azure, BurstGPT, ...)")
+    p.add_argument("--max-prompt", type=_cap, help="cap of normal-trace prompts (default 8192; 'none': no cap)")
+    p.add_argument("--max-output", type=_cap, help="cap of normal-trace outputs (default 1024; 'none': no cap)")
+    p.add_argument("--sessions", help="replay this session-trace file instead of the preset (shadowprefill sessions)")
+    p.add_argument("--router", metavar="NAME[:JSON]",
+                   help="re-route the --sessions file: markov, accuracy-per-cost or a plugin (default: replay)")
     p.add_argument("--latency", choices=("vidur", "roofline", "auto"), help="latency model")
     p.add_argument("--latency-profile", metavar="NAME|FILE",
                    help="calibrate the latency model: a shipped profile or a JSON file (shadowprefill latency)")
@@ -95,7 +122,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="sweep-out",
                    help="output folder; finished runs are kept in OUT/parts and a rerun skips them")
     p.add_argument("--fresh", action="store_true", help="ignore (delete) finished runs in OUT/parts")
-    p.add_argument("--format", choices=("parquet", "csv"), default="parquet")
+    p.add_argument("--format", choices=("parquet", "csv"), default="parquet", help="format of the per-run rows")
+    p.add_argument("--wide", action="store_true", help="print every column (default: the key ones, < 120 chars)")
     return p
 
 
@@ -103,19 +131,33 @@ def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = {}
     if args.experiment:
         data = load_scenario(args.experiment)
-    for flag, key in (("preset", "preset"), ("duration", "duration_s"), ("warmup", "warmup_s"),
-                      ("latency", "latency"), ("latency_profile", "latency_profile"),
+    for flag, key in (("preset", "preset"), ("sessions", "sessions"), ("duration", "duration_s"),
+                      ("warmup", "warmup_s"), ("latency", "latency"), ("latency_profile", "latency_profile"),
                       ("instances", "instances_per_model")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
+    if getattr(args, "router", None) is not None:
+        data["session_router"] = parse_ref(args.router, "--router").to_dict()
     normal = dict(data.get("normal", {}))
     if args.rho is not None:
         normal["rho"] = args.rho
     if args.normal_trace:
         normal.update(kind="trace", source=args.normal_trace)
+    for flag, key in (("max_prompt", "max_prompt_tokens"), ("max_output", "max_output_tokens")):
+        if getattr(args, flag, None) is not None:
+            normal[key] = None if getattr(args, flag) == "none" else getattr(args, flag)
     if normal:
         data["normal"] = normal
     return data
+
+
+def _cap(text: str) -> int | str:
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer number of tokens, or none") from None
 
 
 def _capacity(text: str | None) -> dict[str, float] | None:
@@ -167,6 +209,16 @@ def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[Plugi
              store: ResultStore | None = None, max_retries: int = 3) -> dict[str, Comparison]:
     """Calibrate (or take ``capacity``), run every task not already in ``store``
     (locally or on Ray), save each as it finishes, compare."""
+    return run_grid_records(base, pairs, refs, seeds, windows, jobs=jobs, ray_address=ray_address,
+                            progress=progress, capacity=capacity, store=store, max_retries=max_retries)[0]
+
+
+def run_grid_records(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[PluginRef],
+                     seeds: Sequence[int], windows: Sequence[str], *, jobs: int = 2, ray_address: str | None = None,
+                     progress: bool = True, capacity: Mapping[str, float] | None = None,
+                     store: ResultStore | None = None, max_retries: int = 3,
+                     ) -> tuple[dict[str, Comparison], list[Task], list[RunRecord]]:
+    """:func:`run_grid`, with the tasks and their records (the per-call data)."""
     tasks: list[Task] = []
     for pair in pairs:
         data = {k: v for k, v in base.items() if k not in ("models", "pair")}
@@ -181,12 +233,13 @@ def run_grid(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequence[Plugi
         tasks += tasks_for(ex, refs, seeds, windows, caps, pair)
     records = execute_grid(tasks, jobs=jobs, progress=progress, store=store, ray_address=ray_address,
                            max_retries=max_retries)
-    return compare(records, tasks)
+    return compare(records, tasks), tasks, records
 
 
 _DETAIL = ("Calibration first (cached), then every run in local worker processes (--jobs) or on a Ray cluster "
            "(--ray). Writes one row per (pair, seed, window, policy) run to runs.parquet or runs.csv, and "
-           "summary.json with mean and standard error per pair and policy.")
+           "the result folder: per-call calls.parquet, summary.json with mean and standard error per pair and "
+           "policy, table.txt and PNG plots (shadowprefill plot).")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,21 +264,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.fresh:
             for part in store.folder.glob("*.parquet"):
                 part.unlink()
-        comparisons = run_grid(experiment_from_args(args), pairs, refs, seeds, windows, jobs=args.jobs,
-                               ray_address=args.ray, capacity=_capacity(args.capacity), store=store,
-                               max_retries=args.max_retries)
+        comparisons, tasks, records = run_grid_records(
+            experiment_from_args(args), pairs, refs, seeds, windows, jobs=args.jobs, ray_address=args.ray,
+            capacity=_capacity(args.capacity), store=store, max_retries=args.max_retries)
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill sweep: error: {e}", file=sys.stderr)
         return 2
+    from shadow_sim.experiments.output import write_comparisons
+
     out = Path(args.out)
     path = write_rows(rows(comparisons), out, args.format)
-    summary = {label: summary_json(c) for label, c in comparisons.items()}
-    (out / "summary.json").write_text(json.dumps(no_nan(summary), indent=1))
+    caps = _cap_report(experiment_from_args(args))
+    extra = {"normal_caps": attrs.asdict(caps)} if caps is not None else {}  # the caps are never silent
+    written = write_comparisons(out, tasks, records, comparisons, extra)
+    for notice in dict.fromkeys(n for c in comparisons.values() for n in c.notices):
+        print(f"warning: {notice}")
     for label, c in comparisons.items():
         print(f"== {label}")
-        print(format_table(c))
-    print(f"wrote {path} and {out / 'summary.json'}")
+        print(format_table(c, wide=args.wide))
+    if caps is not None:
+        print(caps.line())
+    print(f"wrote {path.name}, {', '.join(p.name for p in written)} to {out}")
     return 0
+
+
+def _cap_report(data: Mapping[str, Any]) -> CapReport | None:
+    from shadowcore.config import build_attrs
+
+    return build_attrs(NormalTraffic, "normal", data.get("normal", {})).cap_report()
 
 
 def no_nan(x: Any) -> Any:

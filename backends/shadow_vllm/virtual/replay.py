@@ -80,10 +80,10 @@ class VirtualScenarioRun:
         self.runtime = build_runtime(self.shadow, self.cluster, sc.models)
         for obs in self.observers:
             self.runtime.observers.add(obs)
-        workload = self.workload if self.workload is not None else draw_workload(sc, list(self.cluster.by_id))
-        if self.sessions is not None:
-            workload = attrs.evolve(workload, sessions=tuple(self.sessions))
-        self.workload = workload
+        if self.workload is None:
+            self.workload = draw_workload(sc, list(self.cluster.by_id), sessions=self.sessions)
+        elif self.sessions is not None:
+            self.workload = attrs.evolve(self.workload, sessions=tuple(self.sessions))
         self.driver = SessionDriver(self.loop, self.runtime.manager, self)
 
     def _config(self, model: str, instance_id: str) -> VirtualEngineConfig:

@@ -1,0 +1,70 @@
+"""No silent no-op: a policy whose smallest grant can never fit a budget on
+an engine is named at load with the numbers, and results count the planned
+iterations by what decided their shadow work."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+
+from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.diagnostics import STEP_REASONS, smallest_grant_tokens, unreachable_grant
+from shadowcore.engine.scenario import FakeBackend
+from shadowcore.latency import LinearLatencyModel
+from shadowcore.slack import EagerController, HarvestController, NoShadowController, SloSlackController
+
+SCENARIO = {"duration_s": 30.0, "warmup_s": 0.0}
+
+
+class _Count:
+    def __init__(self) -> None:
+        self.plans = 0
+
+    def on_plan(self, snapshot, plan) -> None:
+        self.plans += 1
+
+
+def test_beta_quarter_on_the_fake_engine_is_named_and_plans_nothing(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="shadowcore.pipeline"):
+        result = FakeBackend().run(SCENARIO, ShadowConfig(PluginRef("harvest-slo", {"beta": 0.25})))
+    assert result.metrics["shadow_tokens"] == 0
+    assert len(result.notices) == 2  # one per model (the small one and the 3x slower one), not per instance
+    small = next(n for n in result.notices if "on small/" in n)
+    assert "n_min 256 predicted 9.4 ms > idle budget 6.25 ms" in small
+    assert [r.getMessage() for r in caplog.records if "n_min" in r.getMessage()] == list(result.notices)
+    assert result.metrics["steps_granted"] == 0 and result.metrics["steps_below_n_min"] > 0
+
+
+def test_paper_beta_plans_and_says_nothing() -> None:
+    result = FakeBackend().run(SCENARIO, ShadowConfig(PluginRef("harvest-slo")))
+    assert result.notices == ()
+    assert result.metrics["steps_granted"] > 0 and result.metrics["shadow_tokens"] > 0
+
+
+def test_step_counts_cover_every_planned_iteration() -> None:
+    counter = _Count()  # an observer: the hooks plan every iteration (no skipping)
+    result = FakeBackend().run({**SCENARIO, "normal_rate_per_s": 4.0, "num_blocks": 640},
+                               ShadowConfig(PluginRef("harvest-slo")), observers=(counter,))
+    counts = {why: result.metrics[f"steps_{why}"] for why in STEP_REASONS}
+    assert sum(counts.values()) == counter.plans
+    for why in ("waiting", "no_jobs", "granted", "zero_budget"):  # the engine blocks only with a queue: "waiting"
+        assert counts[why] > 0, counts
+
+
+@pytest.mark.parametrize("controller", [NoShadowController(), EagerController(), SloSlackController(n_min=0)])
+def test_reachable_or_never_granting_controllers_are_not_flagged(controller) -> None:
+    assert unreachable_grant(controller, LinearLatencyModel(), 16, 0.025) is None
+
+
+def test_the_check_reads_a_copy_and_names_every_budget() -> None:
+    harvest = HarvestController(beta=0.25)
+    before = copy.deepcopy(harvest.credit)
+    why = unreachable_grant(harvest, LinearLatencyModel(), 16, 0.025)
+    assert harvest.credit == before  # the probe's 20 decode-only iterations credited a copy
+    assert why is not None and why.startswith("n_min 256 predicted 9.4 ms > idle budget 6.25 ms; adds 6.4 ms > ")
+    assert "credit budget 6.25 ms" in why
+    assert smallest_grant_tokens(SloSlackController(n_min=0), 16) == 16
+    assert "one block (16 tokens)" in unreachable_grant(SloSlackController(n_min=0, beta=0.01),
+                                                        LinearLatencyModel(), 16, 0.025)
