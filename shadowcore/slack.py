@@ -93,6 +93,11 @@ class SlackController(ABC):
     n_min: int = 0
     #: True for Eager: shadow chunks run as normal-priority work.
     normal_priority: bool = False
+    #: True for a controller whose budget is always zero by design (No Shadow): no
+    #: shadow work is expected of its policy, so a run without any is no silent
+    #: no-op. A statement about the policy, not a speed-up (engines decide what
+    #: to skip themselves, by exact type: ``shadowcore.engine._fastpath``).
+    never_grants: bool = False
 
     @abstractmethod
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
@@ -221,6 +226,8 @@ class EagerController(SlackController):
 @attrs.define
 class NoShadowController(SlackController):
     """No shadow work at all (the No Shadow and Host Tier baselines)."""
+
+    never_grants = True
 
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
         return SlackBudget.zero(BudgetReason.DISABLED)

@@ -54,7 +54,7 @@ def _earn_decode_credit(slack: SlackController, duration_s: float, decode_only: 
 
 @attrs.frozen
 class _Skippable:
-    #: ``budget`` is always zero (no shadow work ever).
+    #: ``budget`` is always zero (no shadow work ever): the type's own ``never_grants``.
     never_grants: bool = False
     #: What a skipped iteration does to the controller (None: nothing).
     observe_skipped: Callable[[SlackController, float, bool], None] | None = None
@@ -66,7 +66,7 @@ _SKIPPABLE: dict[type, _Skippable] = {
     HarvestController: _Skippable(observe_skipped=_earn_decode_credit),
     EagerController: _Skippable(),  # stateless
     PrefillInstanceController: _Skippable(),  # stateless
-    NoShadowController: _Skippable(never_grants=True),
+    NoShadowController: _Skippable(never_grants=NoShadowController.never_grants),
 }
 
 

@@ -102,7 +102,7 @@ def test_skippable_only_by_exact_type() -> None:
         pass
 
     assert _fastpath.skippable(Observing()) is None and _fastpath.skippable(Plain()) is None
-    assert not any(hasattr(SlackController, n) for n in ("skippable", "never_grants", "observe_skipped"))
+    assert not any(hasattr(SlackController, n) for n in ("skippable", "observe_skipped"))
 
 
 def test_credit_of_skipped_steps_matches_observed_steps() -> None:
