@@ -64,6 +64,11 @@ class EngineShadowConfig:
     #: (``shadowcore.latency_fit.OnlineLatencyFit`` arguments: ``min_steps``,
     #: ``every``, ``window``); None: the configured model stays (the default).
     refit: Mapping[str, int] | None = None
+    #: A latency profile applied to ``latency`` (:mod:`shadowcore.calibration`):
+    #: a shipped name (``shadowprefill latency show``), a JSON file, or its
+    #: fields; "" for none. The same value ``simulate --latency-profile`` takes,
+    #: so a policy sees the same iteration times in simulation and on the engine.
+    latency_profile: str | Mapping[str, Any] = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -73,6 +78,7 @@ class EngineShadowConfig:
             "latency": self.latency.to_dict(),
             "keep_tails_below_n_min": self.keep_tails_below_n_min,
             **({"refit": dict(self.refit)} if self.refit is not None else {}),
+            **({"latency_profile": self.latency_profile} if self.latency_profile else {}),
         }
 
     @classmethod
@@ -84,7 +90,7 @@ class EngineShadowConfig:
                 raise ConfigError(f"{field}:{e.lineno}:{e.colno}", data, e.msg) from None
         if not isinstance(data, Mapping):
             raise ConfigError(field, data, "must be a JSON object")
-        known = {"shadow", "instance_id", "slo", "latency", "keep_tails_below_n_min", "refit"}
+        known = {"shadow", "instance_id", "slo", "latency", "keep_tails_below_n_min", "refit", "latency_profile"}
         for k in data:
             if k not in known:
                 raise ConfigError(f"{field}.{k}", data[k], f"unknown field (known: {', '.join(sorted(known))})")
@@ -101,7 +107,21 @@ class EngineShadowConfig:
         keep_tails = data.get("keep_tails_below_n_min", False)
         if not isinstance(keep_tails, bool):
             raise ConfigError(f"{field}.keep_tails_below_n_min", keep_tails, "must be true or false")
-        return cls(shadow, instance_id, slo, latency, keep_tails, _refit(data.get("refit"), f"{field}.refit"))
+        profile = data.get("latency_profile", "")
+        config = cls(shadow, instance_id, slo, latency, keep_tails, _refit(data.get("refit"), f"{field}.refit"),
+                     dict(profile) if isinstance(profile, Mapping) else profile)
+        config.profile()  # a bad name, file or field fails here, before the engine serves
+        return config
+
+    def profile(self) -> Any:
+        """The :class:`~shadowcore.calibration.LatencyProfile` to apply (the identity for "")."""
+        from shadowcore.calibration import LatencyProfile
+
+        if not self.latency_profile:
+            return LatencyProfile()
+        from shadow_sim.latency import resolve_profile
+
+        return resolve_profile(self.latency_profile, field=f"{FIELD}.latency_profile")
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> EngineShadowConfig:
@@ -127,7 +147,7 @@ class EngineShadowConfig:
     def build_latency(self) -> LatencyModel:
         field = f"{FIELD}.latency"
         if self.latency.name == "linear":
-            return build_attrs(LinearLatencyModel, f"{field}.args", self.latency.args)
+            return self.profile().apply(build_attrs(LinearLatencyModel, f"{field}.args", self.latency.args))
         try:
             factory = load_reference(self.latency.name)
         except PluginError as e:
@@ -140,7 +160,7 @@ class EngineShadowConfig:
             raise ConfigError(f"{field}.args", dict(self.latency.args), str(e)) from None
         if not callable(getattr(model, "predict_s", None)):  # predict_decodes_s is optional
             raise ConfigError(f"{field}.name", self.latency.name, "did not return a LatencyModel (no predict_s)")
-        return model
+        return self.profile().apply(model)
 
 
 def engine_args(policy: str | Mapping[str, Any] = "harvest-slo", *, asynchronous: bool = False,

@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-slo", type=float, default=0.025, help="TPOT SLO of routed and normal requests (s)")
     p.add_argument("--latency", default='{"name": "linear"}',
                    help="JSON plugin reference of the engine's LatencyModel (default: linear, config coefficients)")
+    p.add_argument("--latency-profile", default="", metavar="NAME|FILE",
+                   help="a latency profile over --latency (shadowprefill latency show; the same value "
+                        "simulate --latency-profile takes)")
     p.add_argument("--latency-refit", default=None, metavar="JSON",
                    help='refit the latency model online from measured steps, e.g. \'{"min_steps": 32, "every": 32, '
                         '"window": 512}\' (synchronous scheduler only; docs/vllm.md)')
@@ -85,6 +88,8 @@ def build_command(argv: Sequence[str]) -> list[str]:
     }
     if args.latency_refit is not None:
         data["refit"] = _json("--latency-refit", args.latency_refit)
+    if args.latency_profile:
+        data["latency_profile"] = args.latency_profile
     config = EngineShadowConfig.from_dict(data)
     config.build_latency()
     asynchronous = args.scheduler == "async" or (args.scheduler == "auto" and _gpu_vllm())

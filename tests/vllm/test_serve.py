@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from shadow_vllm.engine_config import EngineShadowConfig
 from shadow_vllm.serve import build_command, main
 
 from shadowcore.errors import ConfigError
@@ -118,3 +119,29 @@ def test_keep_tails_below_n_min_is_a_checked_bool_that_round_trips() -> None:
     config = EngineShadowConfig.from_dict(data)
     assert config.keep_tails_below_n_min is True
     assert EngineShadowConfig.from_dict(config.to_dict()) == config
+
+
+def test_latency_profile_is_the_one_simulate_takes_and_is_applied(tmp_path) -> None:
+    """``vllm-serve --latency-profile`` reaches the engine config, which applies the
+    same profile ``simulate --latency-profile`` does (shipped name or file)."""
+    from shadow_sim.latency import resolve_profile
+
+    from shadowcore.calibration import LatencyProfile
+    from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
+
+    cmd = build_command(["--policy", "harvest-slo", "--latency-profile", "paper-testbed-h100", "--model", "m"])
+    extra = json.loads(cmd[cmd.index("--additional-config") + 1])["shadowprefill"]
+    assert extra["latency_profile"] == "paper-testbed-h100"
+    config = EngineShadowConfig.from_dict(extra)
+    assert EngineShadowConfig.from_dict(config.to_dict()) == config
+    batch = BatchShape((PrefillChunk(512, 0),), ())
+    want = resolve_profile("paper-testbed-h100").apply(LinearLatencyModel()).predict_s(batch)
+    assert config.build_latency().predict_s(batch) == want > LinearLatencyModel().predict_s(batch)
+    path = tmp_path / "mine.json"
+    LatencyProfile("mine", decode_scale=2.0).write(path)
+    decodes = BatchShape((), (100,) * 4)
+    mine = EngineShadowConfig.from_dict({"latency_profile": str(path)}).build_latency()
+    assert mine.predict_s(decodes) == 2 * LinearLatencyModel().predict_s(decodes)
+    assert EngineShadowConfig.from_dict({}).build_latency() == LinearLatencyModel()  # none: the model itself
+    with pytest.raises(ConfigError, match=r"additional_config.shadowprefill.latency_profile = 'nope'"):
+        EngineShadowConfig.from_dict({"latency_profile": "nope"})
