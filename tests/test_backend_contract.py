@@ -5,7 +5,7 @@ P/D), and fails on backends broken on purpose, one break each: one that runs
 more shadow tokens than granted, one that puts its shadow chunks first in the
 batch, one that is not deterministic, one that loses first-token times, and a
 workload that never exercises shadow work. (vLLM in virtual time:
-tests/vllm/test_backend_contract.py.)
+tests/vllm/test_vllm_backend_contract.py.)
 """
 
 from __future__ import annotations
