@@ -155,7 +155,7 @@ def _our_classes() -> tuple[type, type]:
     from shadow_sim.models import get_model
     from shadow_sim.simulator import SimRun, SimScenario
 
-    from shadowcore.events import EventLoop
+    from shadowcore.engine._fastpath import InlineEventLoop
 
     @attrs.frozen
     class OneModelScenario(SimScenario):
@@ -166,7 +166,7 @@ def _our_classes() -> tuple[type, type]:
                 get_model(name)
 
     @attrs.define(eq=False)
-    class TimedLoop(EventLoop):
+    class TimedLoop(InlineEventLoop):
         """The event loop, timed (wall and CPU) and optionally profiled around ``run``."""
 
         wall_s: float = 0.0
@@ -194,7 +194,7 @@ def _our_classes() -> tuple[type, type]:
         trace: tuple = ()
         latency_model: Any = None
         records: list = attrs.field(init=False, factory=list)
-        loop: EventLoop = attrs.field(init=False, factory=TimedLoop)
+        loop: InlineEventLoop = attrs.field(init=False, factory=TimedLoop)
 
         def build_instance(self, instance_id: str, model: str, kv_policy: Any, *args: Any, **kwargs: Any) -> Any:
             import shadow_sim.simulator as simmod

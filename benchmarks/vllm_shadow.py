@@ -11,7 +11,7 @@ side in one run (all engines live in this process, trials interleaved):
 
    * ``request-level``: stock vLLM ``Scheduler`` with ``--scheduling-policy
      priority``; the shadow is the request-level baseline of Appendix D.1
-     (:class:`shadow_vllm.request_level.RequestLevelShadower`: lowest
+     (:class:`shadow_gateway.request_level.RequestLevelShadower`: lowest
      priority, one output token, submitted through an in-process ``submit``).
    * ``engine-level``: :class:`shadow_vllm.scheduler.ShadowScheduler`; the
      shadow is a request tagged ``shadow`` (``shadowcore.wire``), the routed
@@ -168,7 +168,7 @@ class RequestLevelMode:
     name = "request-level (stock vLLM, priority)"
 
     def __init__(self, model_dir: str, args: argparse.Namespace) -> None:
-        from shadow_vllm.request_level import Destination, RequestLevelShadower
+        from shadow_gateway.request_level import Destination, RequestLevelShadower
 
         self.engine = build_engine(model_dir, args, policy="priority")
         self.parts = StepParts(self.engine) if args.breakdown else None

@@ -29,7 +29,7 @@ normal traffic on every instance):
 * **request-level** (Appendix D.1, the paper's prototype): stock ``Scheduler``
   with priority scheduling; after each call completes, its prompt and output
   go to the other model's instance as a lowest-priority request with one
-  output token (:class:`shadow_vllm.request_level.RequestLevelShadower`:
+  output token (:class:`shadow_gateway.request_level.RequestLevelShadower`:
   newest per session, one in flight per instance, sent only when that
   instance's waiting queue is empty). Its pending shadow of a session is
   dropped when that session's next call is seen on the instance (at the
@@ -94,7 +94,8 @@ class RequestLevelFeeder:
         self._num_requests_seen: dict[str, int] = {}  # per instance: requests already looked at (in added order)
 
     def __call__(self, run: Any) -> None:
-        from shadow_vllm.request_level import Destination, RequestLevelShadower, virtual_submitter
+        from shadow_gateway.request_level import Destination, RequestLevelShadower
+        from shadow_vllm.backend import virtual_submitter
 
         engines = run.cluster.by_id
         if self.shadower is None:

@@ -16,6 +16,10 @@ Invariants (property-tested):
 * Grants are whole blocks, go to jobs in the manager's order (non-increasing
   switch probability), and start where the job's held prefix ends.
 * Deterministic: the same snapshots and outcomes give the same plans.
+
+The hook's face is the plan/commit protocol only. The engines of this
+repository also skip steps the hook provably plans nothing for; that fast path
+is theirs (``shadowcore.engine._fastpath``), not part of this contract.
 """
 
 from __future__ import annotations
@@ -80,6 +84,11 @@ class EngineHook:
     step_counts: dict[str, int] = attrs.field(init=False, factory=dict)
     _pending: tuple[StepSnapshot, StepPlan] | None = attrs.field(init=False, default=None)
 
+    @property
+    def in_step(self) -> bool:
+        """A plan is open: ``begin_step`` was called and its ``end_step`` not yet."""
+        return self._pending is not None
+
     def begin_step(self, snapshot: StepSnapshot) -> StepPlan:
         if self._pending is not None:
             raise RuntimeError(f"{self.instance_id}: begin_step twice without end_step")
@@ -119,68 +128,6 @@ class EngineHook:
             self._commit(r.grant, r.num_computed_tokens)
         self.slack.observe(snapshot, plan, outcome)
         self.observers.emit("on_step_end", snapshot, plan, outcome)
-
-    # -- skipping iterations that provably get nothing -------------------------------
-    def _may_skip(self) -> bool:
-        """What every skip test needs: no observer (it would miss a plan), a
-        skippable controller, and no planned step open."""
-        return not self.observers.observers and self.slack.skippable and self._pending is None
-
-    def can_skip(self) -> bool:
-        """True when :meth:`begin_step` on a steady decode batch (nothing
-        waiting, no admission blocked, every request decoding) would provably
-        plan no grant and change no state but what :meth:`skip_step` does, so
-        an engine may call :meth:`skip_step` instead of building the snapshot:
-        no observer, a :attr:`~SlackController.skippable` controller, and
-        either one that never grants, no pending job here, or pending jobs
-        that need no refresh and miss fewer whole-block tokens than ``n_min``
-        (or than one block), which :meth:`_size` would then never grant."""
-        slack = self.slack
-        if not self._may_skip():
-            return False
-        if slack.never_grants:
-            return True
-        jobs = self.manager.pending_jobs(self.instance_id)
-        if not jobs:
-            return True
-        evictions = self.port.eviction_count()
-        missing = 0
-        for pending in jobs:
-            if pending.validated_at != evictions or pending.epoch != pending.history.epoch:
-                return False  # begin_step would refresh it
-            missing += pending.num_missing_tokens
-        block = self.port.block_size
-        n = missing // block * block
-        return n == 0 or n < slack.n_min
-
-    def quiet_until_event(self) -> bool:
-        """True when :meth:`can_skip` holds and keeps holding until something
-        outside this instance's steady iterations happens: no observer, a
-        skippable controller, and one that never grants or no pending job on
-        this instance (a job becomes pending only through the router side or
-        a routed call's output, both events of their own)."""
-        return self._may_skip() and (self.slack.never_grants or not self.manager.pending_jobs(self.instance_id))
-
-    def plans_nothing(self) -> bool:
-        """True when :meth:`begin_step` on *any* snapshot would plan no grant
-        and change no state but what :meth:`skip_step` does: no observer and a
-        :attr:`~SlackController.skippable` controller that
-        :attr:`~SlackController.never_grants`. An engine may then build no
-        snapshot at all and report each iteration (empty ones with 0.0 s)
-        through :meth:`skip_step`."""
-        return self.slack.never_grants and self._may_skip()
-
-    def skip_step_does_something(self) -> bool:
-        """False when :meth:`skip_step` is a no-op (the controller keeps the
-        base ``observe_skipped``, which does nothing): an engine may then
-        leave the calls out."""
-        return type(self.slack).observe_skipped is not SlackController.observe_skipped
-
-    def skip_step(self, duration_s: float, decode_only: bool) -> None:
-        """An iteration :meth:`can_skip` allowed ran for ``duration_s``: the
-        controller's accounting for it (``commit`` + ``observe`` of a plan
-        without grants); no plan, no outcome, no observer call."""
-        self.slack.observe_skipped(duration_s, decode_only)
 
     # -- planning -------------------------------------------------------------------
     def _refreshed_jobs(self) -> list[ShadowJob]:

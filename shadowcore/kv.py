@@ -2,9 +2,10 @@
 plus an optional host-memory tier.
 
 Layers (vLLM v1 style): the engine asks :class:`KVClassManager` for blocks on
-behalf of an *owner* (a request or a shadow chunk); the manager decides which
-idle cached block to evict by the rules of :class:`KVClassPolicy`, which is
-pure and reused by the vLLM backend's block-pool bridge.
+behalf of an *owner* (a request or a shadow chunk); which idle cached block an
+allocation evicts is decided in one place, :meth:`KVClassPolicy.victims`
+(classes, order, cold age), which the manager and the vLLM backend's
+block-pool bridge both call.
 
 Invariants (each has a property test):
 
@@ -30,11 +31,13 @@ Invariants (each has a property test):
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from itertools import repeat
 from operator import itemgetter
+from typing import TypeVar
 
 import attrs
 
@@ -60,6 +63,9 @@ class HostTierParams:
 
 #: ``KVClassPolicy.eviction_order`` values.
 EVICTION_ORDERS = ("shadow-first", "lru")
+#: The class order of ``"shadow-first"`` eviction.
+_SHADOW_FIRST = (KVClass.SHADOW, KVClass.NORMAL)
+_B = TypeVar("_B")  # a block's key: a content hash (the manager), a block id (the vLLM bridge)
 
 
 @attrs.frozen
@@ -87,6 +93,53 @@ class KVClassPolicy:
     def shadow_may_displace(self, idle_since_s: float, now_s: float) -> bool:
         """A shadow chunk may take an idle block only once it is cold."""
         return now_s - idle_since_s > self.cold_age_s
+
+    def victims(self, idle: Mapping[KVClass, Mapping[_B, float]], requester: KVClass, now_s: float | None = None,
+                protect: Container[_B] = ()) -> Iterator[tuple[_B, KVClass]]:
+        """The idle blocks an allocation by ``requester`` may evict, in the
+        order it evicts them, as ``(block, class)``: the one owner of the
+        victim choice (:class:`KVClassManager` and the vLLM block-pool bridge
+        both take their victims from here).
+
+        ``idle[cls]`` maps each idle block of a class to the time it went idle,
+        in release order (oldest first). Blocks of ``protect`` are skipped.
+        ``"shadow-first"``: every idle shadow block before any normal one, in
+        release order within a class. ``"lru"``: one release order over both
+        classes (equal times: the shadow block first). A shadow requester gets
+        cold blocks only (:meth:`shadow_may_displace`): a class's first young
+        block ends that class (under ``"lru"``, the whole order), since every
+        later one is younger (``now_s``, needed for a shadow requester only,
+        is the time of that check). The caller takes as many as it needs and
+        must not change ``idle`` while it iterates.
+        """
+        shadow_requester = requester is KVClass.SHADOW
+        if shadow_requester and now_s is None:
+            raise ValueError("a shadow requester's victims need now_s (the cold-age rule)")
+        if self.eviction_order == "lru":
+            return self._lru_victims(idle, shadow_requester, now_s, protect)
+        if not shadow_requester and not protect:  # nothing skipped, nothing cold-checked: the classes' orders, in C
+            return itertools.chain.from_iterable(zip(idle[cls], repeat(cls)) for cls in _SHADOW_FIRST)
+        return self._class_victims(idle, shadow_requester, now_s, protect)
+
+    def _class_victims(self, idle: Mapping[KVClass, Mapping[_B, float]], shadow_requester: bool, now_s: float,
+                       protect: Container[_B]) -> Iterator[tuple[_B, KVClass]]:
+        for cls in _SHADOW_FIRST:
+            for block, since in idle[cls].items():
+                if block in protect:
+                    continue
+                if shadow_requester and not self.shadow_may_displace(since, now_s):
+                    break
+                yield block, cls
+
+    def _lru_victims(self, idle: Mapping[KVClass, Mapping[_B, float]], shadow_requester: bool, now_s: float,
+                     protect: Container[_B]) -> Iterator[tuple[_B, KVClass]]:
+        by_class = [zip(idle[cls].values(), idle[cls], repeat(cls)) for cls in _SHADOW_FIRST]  # (since, block, cls)
+        for since, block, cls in heapq.merge(*by_class, key=itemgetter(0)):  # stable: shadow first on ties
+            if block in protect:
+                continue
+            if shadow_requester and not self.shadow_may_displace(since, now_s):
+                return
+            yield block, cls
 
 
 @attrs.frozen
@@ -148,7 +201,7 @@ class KVClassManager:
     num_shadow_blocks_used: int = attrs.field(init=False, default=0)
     num_reloaded_blocks: int = attrs.field(init=False, default=0)
     _blocks: dict[int, tuple] = attrs.field(init=False, factory=dict)  # hash -> state (see _HELD)
-    _idle: dict[KVClass, OrderedDict[int, None]] = attrs.field(init=False)
+    _idle: dict[KVClass, OrderedDict[int, float]] = attrs.field(init=False)  # hash -> idle since, release order
     _owners: dict[str, _Owner] = attrs.field(init=False, factory=dict)
     _host: OrderedDict[int, KVClass] = attrs.field(init=False, factory=OrderedDict)
     # Idle blocks in release order; a block turns cold once, stays cold while idle.
@@ -358,7 +411,7 @@ class KVClassManager:
                 token += 1
                 blocks[h] = (shadow, 0, now_s, token, cold)
                 newly_idle.append(h)
-                idle[_KV_CLASS[shadow]][h] = None
+                idle[_KV_CLASS[shadow]][h] = now_s
             else:
                 blocks[h] = (shadow, ref, since, tok, cold)
         self._num_releases = token
@@ -448,14 +501,14 @@ class KVClassManager:
         newly_idle = list(reversed(tail))  # the tail goes idle last block first, tokens first + 1, ...
         token = first + len(newly_idle)
         blocks.update(zip(newly_idle, [(False, 0, now_s, t, False) for t in range(first + 1, token + 1)]))
-        normal_idle.update(zip(newly_idle, repeat(None)))
+        normal_idle.update(zip(newly_idle, repeat(now_s)))
         for h in reversed(owner.hashes):  # then the head loses the owner's reference, last block first
             shadow, ref, since, tok, cold = blocks[h]
             if ref == 1:
                 token += 1
                 blocks[h] = (shadow, 0, now_s, token, cold)
                 newly_idle.append(h)
-                idle[_KV_CLASS[shadow]][h] = None
+                idle[_KV_CLASS[shadow]][h] = now_s
             else:
                 blocks[h] = (shadow, ref - 1, since, tok, cold)
         self._num_releases = token
@@ -478,17 +531,9 @@ class KVClassManager:
         excluded = {h for h in exclude if self._blocks[h][1] == 0}
         if kv_class is KVClass.NORMAL:  # any idle block but the excluded ones (all idle: ref count 0)
             return self.num_free_blocks + self.num_idle_blocks - len(excluded) >= num
-        available = self.num_free_blocks
-        for cls in (KVClass.SHADOW, KVClass.NORMAL):
-            for h in self._idle[cls]:
-                if h in excluded:
-                    continue
-                if kv_class is KVClass.SHADOW and not self.policy.shadow_may_displace(self._blocks[h][2], now_s):
-                    break
-                available += 1
-                if available >= num:
-                    return True
-        return False
+        wanted = num - self.num_free_blocks
+        victims = self.policy.victims(self._idle, kv_class, now_s, excluded)
+        return sum(1 for _ in itertools.islice(victims, wanted)) == wanted
 
     def _ref_hits(self, hits: Sequence[int], requester: KVClass) -> int:
         used = 0
@@ -517,95 +562,28 @@ class KVClassManager:
             self.num_shadow_blocks += num
 
     def _evict(self, num: int, requester: KVClass, now_s: float, protect: set[int]) -> None:
-        """Evict ``num`` idle blocks: the shadow class first, LRU within a
-        class, never a block of ``protect``; a shadow requester takes cold
-        blocks only. One pass per class evicts exactly what ``num`` single
-        evictions in a row would (each restarts at the head and skips the same
-        protected and young blocks), in the same order. (``"lru"`` order:
-        :meth:`_evict_lru`.)"""
-        if self.policy.eviction_order == "lru":
-            self._evict_lru(num, requester, now_s, protect)
-            return
-        for cls in (KVClass.SHADOW, KVClass.NORMAL):
-            idle = self._idle[cls]
-            if not protect and requester is KVClass.NORMAL:  # nothing skipped: the LRU head
-                num -= self._evict_head(min(num, len(idle)), cls)
-                if num == 0:
-                    return
-                continue
-            victims = []
-            for h in idle:
-                if len(victims) == num:
-                    break
-                if h in protect:
-                    continue
-                if requester is KVClass.SHADOW and not self.policy.shadow_may_displace(self._blocks[h][2], now_s):
-                    break
-                victims.append(h)
-            self._evict_blocks(victims, cls)
-            num -= len(victims)
-            if num == 0:
-                return
-        raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
-
-    def _evict_lru(self, num: int, requester: KVClass, now_s: float, protect: set[int]) -> None:
-        """Evict ``num`` idle blocks, least recently released first across both
-        classes (each class's idle list is in release order: a merge of the two;
-        equal release times take the shadow block first), never a block of
-        ``protect``; a shadow requester takes cold blocks only (once the oldest
-        candidate is young, every other one is too)."""
-        blocks, victims = self._blocks, []
-        shadow_iter, normal_iter = iter(self._idle[KVClass.SHADOW]), iter(self._idle[KVClass.NORMAL])
-        s, n = next(shadow_iter, None), next(normal_iter, None)
-        while len(victims) < num:
-            while s in protect:
-                s = next(shadow_iter, None)
-            while n in protect:
-                n = next(normal_iter, None)
-            if s is not None and (n is None or blocks[s][2] <= blocks[n][2]):
-                victim, s = (s, KVClass.SHADOW), next(shadow_iter, None)
-            elif n is not None:
-                victim, n = (n, KVClass.NORMAL), next(normal_iter, None)
-            else:
-                break
-            if requester is KVClass.SHADOW and not self.policy.shadow_may_displace(blocks[victim[0]][2], now_s):
-                break
-            victims.append(victim)
+        """Evict the first ``num`` of the policy's victims for ``requester``
+        (:meth:`KVClassPolicy.victims`), in that order."""
+        victims = list(itertools.islice(self.policy.victims(self._idle, requester, now_s, protect), num))
         if len(victims) < num:
             raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
-        for h, cls in victims:  # in order (the host tier keeps its own LRU of what spills)
-            self._evict_blocks([h], cls)
-
-    def _evict_head(self, num: int, cls: KVClass) -> int:
-        """``_evict_blocks`` of the first ``num`` idle blocks of ``cls`` (LRU
-        order), popped from the head; returns ``num``."""
-        if num <= 0:
-            return 0
-        if self.policy.host is not None:
-            self._evict_blocks(list(itertools.islice(self._idle[cls], num)), cls)
-            return num
-        idle = self._idle[cls]
-        victims = list(itertools.islice(idle, num))
-        deque(map(idle.pop, victims), 0)
-        if self._num_cold_idle:  # _leave_idle of each (dropped)
-            self._num_cold_idle -= sum(map(_is_cold, map(self._blocks.pop, victims)))
-        else:  # no block is cold
-            deque(map(self._blocks.pop, victims), 0)
-        if cls is KVClass.SHADOW:
-            self.num_shadow_blocks -= num
-        self.num_evicted_blocks[cls] += num
-        self.eviction_count += num
-        return num
+        for cls, run in itertools.groupby(victims, itemgetter(1)):  # in order (the host tier keeps its own LRU)
+            self._evict_blocks([h for h, _ in run], cls)
 
     def _evict_blocks(self, victims: list[int], cls: KVClass) -> None:
         """Drop idle blocks of one class from the device, in order (to the host tier if any)."""
         idle, blocks = self._idle[cls], self._blocks
-        spill = self.policy.host is not None
-        for h in victims:
-            del idle[h]
-            if blocks.pop(h)[4]:  # it was counted cold
-                self._num_cold_idle -= 1
-            if spill:
+        if self.policy.host is None:
+            deque(map(idle.pop, victims), 0)
+            if self._num_cold_idle:
+                self._num_cold_idle -= sum(map(_is_cold, map(blocks.pop, victims)))  # those counted cold
+            else:  # no block is cold
+                deque(map(blocks.pop, victims), 0)
+        else:
+            for h in victims:
+                del idle[h]
+                if blocks.pop(h)[4]:  # it was counted cold
+                    self._num_cold_idle -= 1
                 self._spill(h, cls)
         if cls is KVClass.SHADOW:
             self.num_shadow_blocks -= len(victims)

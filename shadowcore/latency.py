@@ -82,11 +82,15 @@ class LatencyModel(Protocol):
         """Duration of one iteration that runs ``batch``; 0.0 when empty."""
         ...
 
-# Optional, not part of the Protocol: ``predict_decodes_s(num_decodes,
-# total_context, max_context) -> float | None`` returns exactly (bit for bit)
-# what ``predict_s`` gives for a decode-only batch with those aggregates, or
-# None when the model cannot tell from them; engines use it to time steady
-# decode iterations without building the per-sequence tuple.
+    def predict_decodes_s(self, num_decodes: int, total_context: int, max_context: int) -> float | None:
+        """Optional; the default (and a model that does not define it) gives
+        ``None``. Otherwise exactly, bit for bit, what :meth:`predict_s` gives
+        for a decode-only batch of ``num_decodes`` sequences whose contexts sum
+        to ``total_context`` tokens, the longest ``max_context``; or ``None``
+        when the model cannot tell from these aggregates. Engines time steady
+        decode iterations with it and, on ``None``, build the batch and call
+        :meth:`predict_s`; results are the same either way."""
+        return None
 
 
 @attrs.frozen
@@ -125,7 +129,6 @@ class LinearLatencyModel:
             + self.decode_s_per_seq * batch.num_decodes
             + self.decode_s_per_context_token * sum(batch.decode_context_tokens)
         )
-
 
     def predict_decodes_s(self, num_decodes: int, total_context: int, max_context: int) -> float | None:
         """:meth:`predict_s` of a decode-only batch from its aggregates (the

@@ -10,6 +10,9 @@ Hooks (all optional):
 
 * ``on_plan(snapshot, plan)`` after a hook planned an iteration;
 * ``on_step_end(snapshot, plan, outcome)`` after the engine reported it;
+* ``on_batch(report)`` after the engine scheduled a planned iteration: a
+  :class:`~shadowcore.backend.BatchReport` of what it runs (the backend
+  contract, :mod:`shadowcore.backend`);
 * ``on_call_placed(placement)`` when the router side placed a routed call;
 * ``on_call_finished(record)`` when a backend finished a routed or normal call.
 """
@@ -24,7 +27,7 @@ import attrs
 
 from shadowcore.types import StepOutcome, StepPlan, StepSnapshot
 
-HOOK_NAMES = ("on_plan", "on_step_end", "on_call_placed", "on_call_finished")
+HOOK_NAMES = ("on_plan", "on_step_end", "on_batch", "on_call_placed", "on_call_finished")
 
 
 @attrs.define(eq=False)

@@ -27,6 +27,7 @@ from shadowcore.kv import KVClassManager
 from shadowcore.latency import LatencyModel
 from shadowcore.manager import ClusterPort, ShadowManager
 from shadowcore.metrics import ObserverSet
+from shadowcore.pd import PushPolicy
 from shadowcore.policy import PolicySpec, load_policy
 from shadowcore.registry import load_reference
 
@@ -45,14 +46,30 @@ class ShadowRuntime:
     notices: list[str] = attrs.Factory(list)
     _notice_keys: set[str] = attrs.field(init=False, factory=set)
 
-    def attach(self, instance_id: str, port: EnginePort, latency: LatencyModel) -> EngineHook:
-        """The hook for one engine instance (with its own slack controller)."""
+    def attach(self, instance_id: str, port: EnginePort, latency: LatencyModel, *,
+               prefill_iteration_s: float | None = None) -> EngineHook:
+        """The hook for one engine instance (with its own slack controller).
+
+        ``prefill_iteration_s``: the instance is a P/D prefill instance whose
+        shadow iterations last at most that long; it runs the policy's
+        ``prefill_slack`` (built with that ``max_iteration_s``), or ``slack``
+        where the policy has none."""
         if instance_id in self.hooks:
             raise ValueError(f"instance {instance_id!r} already has a hook")
         child = np.random.default_rng(self.rng.integers(2**63))
-        hook = EngineHook(instance_id, self.manager, self.policy.slack.build(child), latency, port, self.observers)
+        if prefill_iteration_s is not None and self.policy.prefill_slack is not None:
+            slack = self.policy.prefill_slack.build(child, max_iteration_s=prefill_iteration_s)
+        else:
+            slack = self.policy.slack.build(child)
+        hook = EngineHook(instance_id, self.manager, slack, latency, port, self.observers)
         self.hooks[instance_id] = hook
         return hook
+
+    def push_policy(self, push_tokens: int, block_size: int) -> PushPolicy:
+        """P/D: the policy's push policy (its ``push`` recipe) for a deployment
+        of ``push_tokens`` per push and ``block_size`` tokens per block."""
+        child = np.random.default_rng(self.rng.integers(2**63))
+        return self.policy.push.build(child, push_tokens=push_tokens, block_size=block_size)
 
     def check_reach(self, hook: EngineHook, tpot_slo_s: float) -> None:
         """Report (:meth:`notice`) when ``hook``'s smallest grant can never fit

@@ -93,24 +93,11 @@ class SlackController(ABC):
     n_min: int = 0
     #: True for Eager: shadow chunks run as normal-priority work.
     normal_priority: bool = False
-    #: True when :meth:`budget` has no side effect and, for a plan without
-    #: grants, :meth:`commit` + :meth:`observe` do exactly what
-    #: :meth:`observe_skipped` does. The engine hook may then skip an iteration
-    #: that provably gets no grant (:meth:`EngineHook.can_skip`). A subclass
-    #: that overrides ``budget``, ``commit``, ``observe`` or ``observe_skipped``
-    #: without restating the flag in its own body gets ``False`` (safe default).
-    skippable: bool = False
-    #: True when :meth:`budget` is always zero (no shadow work ever); reset to
-    #: ``False`` for a subclass that overrides ``budget`` without restating it.
+    #: True for a controller whose budget is always zero by design (No Shadow): no
+    #: shadow work is expected of its policy, so a run without any is no silent
+    #: no-op. A statement about the policy, not a speed-up (engines decide what
+    #: to skip themselves, by exact type: ``shadowcore.engine._fastpath``).
     never_grants: bool = False
-
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        own = cls.__dict__
-        if "skippable" not in own and {"budget", "commit", "observe", "observe_skipped"} & own.keys():
-            cls.skippable = False
-        if "never_grants" not in own and "budget" in own:
-            cls.never_grants = False
 
     @abstractmethod
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
@@ -121,10 +108,6 @@ class SlackController(ABC):
 
     def observe(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:
         """The engine ran the iteration ``snapshot`` + ``plan``."""
-
-    def observe_skipped(self, duration_s: float, decode_only: bool) -> None:
-        """An iteration without grants ran and the hook skipped it (only called
-        when :attr:`skippable`): ``commit`` + ``observe``'s effect for it."""
 
 
 def _gate(snapshot: StepSnapshot) -> SlackBudget | None:
@@ -174,7 +157,6 @@ class SloSlackController(SlackController):
     margin: float = attrs.field(default=0.1, validator=fraction_closed_open)
     chunk_tokens: int = attrs.field(default=2048, validator=positive)
     credit: CreditAccount = attrs.field(init=False)
-    skippable = True  # budget is pure; without grants commit spends nothing and observe only earns
 
     def __attrs_post_init__(self) -> None:
         self.credit = CreditAccount(self.delta)
@@ -199,10 +181,6 @@ class SloSlackController(SlackController):
     def observe(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:
         self.credit.earn(snapshot, plan, outcome)
 
-    def observe_skipped(self, duration_s: float, decode_only: bool) -> None:
-        if decode_only:
-            self.credit.earn_s(duration_s)
-
 
 @attrs.define
 class HarvestController(SlackController):
@@ -213,7 +191,6 @@ class HarvestController(SlackController):
     delta: float = attrs.field(default=0.1, validator=non_negative)
     n_min: int = attrs.field(default=256, validator=non_negative_int)
     credit: CreditAccount = attrs.field(init=False)
-    skippable = True  # budget is pure; without grants commit spends nothing and observe only earns
 
     def __attrs_post_init__(self) -> None:
         self.credit = CreditAccount(self.delta)
@@ -233,10 +210,6 @@ class HarvestController(SlackController):
     def observe(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:
         self.credit.earn(snapshot, plan, outcome)
 
-    def observe_skipped(self, duration_s: float, decode_only: bool) -> None:
-        if decode_only:
-            self.credit.earn_s(duration_s)
-
 
 @attrs.define
 class EagerController(SlackController):
@@ -245,7 +218,6 @@ class EagerController(SlackController):
 
     n_min: int = attrs.field(default=0, validator=non_negative_int)
     normal_priority: bool = attrs.field(default=True, init=False)
-    skippable = True  # stateless
 
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
         return SlackBudget(math.inf, BudgetReason.EAGER)
@@ -255,7 +227,6 @@ class EagerController(SlackController):
 class NoShadowController(SlackController):
     """No shadow work at all (the No Shadow and Host Tier baselines)."""
 
-    skippable = True
     never_grants = True
 
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
@@ -272,7 +243,6 @@ class PrefillInstanceController(SlackController):
     margin: float = attrs.field(default=0.1, validator=fraction_closed_open)
     n_min: int = attrs.field(default=256, validator=non_negative_int)
     chunk_tokens: int = attrs.field(default=2048, validator=positive)
-    skippable = True  # stateless
 
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
         gated = _gate(snapshot)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 from shadowcore.hook import EngineHook
+from shadowcore.kv import KVClass, KVClassManager, KVClassPolicy
 from shadowcore.manager import ShadowManager
 from shadowcore.slack import EagerController, HarvestController, SloSlackController
 from shadowcore.switch import AllOthers, EmpiricalSwitchPredictor, TopK
@@ -318,6 +319,17 @@ class _YoungMachine(KVClassMachine):
 def test_shadow_never_displaces_young_entry():
     """C3: a shadow chunk takes free blocks or blocks idle for more than
     cold_age_s only (never one idle for exactly cold_age_s or less)."""
+    # The boundary itself, every run (the machine reaches it only by chance): a full pool whose only
+    # idle block has been idle for exactly cold_age_s refuses a shadow allocation, and takes it just after.
+    for shadow_first in (True, False):
+        order = "shadow-first" if shadow_first else "lru"
+        kv = KVClassManager(4, 1, KVClassPolicy(1.0, 5.0, None, order))
+        assert kv.allocate("n", [1], 3, KVClass.NORMAL, 0.0) is not None
+        kv.release("n", 0.0)  # block 1 idle since 0.0; three private blocks freed
+        assert kv.allocate("m", [], 3, KVClass.NORMAL, 0.0) is not None  # the free blocks are gone
+        assert kv.allocate("s", [2], 0, KVClass.SHADOW, 5.0) is None
+        assert kv.shadow_room_blocks(5.0) == 0
+        assert kv.allocate("s", [2], 0, KVClass.SHADOW, 5.5) is not None
     _run(_YoungMachine, 60, 35)
 
 

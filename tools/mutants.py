@@ -27,7 +27,7 @@ UNIT = "tests/test_invariants_unit.py"
 E2E = "tests/test_invariants_e2e.py"
 AUTH = "tests/gateway/test_auth.py"
 MALFORMED = "tests/gateway/test_malformed.py"
-EVICT_CLASSES = "        for cls in (KVClass.SHADOW, KVClass.NORMAL):\n            idle = self._idle[cls]\n"
+EVICT_CLASSES = "_SHADOW_FIRST = (KVClass.SHADOW, KVClass.NORMAL)"
 
 MUTATIONS: dict[str, tuple] = {
     "gate": (UNIT, "test_no_shadow_while_waiting_or_blocked", "shadowcore/slack.py",
@@ -49,13 +49,10 @@ MUTATIONS: dict[str, tuple] = {
             "        if kv_class is KVClass.SHADOW and self.num_shadow_blocks + num > self.cap_blocks:\n"
             "            return False\n", ""),
     "class-order": (UNIT, "test_evict_shadow_before_normal_and_lru_within_class", "shadowcore/kv.py",
-                    EVICT_CLASSES, EVICT_CLASSES.replace("SHADOW, KVClass.NORMAL", "NORMAL, KVClass.SHADOW")),
+                    EVICT_CLASSES, "_SHADOW_FIRST = (KVClass.NORMAL, KVClass.SHADOW)"),
     "lru-mru": (UNIT, "test_evict_shadow_before_normal_and_lru_within_class", "shadowcore/kv.py",
-                "            for h in idle:\n                if len(victims) == num:\n",
-                "            for h in reversed(idle):\n                if len(victims) == num:\n",
-                "self._evict_blocks(list(itertools.islice(self._idle[cls], num)), cls)",
-                "self._evict_blocks(list(itertools.islice(reversed(self._idle[cls]), num)), cls)",
-                "victims = list(itertools.islice(idle, num))", "victims = list(itertools.islice(reversed(idle), num))"),
+                "zip(idle[cls], repeat(cls))", "zip(reversed(idle[cls]), repeat(cls))",
+                "for block, since in idle[cls].items():", "for block, since in reversed(idle[cls].items()):"),
     "young": (UNIT, "test_shadow_never_displaces_young_entry", "shadowcore/kv.py",
               "return now_s - idle_since_s > self.cold_age_s", "return now_s - idle_since_s >= self.cold_age_s"),
     "order-hook": (UNIT, "test_jobs_served_in_nonincreasing_switch_probability", "shadowcore/hook.py",
@@ -121,10 +118,20 @@ MUTATIONS: dict[str, tuple] = {
     "head-first": ("tests/test_kv_room.py", "test_eviction_takes_a_released_chain_tail_first", "shadowcore/kv.py",
                    "        self._unref(reversed(owner.hashes), (), now_s)", "        self._unref(owner.hashes, (), now_s)"),
     "cold-count": ("tests/test_kv_room.py", "test_shadow_room_matches_definition", "shadowcore/kv.py",
-                   "            if blocks.pop(h)[4]:  # it was counted cold\n                self._num_cold_idle -= 1\n",
-                   "            if blocks.pop(h)[4]:  # it was counted cold\n                pass\n",
-                   "self._num_cold_idle -= sum(map(_is_cold, map(self._blocks.pop, victims)))",
-                   "deque(map(self._blocks.pop, victims), 0)"),
+                   "if blocks.pop(h)[4]:  # it was counted cold\n                    self._num_cold_idle -= 1\n",
+                   "if blocks.pop(h)[4]:  # it was counted cold\n                    pass\n",
+                   "self._num_cold_idle -= sum(map(_is_cold, map(blocks.pop, victims)))",
+                   "deque(map(blocks.pop, victims), 0)"),
+    "contract-last": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
+                      "            elif seen_shadow:\n", "            elif False:\n"),
+    "contract-grant": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
+                       "            elif n > granted[job]:\n", "            elif False:\n"),
+    "contract-repeat": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
+                        "        if x != y:\n", "        if False:\n"),
+    "batch-order": ("tests/test_backend_contract.py", "test_fake_backend_keeps_the_contract",
+                    "shadowcore/engine/instance.py",
+                    "return BatchReport(self.instance_id, self.iteration, tuple(entries),",
+                    'return BatchReport(self.instance_id, self.iteration, tuple(sorted(entries, key=lambda e: e.kind != "shadow")),'),
     # the gateway: a client never reaches another client's session; bad input never reaches an engine
     "tenant-namespace": (AUTH, "test_a_second_key_cannot_see_steer_poison_or_delete",
                          "backends/shadow_gateway/gateway.py",

@@ -11,7 +11,7 @@ instance depends on what the instance runs:
   context as token ids (whole blocks) with ``max_tokens`` 1; the engine runs
   it only in slack. Up to ``max_inflight_per_instance`` jobs in flight.
 * ``scheduler: stock`` (stock vLLM): the request-level mode of Appendix D.1,
-  run by :class:`shadow_vllm.request_level.RequestLevelShadower` with this
+  run by :class:`shadow_gateway.request_level.RequestLevelShadower` with this
   module's HTTP submit: after a session's routed call completes, its context
   goes to each stock instance that holds one of the session's jobs, at the
   lowest priority with one output token, at most one in flight per instance,
@@ -102,7 +102,7 @@ class ShadowDispatcher:
         )
         stock = [i for i in self.cluster.by_id.values() if i.scheduler is SchedulerKind.STOCK]
         if stock:
-            from shadow_vllm.request_level import RequestLevelShadower
+            from shadow_gateway.request_level import RequestLevelShadower
 
             self.request_level = RequestLevelShadower(self._rl_submit, lambda i: self._num_waiting.get(i, 1))
         for inst in self.cluster.by_id.values():
@@ -263,7 +263,7 @@ class ShadowDispatcher:
         """Queue the session's context for the stock instances that hold its jobs."""
         if self.request_level is None or session_id not in self.manager:
             return
-        from shadow_vllm.request_level import Destination
+        from shadow_gateway.request_level import Destination
 
         history = self.manager.history(session_id)
         if history.token_ids is None or not history.num_tokens:
@@ -312,7 +312,7 @@ class ShadowDispatcher:
             self._schedule_rl_pump(self.config.poll_interval_s)
 
     async def _read_waiting(self, inst: InstanceState) -> int:
-        from shadow_vllm.request_level import parse_num_waiting
+        from shadow_gateway.request_level import parse_num_waiting
 
         if not inst.healthy:
             return 1  # nothing goes to an unhealthy instance
@@ -327,7 +327,7 @@ class ShadowDispatcher:
 
     def _rl_submit(self, shadow: Any) -> None:
         """The shadower's submit: POST in the background, report the end."""
-        from shadow_vllm.request_level import completions_body
+        from shadow_gateway.request_level import completions_body
 
         inst = self.cluster.by_id[shadow.destination.instance_id]
         body = completions_body(shadow, inst.model.upstream_name)

@@ -9,11 +9,12 @@ the request decodes. A D instance keeps each session's context in its prefix
 cache (normal class), so a transfer sends only the tokens D lacks.
 
 Shadow jobs run on the session's sticky P instance of the other model, under
-:class:`~shadowcore.slack.PrefillInstanceController` (iterations of at most
+the policy's ``prefill_slack`` (the paper's policies:
+:class:`~shadowcore.slack.PrefillInstanceController`, iterations of at most
 0.1 s, empty queue, TTFT slack). Whenever a D instance's link carries no
-normal transfer, it asks the core's
-:class:`~shadowcore.pd.ShadowPushPolicy` for the next push (at most 4K tokens,
-most likely switch first) and inserts the pushed blocks into its shadow class,
+normal transfer, it asks the policy's ``push`` policy (the paper's:
+:class:`~shadowcore.pd.ShadowPushPolicy`, at most 4K tokens, most likely
+switch first) for the next push and inserts the pushed blocks into its shadow class,
 which is reclaimed first. At the switch, P prefills only the tail and the
 transfer sends only what D still lacks.
 
@@ -50,38 +51,16 @@ from shadowcore.events import EventLoop
 from shadowcore.hook import EngineHook
 from shadowcore.kv import KVClass, KVClassManager
 from shadowcore.manager import ShadowManager
-from shadowcore.pd import DecodeLinkView, PushCandidate, PushGrant, PushPolicy, ShadowPushPolicy
-from shadowcore.slack import (
-    HarvestController,
-    PrefillInstanceController,
-    SlackController,
-    SloSlackController,
-)
+from shadowcore.pd import DecodeLinkView, PushCandidate, PushGrant, PushPolicy
 from shadowcore.types import RequestKind
 
 __all__ = [
     "DecodeInstance", "KVFabric", "KVLink", "LinkRecord", "PDCluster", "PDConfig", "PDRun",
-    "PrefillInstance", "TransferRecord", "prefill_controller",
+    "PrefillInstance", "TransferRecord",
 ]
 
 #: Link completions share the step-end tie-break class.
 LINK_END = STEP_END
-
-
-def prefill_controller(slack: SlackController, pd: PDConfig) -> SlackController:
-    """The controller a P instance runs for a policy whose colocated
-    controller is ``slack``: harvesting controllers (Harvest, Harvest-SLO)
-    become §3.5's :class:`PrefillInstanceController` with the policy's
-    ``n_min`` (and ``margin``/``chunk_tokens`` where it has them); No Shadow,
-    Eager and third-party controllers are kept as they are."""
-    if not isinstance(slack, (SloSlackController, HarvestController)):
-        return slack
-    return PrefillInstanceController(
-        max_iteration_s=pd.max_iteration_s,
-        margin=getattr(slack, "margin", 0.1),
-        n_min=slack.n_min,
-        chunk_tokens=getattr(slack, "chunk_tokens", 2048),
-    )
 
 
 def _held_blocks(kv: KVClassManager, hashes: Sequence[int], device_only: bool = False) -> int:
@@ -430,7 +409,7 @@ class PDRun(SimRun):
         pd: PDConfig = self.scenario.pd
         links = {d.instance_id: KVLink(d, pd.link_bytes_per_s * d.num_gpus)
                  for ds in self.cluster.decode.values() for d in ds}
-        policy = ShadowPushPolicy(pd.push_tokens, self.scenario.block_size)
+        policy = self.runtime.push_policy(pd.push_tokens, self.scenario.block_size)
         self.fabric = KVFabric(self.loop, self.cluster, self.runtime.manager, policy, links)
         for inst in self.cluster.by_id.values():
             if isinstance(inst, PrefillInstance):
@@ -449,13 +428,11 @@ class PDRun(SimRun):
         return PDCluster(self.loop, prefill, by_id, window_tokens=self.placement_window_tokens(), decode=decode)
 
     def attach_hook(self, inst: EngineInstance) -> EngineHook | None:
-        """P instances: the policy's hook, with §3.5's prefill-instance
-        controller in place of a harvesting one. D instances: no shadow work."""
+        """P instances: the policy's hook with its ``prefill_slack``. D instances: no shadow work."""
         if not isinstance(inst, PrefillInstance):
             return None
-        hook = super().attach_hook(inst)
-        hook.slack = prefill_controller(hook.slack, self.scenario.pd)
-        return hook
+        return self.runtime.attach(inst.instance_id, inst, inst.latency,
+                                   prefill_iteration_s=self.scenario.pd.max_iteration_s)
 
     def serving_instances(self) -> list[str]:
         """The P instances (not the dedicated ones): the router side sees only them."""

@@ -14,8 +14,12 @@ Public names (stable; other modules and helpers import them):
   vLLM's block pool.
 * :mod:`shadow_vllm.tinymodel` -- ``build_tiny_model`` (offline test model).
 * :mod:`shadow_vllm.serve` -- ``shadowprefill vllm-serve``.
-* :mod:`shadow_vllm.virtual`, :mod:`shadow_vllm.request_level` -- virtual-time
-  mode and the request-level baseline.
+* :mod:`shadow_vllm.virtual` -- virtual-time mode; :mod:`shadow_vllm.backend`
+  -- ``VirtualBackend`` (the backend contract, :mod:`shadowcore.backend`, on
+  vLLM in virtual time) and ``virtual_submitter`` (the request-level baseline,
+  :mod:`shadow_gateway.request_level`, on virtual engines).
+* :mod:`shadow_vllm.vllm_internals` -- the one list of vLLM internals the
+  backend touches, and its checks.
 
 Importing this package does not import vLLM; its modules do.
 """

@@ -2,8 +2,10 @@
 
 :class:`ShadowKVBridge` attaches to one vLLM ``BlockPool`` (and its
 ``FreeKVCacheBlockQueue``) by giving each object a subclass of its own class
-that calls back into the bridge (vLLM glue; the rules are
-:class:`shadowcore.kv.KVClassPolicy`'s). A block is in the *shadow class*
+that calls back into the bridge (vLLM glue). The rules are
+:class:`shadowcore.kv.KVClassPolicy`'s: every victim the bridge picks is the
+first of :meth:`~shadowcore.kv.KVClassPolicy.victims`, the choice
+:class:`shadowcore.kv.KVClassManager` makes too. A block is in the *shadow class*
 from the moment a shadow request gets it until a normal request hits it
 (promotion: the shadow was used), it is evicted, or it is freed without a
 hash (it then holds nothing).
@@ -114,17 +116,8 @@ class ShadowKVBridge:
         return min(room, unhashed + self._count_cold(now_s, room - unhashed, exclude))
 
     def _count_cold(self, now_s: float, limit: int, exclude: frozenset[int]) -> int:
-        count = 0
-        for cls in (KVClass.SHADOW, KVClass.NORMAL):
-            for block_id, idle_since_s in self.idle[cls].items():
-                if not self.policy.shadow_may_displace(idle_since_s, now_s):
-                    break  # eviction order is release order: the rest are younger
-                if block_id in exclude:
-                    continue
-                count += 1
-                if count >= limit:
-                    return count
-        return count
+        """Idle blocks (at most ``limit``) a shadow allocation may evict now, ``exclude`` aside."""
+        return sum(1 for _ in itertools.islice(self.policy.victims(self.idle, KVClass.SHADOW, now_s, exclude), limit))
 
     # -- the shadow requester --------------------------------------------------------
     @contextlib.contextmanager
@@ -199,36 +192,16 @@ class ShadowKVBridge:
         first = queue.fake_free_list_head.next_free_block
         if first is not None and first is not queue.fake_free_list_tail and first.block_hash is None:
             return None  # never-used blocks go first
-        now_s = self._shadow_now_s
-        if self.policy.eviction_order == "lru":
-            return self._next_idle_lru(now_s)
-        for cls in (KVClass.SHADOW, KVClass.NORMAL):
-            for block_id, idle_since_s in self.idle[cls].items():
-                if now_s is not None and not self.policy.shadow_may_displace(idle_since_s, now_s):
-                    break
-                return self.pool.blocks[block_id]
-            if cls is KVClass.SHADOW and not self.idle[KVClass.SHADOW] and now_s is None:
-                return None  # no idle shadow block: vLLM's own LRU order
-        if now_s is not None:
-            raise AssertionError("shadow allocation beyond its room (get_num_free_blocks was checked)")
-        return None
-
-
-    def _next_idle_lru(self, now_s: float | None) -> Any | None:
-        """``_next_idle`` under one LRU: the older head of the two idle lists
-        (each in release order; equal times: the shadow block); a shadow
-        allocation (``now_s`` set) takes it only if it is cold."""
-        heads = [(since, cls is KVClass.NORMAL, block_id)
-                 for cls in (KVClass.SHADOW, KVClass.NORMAL)
-                 for block_id, since in itertools.islice(self.idle[cls].items(), 1)]
-        if not heads:
-            if now_s is not None:
+        now_s = self._shadow_now_s  # set: a shadow allocation (cold blocks only); None: a normal one
+        if now_s is None:
+            if not self.idle[KVClass.SHADOW] and self.policy.eviction_order == "shadow-first":
+                return None  # the policy's order is then vLLM's own LRU: the queue's front
+            victim = next(self.policy.victims(self.idle, KVClass.NORMAL), None)
+        else:
+            victim = next(self.policy.victims(self.idle, KVClass.SHADOW, now_s), None)
+            if victim is None:
                 raise AssertionError("shadow allocation beyond its room (get_num_free_blocks was checked)")
-            return None
-        since, _, block_id = min(heads)
-        if now_s is not None and not self.policy.shadow_may_displace(since, now_s):
-            raise AssertionError("shadow allocation beyond its room (get_num_free_blocks was checked)")
-        return self.pool.blocks[block_id]
+        return None if victim is None else self.pool.blocks[victim[0]]
 
 
 def _subclass(base: type, hooks: type) -> type:

@@ -17,6 +17,13 @@ of that batch goes to the core's :class:`~shadowcore.hook.EngineHook`, and the
 chunks of its plan are admitted after everything else, from the prefix cache.
 ``update_from_output()`` reports the step (:class:`~shadowcore.types.StepOutcome`).
 
+Layout: this module holds the request lifecycle, the step (plan, admit,
+report) and finishing shadows; :mod:`shadow_vllm.snapshot` translates a vLLM
+step into the core's snapshot and batch report, :mod:`shadow_vllm.connector_loads`
+handles KV connectors (metadata and loads), both mixed into
+:class:`ShadowSchedulerMixin`; every vLLM internal used is listed in
+:mod:`shadow_vllm.vllm_internals`.
+
 Invariants (``tests/vllm/``):
 
 * Shadow tokens come only from the hook's plan (none while a request waits or
@@ -39,10 +46,10 @@ Invariants (``tests/vllm/``):
   (session, target) finishes the older one (:data:`STOP_SUPERSEDED`).
 * With no shadow request the subclass schedules exactly as stock vLLM, and
   nearly as cheaply: while the engine holds no shadow request and the hook
-  can skip (``EngineHook.can_skip``), ``schedule()`` takes the quiet path
+  can skip (``_fastpath.can_skip``, the engines' private fast path), ``schedule()`` takes the quiet path
   (one flag, kept where shadows come and go, and the observer list): no
   snapshot, no plan, no step record; the step goes to
-  ``EngineHook.skip_step`` (same controller state as planning it), and
+  ``_fastpath.skip_step`` (same controller state as planning it), and
   vLLM's per-request ``_update_request_with_output`` runs unwrapped.
 * A KV connector (offloading, P/D) sees shadow chunks like any request's: in
   a step that may admit them, vLLM's connector metadata is built once over
@@ -75,30 +82,38 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
-from vllm.v1.request import Request, RequestStatus
 
+from shadow_vllm import vllm_internals
+from shadow_vllm.connector_loads import ConnectorLoads, _ShadowLoad
 from shadow_vllm.engine_config import CONFIG_KEY, EngineShadowConfig
-from shadow_vllm.jobs import EngineJobs, ShadowEntry
 from shadow_vllm.kvpool import ShadowKVBridge
 from shadow_vllm.metrics import EngineMetrics
+from shadow_vllm.snapshot import SnapshotTranslation
+from shadow_vllm.vllm_internals import (
+    AsyncScheduler,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    NewRequestData,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerOutput,
+)
 from shadowcore.diagnostics import unreachable_grant
+from shadowcore.engine import _fastpath
+from shadowcore.engine_jobs import EngineJobs, ShadowEntry
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
-from shadowcore.latency import BatchShape, PrefillChunk
 from shadowcore.pipeline import build_runtime
 from shadowcore.slack import NoShadowController
-from shadowcore.types import ChunkResult, Phase, RequestKind, RequestView, StepOutcome, StepPlan, StepSnapshot
+from shadowcore.types import ChunkResult, StepOutcome, StepPlan
 from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_stop, parse_tag
 
 __all__ = [
@@ -115,7 +130,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-_IS_PREFILL_CHUNK = operator.attrgetter("is_prefill_chunk")
+vllm_internals.check()  # one clear error when the installed vLLM lacks what this module overrides or calls
 
 # A shadow's stop_reason is a shadowcore.wire.ShadowStop; ends that leave part
 # of the prompt uncomputed add ``held=<tokens>`` (the job's held prefix).
@@ -151,15 +166,7 @@ class _OpenStep(NamedTuple):
     end_of_schedule_s: float
     predicted_s: float  # a skipped step's only under async scheduling (else measured)
     results: tuple[ChunkResult, ...]
-    decode_only: bool | None  # None: planned by the hook; else skipped (EngineHook.can_skip)
-
-
-class _ShadowLoad(NamedTuple):
-    """A shadow's asynchronous connector load in flight."""
-
-    entry: ShadowEntry
-    prior_status: RequestStatus  # WAITING (never ran) or PREEMPTED (released before): restored when done
-    iteration: int  # the step that started it
+    decode_only: bool | None  # None: planned by the hook; else skipped (_fastpath.can_skip)
 
 
 class _Port:
@@ -184,11 +191,12 @@ class _NoCluster:
         return []
 
 
-class ShadowSchedulerMixin:
+class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
     """Shadow prefill glue for a vLLM v1 ``Scheduler`` subclass (put it first)."""
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
+        vllm_internals.check_scheduler(self)
         config = EngineShadowConfig.from_vllm(vllm_config)
         runtime = build_runtime(config.shadow, _NoCluster(), ())
         #: Prefix caching off: a shadow's KV could never be reused, so this engine runs as vLLM's own
@@ -330,7 +338,7 @@ class ShadowSchedulerMixin:
     # -- one step ----------------------------------------------------------------------
     # Quiet path: while the engine holds no shadow request (none parked, running or
     # to finish), no planned step is open and the hook can skip with no job
-    # (EngineHook.can_skip: no observer, a skippable controller), begin_step would
+    # (_fastpath.can_skip: no observer, a skippable controller), begin_step would
     # plan nothing and change nothing but what skip_step does. ``_shadow_quiet``
     # says so (kept up to date where shadows come and go and where a planned step
     # ends; the observer list is read every step, as observers may be added any
@@ -338,7 +346,7 @@ class ShadowSchedulerMixin:
     # credit), two clock reads and skip_step: no snapshot, no plan, no step record.
     def _shadow_quiet_now(self) -> bool:
         return not (self._shadow_by_request or self.shadow_parked or self.shadow_to_finish or self.shadow_running
-                    or self._shadow_step is not None) and self.shadow_hook.can_skip()
+                    or self._shadow_step is not None) and _fastpath.can_skip(self.shadow_hook)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         if self._shadow_quiet and not self._shadow_observers:
@@ -385,7 +393,7 @@ class ShadowSchedulerMixin:
         """Plan (or skip) the step vLLM has scheduled as ``out`` and admit the plan's chunks into it."""
         iteration = self._shadow_iteration
         self._shadow_iteration = iteration + 1
-        if not self._shadow_by_request and self.shadow_hook.can_skip():
+        if not self._shadow_by_request and _fastpath.can_skip(self.shadow_hook):
             predicted_s, decode_only = self._shadow_skip_shape(out)
             self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), predicted_s, (), decode_only)
             return out
@@ -396,13 +404,15 @@ class ShadowSchedulerMixin:
         stats.max_shadow_blocks = max(stats.max_shadow_blocks, self.shadow_bridge.num_shadow_blocks)
         stats.num_planned_tokens += sum(g.num_tokens for g in plan.grants)
         self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), plan.predicted_s, results, None)
+        if self._shadow_observers:  # the backend contract's on_batch
+            self.shadow_hook.observers.emit("on_batch", self._shadow_batch_report(out, iteration))
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
         skipped = self._shadow_skipped
         if skipped is not None and skipped[0] is scheduler_output:  # _shadow_close_skipped(measured=True), inline
             self._shadow_skipped = None
-            self.shadow_hook.skip_step(max(0.0, self.shadow_clock() - skipped[1]), skipped[3])
+            _fastpath.skip_step(self.shadow_hook, max(0.0, self.shadow_clock() - skipped[1]), skipped[3])
         else:
             step = self._shadow_step
             if step is not None and step.output is scheduler_output:
@@ -458,66 +468,12 @@ class ShadowSchedulerMixin:
                 self.shadow_first_token_s[rid] = now_s
                 awaiting.discard(rid)
 
-    # -- KV connectors (offloading, P/D) ---------------------------------------------------
-    # vLLM builds a step's connector metadata near the end of schedule(), before
-    # the step's requests count their scheduled tokens as computed; shadow chunks
-    # are admitted after schedule(). In a step that may admit them, the build is
-    # deferred (vLLM's own _build_kv_connector_meta seam) and done once over the
-    # whole output, shadow chunks included, with every scheduled request's
-    # num_computed_tokens as vLLM's build sees it: a connector (an
-    # OffloadingConnector storing blocks to host memory) sees the shadow's
-    # blocks like any request's.
-    #
-    # Loads. A shadow admission asks the connector for its hit beyond the local
-    # one and tells it of the allocation, as vLLM's admission of a waiting
-    # request does (get_num_new_matched_tokens, allocate_slots with
-    # num_external_computed_tokens, update_state_after_alloc), and nowhere else:
-    # the question has side effects in some connectors (the OffloadingConnector
-    # resets the request's block list and hit counts), so the port never asks
-    # it. Hence the core plans from the device prefix cache only
-    # (EnginePort.cached_prefix_tokens reads vLLM's get_computed_blocks): a
-    # grant starts at the local hit, and what the connector adds is learnt at
-    # the admission. After a load the job adopts what the engine holds for the
-    # request (job.refresh with its computed tokens, or the port's prefix-cache
-    # reading if longer): at the close of the step for a sync load (vLLM cached
-    # the loaded and computed blocks at allocation), when vLLM reports the load
-    # finished for an async one. So the next plan
-    # starts where the prefix really ends and no step is lost to a "cache
-    # changed under the plan" drop; ChunkResult keeps reporting only computed
-    # tokens (loaded ones cost the step nothing). While an async load is in
-    # flight all the job misses counts as in flight, so no plan grants it.
-    # A connector that reports invalid blocks for a shadow's async load is not
-    # handled (vLLM scans its own queues for those; the OffloadingConnector
-    # reports none).
-    def _build_kv_connector_meta(self, connector: Any, scheduler_output: SchedulerOutput) -> Any:
-        if not self._shadow_defer_meta:
-            return super()._build_kv_connector_meta(connector, scheduler_output)
-        self._shadow_deferred_meta = (connector, getattr(scheduler_output, "kv_connector_block_state", None))
-        return None
-
-    def _shadow_build_connector_meta(self, out: SchedulerOutput) -> None:
-        connector, block_state = self._shadow_deferred_meta
-        self._shadow_deferred_meta = None
-        requests, scheduled = self.requests, out.num_scheduled_tokens
-        if block_state is not None:
-            block_state.req_ids.update(scheduled)
-            out.kv_connector_block_state = block_state
-        for rid, n in scheduled.items():  # as at vLLM's build: before _update_after_schedule
-            requests[rid].num_computed_tokens -= n
-        try:
-            out.kv_connector_metadata = super()._build_kv_connector_meta(connector, out)
-        finally:
-            for rid, n in scheduled.items():
-                requests[rid].num_computed_tokens += n
-            if block_state is not None:
-                out.kv_connector_block_state = None  # connector-only state is not sent to workers (as vLLM)
-
     def _shadow_close_skipped(self, measured: bool) -> None:
         """Report the quiet path's open step (``skip_step``), measured or predicted as ``_shadow_close_step``."""
         _, end_of_schedule_s, predicted_s, decode_only = self._shadow_skipped
         self._shadow_skipped = None
         duration_s = self.shadow_clock() - end_of_schedule_s if measured else predicted_s
-        self.shadow_hook.skip_step(max(0.0, duration_s), decode_only)
+        _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), decode_only)
 
     def _shadow_close_step(self, measured: bool) -> None:
         step = self._shadow_step
@@ -525,51 +481,12 @@ class ShadowSchedulerMixin:
         self._shadow_step = None
         duration_s = self.shadow_clock() - step.end_of_schedule_s if measured else step.predicted_s
         if step.decode_only is not None:
-            self.shadow_hook.skip_step(max(0.0, duration_s), step.decode_only)
+            _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), step.decode_only)
             return
         self.shadow_hook.end_step(StepOutcome(self.shadow_config.instance_id, step.iteration,
                                               max(0.0, duration_s), step.results))
         if self._shadow_sync_loaded or self.shadow_loading:
             self._shadow_adopt_loads()
-
-    def _shadow_decode_only(self, out: SchedulerOutput) -> bool:
-        """Whether the snapshot of ``out`` would be decode-only (its batch
-        shape's ``is_decode_only``: every request has its first token and
-        ``before >= num_tokens - 1``), without building it (synchronous
-        scheduling: ``num_computed_tokens`` already counts this step's)."""
-        scheduled, requests, awaiting = out.num_scheduled_tokens, self.requests, self._shadow_awaiting_first
-        # Every scheduled request is a normal or routed one (shadows are admitted after this test), and such
-        # a live request is in ``_shadow_awaiting_first`` exactly until it has its first token.
-        if not scheduled or awaiting and not awaiting.isdisjoint(scheduled):
-            return False
-        if not out.scheduled_spec_decode_tokens and self._shadow_prefill_flag:
-            # Without draft tokens a request with n > 1 is a prefill (num_computed <= num_tokens), and
-            # for n == 1 "before >= num_tokens - 1" is "num_computed >= num_tokens", the negation of
-            # vLLM's own is_prefill_chunk (set for every scheduled request in _update_after_schedule).
-            if out.total_num_scheduled_tokens != len(scheduled):
-                return False
-            try:
-                return not any(map(_IS_PREFILL_CHUNK, map(requests.__getitem__, scheduled)))
-            except AttributeError:  # a vLLM without the flag: the loop below from now on
-                self._shadow_prefill_flag = False
-        for rid, n in scheduled.items():
-            request = requests[rid]
-            if request.num_computed_tokens - n < request.num_tokens - 1:
-                return False
-        return True
-
-    def _shadow_batch_shape(self, out: SchedulerOutput) -> BatchShape:
-        """The snapshot's ``batch_shape`` of ``out``, without building the snapshot."""
-        requests, first = self.requests, self.shadow_first_token_s
-        prefills, decodes = [], []
-        for rid, n in out.num_scheduled_tokens.items():
-            request = requests[rid]
-            before = request.num_computed_tokens - n
-            if rid in first and before >= request.num_tokens - 1:
-                decodes.append(before)
-            else:
-                prefills.append(PrefillChunk(n, before))
-        return BatchShape(tuple(prefills), tuple(decodes))
 
     def _shadow_release_running(self) -> None:
         """Every shadow in ``running`` goes back to the parking (blocks freed, cached)."""
@@ -585,32 +502,6 @@ class ShadowSchedulerMixin:
             if request.events and request.events[-1].type == EngineCoreEventType.PREEMPTED:
                 request.events.pop()
             self._shadow_park(request)
-
-    # -- the snapshot ------------------------------------------------------------------
-    def _shadow_snapshot(self, out: SchedulerOutput, now_s: float, iteration: int) -> StepSnapshot:
-        slo = self.shadow_config.slo
-        views = []
-        for rid, n in out.num_scheduled_tokens.items():
-            request = self.requests[rid]
-            kind = RequestKind.ROUTED if rid in self.shadow_routed else RequestKind.NORMAL
-            before = request.num_computed_tokens - n  # already advanced by vLLM
-            arrival_s = self.shadow_arrival_s.get(rid, now_s)
-            first_s = self.shadow_first_token_s.get(rid)
-            if first_s is not None and before >= request.num_tokens - 1:
-                views.append(RequestView(rid, kind, Phase.DECODE, arrival_s, n, before, slo.ttft_s, slo.tpot_s,
-                                         0, first_s, max(0, request.num_output_tokens - 1)))
-            else:
-                rest = max(0, request.num_tokens - before - n)
-                views.append(RequestView(rid, kind, Phase.PREFILL, arrival_s, n, before, slo.ttft_s, slo.tpot_s,
-                                         rest))
-        num_waiting = len(self.waiting) + len(self.kv_holding_waiting)
-        budget = min(self.max_num_scheduled_tokens, self.scheduler_config.max_num_batched_tokens)
-        free_tokens = max(0, budget - out.total_num_scheduled_tokens)
-        seats = len(self.running) < self.max_num_running_reqs
-        blocked = num_waiting > 0 and free_tokens > 0 and seats  # it waits though budget and seats were left
-        room = self.shadow_bridge.shadow_room_blocks(now_s) * self.block_size
-        return StepSnapshot(self.shadow_config.instance_id, iteration, now_s, views, num_waiting,
-                            blocked, slo.tpot_s, free_tokens if seats else 0, room)
 
     # -- admitting the plan ------------------------------------------------------------
     def _shadow_admit(self, out: SchedulerOutput, plan: StepPlan, now_s: float) -> tuple[ChunkResult, ...]:
@@ -697,107 +588,6 @@ class ShadowSchedulerMixin:
             cached = self._make_cached_request_data([], [request], {rid: num_tokens}, {}, {rid: all_blocks})
             _extend_dataclass(out.scheduled_cached_reqs, cached)
         return num_tokens
-
-    def _shadow_external_hit(self, connector: Any, request: Request, num_hit: int,
-                             batch_busy: bool) -> tuple[int, bool] | None:
-        """(tokens, asynchronous) the connector holds beyond ``num_hit``, asked as vLLM's admission asks
-        (the call has side effects in some connectors: only here, at an admission); None drops the
-        chunk: the connector cannot tell yet, failed, or answered out of range. A synchronous hit in a
-        step with normal or routed work is not taken (the load would run inside their forward pass):
-        the shadow computes on the device as without a connector."""
-        try:
-            num_external, load_async = connector.get_num_new_matched_tokens(request, num_hit)
-        except Exception:
-            logger.exception("shadow %s: the KV connector failed; chunk dropped", request.request_id)
-            return None
-        if num_external is None:
-            return None
-        if request.skip_reading_prefix_cache or num_external == 0:
-            return 0, False
-        if not 0 < num_external < request.num_tokens - num_hit:
-            logger.error("shadow %s: the KV connector reported %r tokens beyond %d of %d; chunk dropped",
-                         request.request_id, num_external, num_hit, request.num_tokens)
-            return None
-        if not load_async and batch_busy:
-            return 0, False
-        return int(num_external), bool(load_async)
-
-    def _shadow_tokens_after_load(self, entry: ShadowEntry, grant: Any, num_computed: int) -> int:
-        """A chunk's compute after a sync load brought the prefix to ``num_computed``: the grant's
-        size, capped at the full-block tokens the job still misses, and at least one token (a load
-        rides on a forward pass of the request)."""
-        missing = entry.job.num_target_tokens - num_computed
-        return max(1, min(grant.num_tokens, missing, entry.request.num_tokens - num_computed))
-
-    def _shadow_start_load(self, out: SchedulerOutput, entry: ShadowEntry, blocks: Any, num_hit: int,
-                           num_external: int, now_s: float) -> None:
-        """Start an asynchronous load as vLLM's admission does (blocks allocated now, cached only
-        when the load finishes, no compute this step); the shadow stays parked, holding them."""
-        request, connector = entry.request, self.connector
-        rid = request.request_id
-        with self.shadow_bridge.shadow_allocation(now_s, (b for group in blocks.blocks for b in group)):
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, 0, num_new_computed_tokens=num_hit, new_computed_blocks=blocks,
-                num_external_computed_tokens=num_external, delay_cache_blocks=True,
-                skip_zeroing_group_ids=connector.get_loaded_kv_cache_group_ids(request),
-            )
-        if new_blocks is None:
-            return
-        connector.update_state_after_alloc(request, self.kv_cache_manager.get_blocks(rid), num_external)
-        self.shadow_loading[rid] = _ShadowLoad(entry, request.status, self._shadow_iteration - 1)
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_computed_tokens = num_hit + num_external  # as vLLM: what the load will have made computed
-        zero = self._get_new_block_ids_to_zero()
-        if zero:
-            out.new_block_ids_to_zero = (out.new_block_ids_to_zero or []) + zero
-        self.shadow_stats.num_loads += 1
-        self.shadow_stats.num_loaded_tokens += num_external
-
-    def _shadow_load_began(self, entry: ShadowEntry) -> bool:
-        """Whether ``entry``'s chunk started an asynchronous load in the step being planned."""
-        load = self.shadow_loading.get(entry.request_id)
-        return load is not None and load.iteration == self._shadow_iteration - 1
-
-    def _shadow_adopt_loads(self) -> None:
-        """After a step's outcome is committed (``end_step``): a job whose chunk loaded synchronously
-        adopts what the engine holds now (loaded and computed blocks: vLLM cached them at
-        allocation); a job whose asynchronous load is in flight stays out of plans (all it misses
-        counts as in flight) until the load finishes."""
-        loaded, self._shadow_sync_loaded = self._shadow_sync_loaded, []
-        for entry in loaded:
-            if entry.request_id in self.shadow_jobs:
-                self._shadow_adopt(entry)
-        for load in self.shadow_loading.values():
-            job = load.entry.job
-            job.num_inflight_tokens = max(job.num_inflight_tokens, job.num_target_tokens - job.num_held_tokens)
-
-    def _shadow_finish_loads(self) -> None:
-        """Shadows whose asynchronous load finished (vLLM's ``finished_recving_kv_req_ids``, after
-        ``update_from_output``): the loaded blocks are cached by vLLM's own
-        ``_update_waiting_for_remote_kv`` (a failed load caches its valid prefix only) and released
-        like any chunk's; the job adopts what the load brought."""
-        for rid, load in list(self.shadow_loading.items()):
-            request = load.entry.request
-            if request.is_finished():  # ended during its load: vLLM frees the blocks when the load ends
-                del self.shadow_loading[rid]
-                continue
-            if rid not in self.finished_recving_kv_req_ids:
-                continue
-            del self.shadow_loading[rid]
-            self._update_waiting_for_remote_kv(request)
-            self._shadow_chunk_end[rid] = request.num_computed_tokens  # the next chunk goes on from here
-            load.entry.job.num_inflight_tokens = 0
-            self._shadow_adopt(load.entry)
-            self._free_request_blocks(request)
-            request.num_computed_tokens = 0
-            request.status = load.prior_status
-
-    def _shadow_adopt(self, entry: ShadowEntry) -> None:
-        """The job's held prefix after a load: what the engine holds for the request (its computed
-        tokens; the prefix cache's reading when that is longer), block-aligned by ``job.refresh``."""
-        request = entry.request
-        held = max(self.shadow_cached_tokens(request), request.num_computed_tokens)
-        entry.job.refresh(held, self.shadow_bridge.eviction_count)
 
     # -- finishing shadows -------------------------------------------------------------
     def _shadow_finish(self, outputs: dict[int, EngineCoreOutputs]) -> None:

@@ -9,6 +9,8 @@ may use them too:
 * :func:`policy_spec`: a spec with the paper's KV, host-tier and predictor
   defaults, accepting the shared KV keywords (:data:`KV_ARGS`);
 * :func:`slo_slack`: the SLO-slack controller recipe (Harvest-SLO's);
+* :func:`prefill_slack_for`: the P/D prefill-instance controller recipe that
+  goes with a colocated one (§3.5);
 * :func:`targeting_from`: ``top_k`` / ``gate`` keywords to a
   :class:`~shadowcore.switch.Targeting`;
 * :func:`user_args`: a decorator that rejects unknown keywords and reports a
@@ -30,10 +32,12 @@ import functools
 import inspect
 from collections.abc import Callable
 
+import attrs
+
 from shadowcore.errors import ConfigError
 from shadowcore.kv import HostTierParams, KVClassPolicy
 from shadowcore.policy import Component, PolicySpec
-from shadowcore.slack import SloSlackController
+from shadowcore.slack import HarvestController, PrefillInstanceController, SloSlackController
 from shadowcore.switch import AllOthers, EmpiricalSwitchPredictor, ProbabilityGate, Targeting, TopK
 
 #: Host-tier capacity per GPU in bytes (the paper's 32 GB).
@@ -125,6 +129,20 @@ def slo_slack(beta: float, delta: float, n_min: int, margin: float, chunk_tokens
                                           "chunk_tokens": chunk_tokens})
 
 
+def prefill_slack_for(slack: Component) -> Component | None:
+    """§3.5: what a P/D prefill instance runs for a policy whose colocated
+    controller is ``slack``. A harvesting one (Harvest, Harvest-SLO)
+    becomes :class:`~shadowcore.slack.PrefillInstanceController` with the
+    policy's ``n_min`` (and ``margin``/``chunk_tokens`` where it has them; the
+    deployment gives ``max_iteration_s``); any other (No Shadow, Eager) gives
+    ``None``: prefill instances run ``slack`` itself."""
+    if not issubclass(slack.cls, (SloSlackController, HarvestController)):
+        return None
+    given = {**{f.name: f.default for f in attrs.fields(slack.cls) if f.init}, **slack.kwargs}
+    args = {"margin": given.get("margin", 0.1), "n_min": given["n_min"], "chunk_tokens": given.get("chunk_tokens", 2048)}
+    return Component(PrefillInstanceController, args)
+
+
 def policy_spec(name: str, description: str, slack: Component, *, host: bool = False,
                 targeting: Targeting | None = None, oracle: bool = False, dedicated: bool = False,
                 shadow_cap: float = 0.25, cold_age_s: float = 5.0, host_capacity_bytes: float = HOST_CAPACITY_BYTES,
@@ -135,7 +153,8 @@ def policy_spec(name: str, description: str, slack: Component, *, host: bool = F
     ``slack`` is the controller recipe; ``targeting`` defaults to
     :class:`~shadowcore.switch.AllOthers`; the predictor is
     ``EmpiricalSwitchPredictor(pseudo_count)`` (replace it with
-    ``attrs.evolve(spec, predictor=...)``); ``host`` adds the host tier
+    ``attrs.evolve(spec, predictor=...)``); P/D prefill instances run
+    :func:`prefill_slack_for` ``(slack)``; ``host`` adds the host tier
     (``host_capacity_bytes`` per GPU at ``pcie_bytes_per_s``, validated even
     when ``host`` is off); ``shadow_cap`` is the shadow class's share of the KV
     pool and ``cold_age_s`` the idle age after which a block may be taken by a
@@ -148,7 +167,7 @@ def policy_spec(name: str, description: str, slack: Component, *, host: bool = F
         name, description, slack, Component(EmpiricalSwitchPredictor, {"pseudo_count": pseudo_count}),
         targeting or AllOthers(),
         _kv(shadow_cap, cold_age_s, host, host_capacity_bytes, pcie_bytes_per_s, eviction_order),
-        oracle, dedicated,
+        oracle, dedicated, prefill_slack_for(slack),
     )
 
 
@@ -158,6 +177,7 @@ __all__ = [
     "PCIE_BYTES_PER_S",
     "USER_ARG_NAMES",
     "policy_spec",
+    "prefill_slack_for",
     "slo_slack",
     "targeting_from",
     "user_args",

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import attrs
 
+from shadowcore.engine._fastpath import InlineEventLoop
 from shadowcore.engine.instance import EngineInstance
 from shadowcore.engine.kinds import STEP_END, WAKE
-from shadowcore.events import EventLoop
 from shadowcore.job import SessionHistory
 from shadowcore.latency import chunked_prefill_s
 
@@ -28,7 +28,7 @@ class EngineCluster:
     the model's window (which a table-based latency model refuses).
     """
 
-    loop: EventLoop
+    loop: InlineEventLoop
     by_model: dict[str, list[EngineInstance]]
     by_id: dict[str, EngineInstance]
     window_tokens: int = 0
@@ -70,7 +70,7 @@ class EngineCluster:
     def _on_step_end(self, inst: EngineInstance) -> None:
         """End ``inst``'s iteration and start its next; while that one ends
         before any other queued event, run its end inline (what the loop
-        would pop next anyway: ``EventLoop.advance_to``); runs of steady
+        would pop next anyway: ``InlineEventLoop.advance_to``); runs of steady
         iterations with nothing to do at their ends go through
         ``EngineInstance.run_steady`` in one call."""
         loop = self.loop

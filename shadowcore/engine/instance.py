@@ -54,6 +54,8 @@ from collections.abc import Callable
 
 import attrs
 
+from shadowcore.backend import BatchEntry, BatchReport
+from shadowcore.engine import _fastpath
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClass, KVClassManager
@@ -206,7 +208,7 @@ class EngineInstance:
         if self._cohort:
             self._drop_cohort()
         batch, blocked = self._schedule(now_s)
-        if self.hook is None or self.hook.plans_nothing():
+        if self.hook is None or _fastpath.plans_nothing(self.hook):
             return self._start_unplanned(batch, now_s)
         used = sum(n for _, n in batch)
         with _validation(self.validate_values):
@@ -217,6 +219,8 @@ class EngineInstance:
             )
         plan = self.hook.begin_step(snapshot) if self.hook is not None else None
         results, chunks, reload_s = self._run_shadow(plan, now_s)
+        if plan is not None and self.hook.observers.observers:  # the backend contract's on_batch
+            self.hook.observers.emit("on_batch", self._batch_report(batch, results))
         if not batch and not chunks:
             if self.hook is not None:
                 self.hook.end_step(StepOutcome(self.instance_id, self.iteration, 0.0, results))
@@ -233,12 +237,12 @@ class EngineInstance:
 
     def _start_unplanned(self, batch: list[tuple[EngineRequest, int]], now_s: float) -> float | None:
         """start_step's rest when no hook can plan anything (none, or
-        ``plans_nothing``): no snapshot and no shadow chunk; the batch's shape
+        ``_fastpath.plans_nothing``): no snapshot and no shadow chunk; the batch's shape
         is the snapshot's (prefill chunks, then decode contexts, each in batch
-        order), and the hook hears of the iteration through ``skip_step``."""
+        order), and the hook hears of the iteration through ``_fastpath.skip_step``."""
         if not batch:
             if self.hook is not None:
-                self.hook.skip_step(0.0, False)
+                _fastpath.skip_step(self.hook, 0.0, False)
             self.iteration += 1
             return None
         reload_s = 0.0
@@ -273,7 +277,7 @@ class EngineInstance:
             if decode_only is None:
                 self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
             else:
-                self.hook.skip_step(duration, decode_only)
+                _fastpath.skip_step(self.hook, duration, decode_only)
         self.iteration += 1
         for req, n in batch:
             if req in self.running:  # not preempted meanwhile
@@ -282,7 +286,7 @@ class EngineInstance:
 
     # -- steady decode iterations (fast path) ---------------------------------------
     # An iteration where nothing waits, every running request decodes one token
-    # and the hook provably grants nothing (EngineHook.can_skip) is the slow
+    # and the hook provably grants nothing (_fastpath.can_skip) is the slow
     # path's iteration with its constant parts skipped: the same batch (all
     # running requests, one token each, in running order), the same block
     # reservations in the same order, the same duration (the latency model's
@@ -389,7 +393,7 @@ class EngineInstance:
                     heapq.heappush(self._lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens,
                                                     req.run_seq, req))
             due.clear()
-        if self.hook is not None and not self.hook.can_skip():  # after the reservations, as begin_step is
+        if self.hook is not None and not _fastpath.can_skip(self.hook):  # after the reservations, as begin_step is
             return None  # the slow path finds the blocks reserved and does the rest
         nd = len(self.running)
         fast = getattr(self.latency, "predict_decodes_s", None)
@@ -412,7 +416,7 @@ class EngineInstance:
         self.num_iterations_run += 1
         self.num_fast_iterations += 1
         if self.hook is not None:
-            self.hook.skip_step(duration, True)
+            _fastpath.skip_step(self.hook, duration, True)
         self.iteration += 1
         if self._cohort:
             self._advance_cohort(now_s)
@@ -445,7 +449,7 @@ class EngineInstance:
                 or not self.busy or getattr(self.latency, "predict_decodes_s", None) is None
                 or cls.end_step is not EngineInstance.end_step or cls.start_step is not EngineInstance.start_step):
             return False
-        return self.hook is None or self.hook.quiet_until_event()
+        return self.hook is None or _fastpath.quiet_until_event(self.hook)
 
     def run_steady(self, now_s: float, horizon_s: float) -> tuple[float, int, float]:
         """The steady iteration in flight ends at ``now_s`` (the clock is
@@ -463,7 +467,7 @@ class EngineInstance:
         the calls one by one (``tests/sim/test_speed_equivalence_macro.py``)."""
         finish, lazy_due = self._lazy_finish, self._lazy_due
         predict, kv = self.latency.predict_decodes_s, self.kv
-        skip = self.hook.skip_step if self.hook is not None and self.hook.skip_step_does_something() else None
+        skip = _fastpath.skip_accounting(self.hook) if self.hook is not None else None
         nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
         next_finish = finish[0][0] if finish else math.inf
         room = kv.num_free_blocks + kv.num_idle_blocks  # what reservations here may take
@@ -719,6 +723,14 @@ class EngineInstance:
             req.on_finish(req, now_s)
 
     # -- shadow chunks --------------------------------------------------------------
+    def _batch_report(self, batch: list[tuple[EngineRequest, int]], results: list[ChunkResult]) -> BatchReport:
+        """The iteration as it runs: the scheduled requests in batch order, then the shadow chunks."""
+        entries = [BatchEntry(r.request_id, r.kind.value, n) for r, n in batch]
+        entries += [BatchEntry(_shadow_owner(c.grant), "shadow", c.num_computed_tokens, c.grant.job)
+                    for c in results if c.num_computed_tokens]
+        return BatchReport(self.instance_id, self.iteration, tuple(entries), self.kv.num_shadow_blocks,
+                           self.kv.cap_blocks)
+
     def _run_shadow(self, plan: StepPlan | None, now_s: float) -> tuple[list[ChunkResult], tuple, float]:
         results: list[ChunkResult] = []
         chunks: list[PrefillChunk] = []

@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 
 from shadowcore.config import ShadowConfig
+from shadowcore.engine._fastpath import InlineEventLoop
 from shadowcore.engine.cluster import EngineCluster
 from shadowcore.engine.driver import CallOutcome, OnTokens, SessionDriver
 from shadowcore.engine.instance import EngineInstance, EngineRequest, append_output_to_history
@@ -36,7 +37,6 @@ from shadowcore.engine.workload import (
     draw_sessions,
     normal_requests,
 )
-from shadowcore.events import EventLoop
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClassPolicy
@@ -59,7 +59,7 @@ class ScenarioRun:
     observers: tuple = ()
     workload: Workload | None = None
     sessions: tuple[SessionPlan, ...] | None = None
-    loop: EventLoop = attrs.field(init=False, factory=EventLoop)
+    loop: InlineEventLoop = attrs.field(init=False, factory=InlineEventLoop)
     policy: PolicySpec = attrs.field(init=False)
     cluster: EngineCluster = attrs.field(init=False)
     runtime: ShadowRuntime = attrs.field(init=False)

@@ -10,17 +10,27 @@ from __future__ import annotations
 import itertools
 import math
 
+import attrs
 import pytest
-from shadow_sim.disagg import DecodeInstance, KVFabric, PDRun, PrefillInstance, _held_blocks, prefill_controller
+from shadow_policies.building import prefill_slack_for
 from shadow_sim.backend import SimBackend
+from shadow_sim.disagg import DecodeInstance, KVFabric, PDRun, PrefillInstance, _held_blocks
 from shadow_sim.simulator import PDConfig, SimScenario
 
 from shadowcore.config import PluginRef, ShadowConfig
-from shadowcore.errors import ConfigError
-from shadowcore.slack import EagerController, NoShadowController, PrefillInstanceController, SloSlackController
-from shadowcore.testing.conformance import InvariantObserver
 from shadowcore.engine.workload import SessionPlan, draw_sessions
 from shadowcore.engine.workload import session as scripted_session
+from shadowcore.errors import ConfigError
+from shadowcore.pd import ShadowPushPolicy
+from shadowcore.policy import Component
+from shadowcore.slack import (
+    EagerController,
+    HarvestController,
+    NoShadowController,
+    PrefillInstanceController,
+    SloSlackController,
+)
+from shadowcore.testing.conformance import InvariantObserver
 from shadowcore.types import BudgetReason
 
 MODELS = ("Qwen2.5-7B", "Llama-3.1-8B")
@@ -81,10 +91,30 @@ def test_cluster_shape_and_controllers() -> None:
             assert inst.hook.slack.n_min == 64 and inst.hook.slack.max_iteration_s == 0.1
         else:
             assert isinstance(inst, DecodeInstance) and inst.hook is None
-    pd = PDConfig()
-    assert isinstance(prefill_controller(NoShadowController(), pd), NoShadowController)
-    assert isinstance(prefill_controller(EagerController(), pd), EagerController)
-    assert prefill_controller(SloSlackController(margin=0.2), pd).margin == 0.2
+    assert prefill_slack_for(Component(NoShadowController)) is None  # P instances run the policy's own
+    assert prefill_slack_for(Component(EagerController)) is None
+    recipe = prefill_slack_for(Component(SloSlackController, {"margin": 0.2}))
+    assert recipe.cls is PrefillInstanceController and recipe.kwargs == {"margin": 0.2, "n_min": 256,
+                                                                        "chunk_tokens": 2048}
+    assert prefill_slack_for(Component(HarvestController, {"n_min": 32})).kwargs["n_min"] == 32
+
+
+def test_pd_slots_come_from_the_policy() -> None:
+    """P/D's prefill controller and push policy are the policy's slots: the
+    fabric asks the ``push`` recipe (built with the deployment's push size), a
+    spec without ``prefill_slack`` keeps its controller on P instances, and a
+    recipe may not set what the deployment owns."""
+    run = PDRun(SimScenario.from_dict({**BUSY, "pd": {**PD, "push_tokens": 512}}),
+                ShadowConfig(PluginRef("harvest-slo")))
+    assert run.fabric.push_policy == ShadowPushPolicy(512, run.scenario.block_size)
+    spec = attrs.evolve(run.runtime.policy, prefill_slack=None)
+    run.runtime.policy = spec
+    p0 = run.cluster.by_id[f"{A}/p0"]
+    assert type(run.runtime.attach("another", p0, p0.latency, prefill_iteration_s=0.1).slack) is SloSlackController
+    with pytest.raises(ConfigError, match=r"push\.push_tokens"):
+        attrs.evolve(spec, push=Component(ShadowPushPolicy, {"push_tokens": 8}))
+    with pytest.raises(ConfigError, match=r"prefill_slack\.max_iteration_s"):
+        attrs.evolve(spec, prefill_slack=Component(PrefillInstanceController, {"max_iteration_s": 0.2}))
 
 
 # -- end to end -------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 * ``predict_decodes_s(num_decodes, total, longest)`` of every latency model is
   bit-identical to ``predict_s`` of the decode-only batch (or ``None`` when the
   model cannot tell from aggregates), and raises the same coverage errors.
-* Slack controllers are skippable only where declared: a subclass that
-  overrides ``budget``/``commit``/``observe`` is not, unless it says so.
+* The engines skip steps of the core's own slack controllers only, by exact
+  type (``shadowcore.engine._fastpath``): a subclass is always planned.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 from shadow_sim.models import MODELS
 from shadow_sim.roofline import RooflineLatencyModel
 
+from shadowcore.engine import _fastpath
 from shadowcore.latency import BatchShape, LinearLatencyModel
 from shadowcore.slack import (
     EagerController,
@@ -82,12 +83,14 @@ def test_vidur_aggregate_is_bit_identical_and_raises_alike() -> None:
         model.predict_decodes_s(1, limit + 1, limit + 1)
 
 
-def test_skippable_only_where_declared() -> None:
+def test_skippable_only_by_exact_type() -> None:
+    """The engines skip steps of the core's own controllers only, by exact
+    type: a subclass (which may override anything) is always planned."""
     for cls in (SloSlackController, HarvestController, EagerController, NoShadowController,
                 PrefillInstanceController):
-        assert cls.skippable, cls
-    assert NoShadowController.never_grants and not SloSlackController.never_grants
-    assert not SlackController.skippable
+        assert _fastpath.skippable(cls()) is not None, cls
+    assert _fastpath.skippable(NoShadowController()).never_grants
+    assert not _fastpath.skippable(SloSlackController()).never_grants
 
     @attrs.define
     class Observing(SloSlackController):
@@ -95,26 +98,18 @@ def test_skippable_only_where_declared() -> None:
             super().observe(snapshot, plan, outcome)
 
     @attrs.define
-    class Granting(NoShadowController):
-        def budget(self, snapshot, latency):
-            return super().budget(snapshot, latency)
+    class Plain(NoShadowController):
+        pass
 
-    @attrs.define
-    class Declared(HarvestController):
-        skippable = True
-
-        def commit(self, snapshot, plan) -> None:
-            super().commit(snapshot, plan)
-
-    assert not Observing.skippable
-    assert not Granting.skippable and not Granting.never_grants
-    assert Declared.skippable
+    assert _fastpath.skippable(Observing()) is None and _fastpath.skippable(Plain()) is None
+    assert not any(hasattr(SlackController, n) for n in ("skippable", "observe_skipped"))
 
 
 def test_credit_of_skipped_steps_matches_observed_steps() -> None:
     a, b = SloSlackController(), SloSlackController()
     for d in (0.0123, 0.0456, 1e-3, 0.1):
-        a.observe_skipped(d, True)
-        a.observe_skipped(d, False)  # not decode-only: no credit
+        skip = _fastpath.skippable(a).observe_skipped
+        skip(a, d, True)
+        skip(a, d, False)  # not decode-only: no credit
         b.credit.earn_s(d)
     assert (a.credit.balance_s, a.credit.earned_s) == (b.credit.balance_s, b.credit.earned_s) != (0.0, 0.0)

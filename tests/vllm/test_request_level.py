@@ -4,8 +4,9 @@ scheduler in virtual time, and its admission rules as a state machine."""
 from __future__ import annotations
 
 import pytest
-from shadow_vllm import request_level as rl
+from shadow_gateway import request_level as rl
 from shadow_vllm import virtual  # vLLM itself is imported lazily; conftest guards the folder
+from shadow_vllm.backend import virtual_submitter
 
 from shadowcore.events import EventLoop
 from shadowcore.latency import LinearLatencyModel
@@ -95,7 +96,7 @@ def _pair():
     engines = {i: virtual.VirtualEngine(virtual.build_scheduler(None, config), LinearLatencyModel(), loop, clock,
                                         name=i) for i in ("A", "B")}
     holder = {}
-    sh = rl.RequestLevelShadower(rl.virtual_submitter(engines, lambda: holder["sh"]),
+    sh = rl.RequestLevelShadower(virtual_submitter(engines, lambda: holder["sh"]),
                                  lambda i: len(engines[i].scheduler.waiting))
     holder["sh"] = sh
     return loop, engines, sh

@@ -250,15 +250,17 @@ def test_async_class_covers_the_same_hooks() -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    assert AsyncShadowScheduler.__mro__[1] is ShadowSchedulerMixin
-    assert AsyncShadowScheduler.__mro__[2] is AsyncScheduler
-    assert ShadowScheduler.__mro__[2] is Scheduler
-    hooks = [n for n, v in vars(ShadowSchedulerMixin).items() if callable(v) and not n.startswith("__")]
+    mixins = ShadowSchedulerMixin.__mro__[:-1]  # the mixin and its parts (snapshot, connector loads), not object
+    k = 1 + len(mixins)
+    assert AsyncShadowScheduler.__mro__[1:k] == mixins and ShadowScheduler.__mro__[1:k] == mixins
+    assert AsyncShadowScheduler.__mro__[k] is AsyncScheduler
+    assert ShadowScheduler.__mro__[k] is Scheduler
+    hooks = [n for m in mixins for n, v in vars(m).items() if callable(v) and not n.startswith("__")]
     assert {"schedule", "update_from_output", "add_request", "_shadow_update_request_with_output", "_free_request",
             "get_num_unfinished_requests"} <= set(hooks)
     # vLLM's per-request update is left alone (no per-request cost without shadows); while shadows
     # exist, update_from_output installs the mixin's wrapper, which calls the base's through super().
-    assert "_update_request_with_output" not in vars(ShadowSchedulerMixin)
+    assert all("_update_request_with_output" not in vars(m) for m in mixins)
     for name in hooks:
         assert getattr(AsyncShadowScheduler, name) is getattr(ShadowSchedulerMixin, name)
         assert getattr(ShadowScheduler, name) is getattr(ShadowSchedulerMixin, name)

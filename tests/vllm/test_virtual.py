@@ -108,7 +108,7 @@ def test_bad_inputs_fail_with_the_field_named() -> None:
 
 
 class _CountPlans:
-    """An observer: makes the hook plan every step (EngineHook.can_skip is False with one)."""
+    """An observer: makes the hook plan every step (the engines' _fastpath.can_skip is False with one)."""
 
     def __init__(self) -> None:
         self.num_plans = 0
@@ -120,7 +120,7 @@ class _CountPlans:
 @pytest.mark.parametrize("policy", ["harvest-slo", "harvest"])
 def test_no_shadow_fast_path_decides_as_the_planned_path(policy: str) -> None:
     """With no shadow request the scheduler skips the snapshot and plan
-    (``EngineHook.skip_step``); the controller's credit, and so every later
+    (the engines' ``_fastpath.skip_step``); the controller's credit, and so every later
     decision, is what planning every step gives: a decode-heavy phase, then a
     shadow and a routed call, on two engines that differ only in an observer."""
     from shadow_vllm.engine_config import engine_args

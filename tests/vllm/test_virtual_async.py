@@ -7,17 +7,20 @@ no model) is driven as vLLM's engine core drives it with a batch queue of
 two: the next step is scheduled while the previous one still runs, and the
 previous step's output is fed back afterwards. A step is then reported to the
 hook when the next one is scheduled, with the latency model's predicted
-duration: for a skipped step (``EngineHook.skip_step``) and a planned one
+duration: for a skipped step (the engines' ``_fastpath.skip_step``) and a planned one
 (``end_step``) alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from unittest import mock
 
 import pytest
 from shadow_vllm import virtual
 
+from shadowcore.engine import _fastpath
 from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
 from shadowcore.wire import ShadowTag, TagKind
 
@@ -95,7 +98,8 @@ class PipelinedDriver:
 
 
 class _RecordingHook:
-    """The scheduler's EngineHook, recording how each step is reported to it."""
+    """The scheduler's EngineHook, recording how each step is reported to it
+    (skipped ones through :func:`_recording_skips`)."""
 
     def __init__(self, hook, closes: list) -> None:
         self._hook = hook
@@ -104,17 +108,26 @@ class _RecordingHook:
     def __getattr__(self, name: str):
         return getattr(self._hook, name)
 
-    def skip_step(self, duration_s: float, decode_only: bool) -> None:
-        self._closes.append(("skip", duration_s))
-        self._hook.skip_step(duration_s, decode_only)
-
     def end_step(self, outcome) -> None:
         self._closes.append(("end", outcome.duration_s))
         self._hook.end_step(outcome)
 
 
+@contextlib.contextmanager
+def _recording_skips(closes: list):
+    """The engines' skip_step (a private fast path), recording each skipped step's duration."""
+    original = _fastpath.skip_step
+
+    def recording(hook, duration_s: float, decode_only: bool) -> None:
+        closes.append(("skip", duration_s))
+        original(hook, duration_s, decode_only)
+
+    with mock.patch.object(_fastpath, "skip_step", recording):
+        yield
+
+
 class _CountPlans:
-    """An observer: the hook then plans every step (``EngineHook.can_skip`` is False with one)."""
+    """An observer: the hook then plans every step (the engines' ``_fastpath.can_skip`` is False with one)."""
 
     def __init__(self) -> None:
         self.num_plans = 0
@@ -141,16 +154,17 @@ def _run(policy: str, observed: bool):
     closes: list[tuple[str, float]] = []  # how each step reached the hook: skip_step / end_step, with its duration
     scheduler.shadow_hook = _RecordingHook(hook, closes)
 
-    for k in range(6):  # a decode-heavy phase without shadows
-        driver.add(f"n{k}", [10 + k] * (40 + 30 * k), 24)
-    driver.run()
-    phase1 = (list(driver.steps), counter.num_plans, hook.slack.credit.balance_s, hook.slack.credit.earned_s)
-    driver.add("shadow", [7 + i % 300 for i in range(900)], 1,
-               ShadowTag(TagKind.SHADOW, "s", "m", 0, 0.9).to_extra_args())
-    driver.add("n-late", [500 + i % 50 for i in range(70)], 30)
-    driver.run()
-    driver.add("routed", [300 + i % 90 for i in range(120)], 8, ShadowTag(TagKind.ROUTED, "s").to_extra_args())
-    driver.run()
+    with _recording_skips(closes):
+        for k in range(6):  # a decode-heavy phase without shadows
+            driver.add(f"n{k}", [10 + k] * (40 + 30 * k), 24)
+        driver.run()
+        phase1 = (list(driver.steps), counter.num_plans, hook.slack.credit.balance_s, hook.slack.credit.earned_s)
+        driver.add("shadow", [7 + i % 300 for i in range(900)], 1,
+                   ShadowTag(TagKind.SHADOW, "s", "m", 0, 0.9).to_extra_args())
+        driver.add("n-late", [500 + i % 50 for i in range(70)], 30)
+        driver.run()
+        driver.add("routed", [300 + i % 90 for i in range(120)], 8, ShadowTag(TagKind.ROUTED, "s").to_extra_args())
+        driver.run()
     credit = hook.slack.credit
     return (phase1, driver.steps, scheduler.shadow_stats, (credit.balance_s, credit.earned_s, credit.spent_s), closes,
             driver.num_overlapped)

@@ -93,9 +93,14 @@ def build_scheduler(scheduler_cls: type | None = None, config: VirtualEngineConf
     vLLM's engine core builds it, minus the model."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
+
+    from shadow_vllm.vllm_internals import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        Scheduler,
+        StructuredOutputManager,
+    )
 
     config = config or VirtualEngineConfig()
     cls = scheduler_cls or Scheduler
@@ -136,7 +141,7 @@ def _offloading_config(config: VirtualEngineConfig) -> Any:
 
 
 def _is_async(cls: type) -> bool:
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from shadow_vllm.vllm_internals import AsyncScheduler
 
     return issubclass(cls, AsyncScheduler)
 
@@ -145,7 +150,8 @@ def block_hasher(block_size: int) -> Callable:
     """vLLM's request block hasher (the engine core's, with its hash seed)."""
     from vllm.config import CacheConfig
     from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    from shadow_vllm.vllm_internals import get_request_block_hasher, init_none_hash
 
     hash_fn = get_hash_fn_by_name(CacheConfig().prefix_caching_hash_algo)
     init_none_hash(hash_fn)

@@ -145,7 +145,8 @@ class VirtualEngine:
         """Add a request now (the loop's time is its ``arrival_time``); with
         ``kick``, an idle engine starts an iteration at once."""
         from vllm import SamplingParams
-        from vllm.v1.request import Request
+
+        from shadow_vllm.vllm_internals import Request
 
         if request_id in self.requests:
             raise ValueError(f"request_id = {request_id!r}: already added to {self.name}")
@@ -172,7 +173,7 @@ class VirtualEngine:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests as the engine core does for a client (no output follows)."""
-        from vllm.v1.request import RequestStatus
+        from shadow_vllm.vllm_internals import RequestStatus
 
         now = self._sync_clock()
         for request in self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED):
@@ -220,7 +221,7 @@ class VirtualEngine:
         """An empty iteration: the engine core still passes it through
         ``update_from_output``; no time passes and nothing restarts it
         (the next arrival or iteration end does)."""
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+        from shadow_vllm.vllm_internals import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
         runner_output = EMPTY_MODEL_RUNNER_OUTPUT
         if self.offload is not None:
@@ -240,7 +241,7 @@ class VirtualEngine:
         return tuple(out)
 
     def _end(self, output: Any) -> None:
-        from vllm.v1.outputs import ModelRunnerOutput
+        from shadow_vllm.vllm_internals import ModelRunnerOutput
 
         now = self._sync_clock()
         ids = list(output.num_scheduled_tokens)
@@ -294,7 +295,8 @@ class VirtualEngine:
         ``get_computed_blocks`` (one extra token appended, so that its
         ``num_tokens - 1`` limit does not hide the last full block)."""
         from vllm import SamplingParams
-        from vllm.v1.request import Request
+
+        from shadow_vllm.vllm_internals import Request
 
         if not token_ids:
             return 0

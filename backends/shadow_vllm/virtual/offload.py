@@ -87,8 +87,9 @@ class OffloadTransferWorker:
 
     def end_step(self, meta: Any, now_s: float) -> Any:
         """What the worker reports after the step (``get_finished`` and the worker metadata)."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-        from vllm.v1.outputs import KVConnectorOutput
+        from shadow_vllm.vllm_internals import KVConnectorOutput, offloading
+
+        _, OffloadingWorkerMetadata = offloading()
 
         if meta is not None:
             for job_id, job in meta.store_jobs.items():
@@ -114,7 +115,9 @@ class OffloadTransferWorker:
     @classmethod
     def for_scheduler(cls, scheduler: Any, bytes_per_s: float | None = None) -> OffloadTransferWorker | None:
         """The fake worker of ``scheduler``'s ``OffloadingConnector``; None without one."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+        from shadow_vllm.vllm_internals import offloading
+
+        OffloadingConnector, _ = offloading()
 
         if not isinstance(getattr(scheduler, "connector", None), OffloadingConnector):
             return None

@@ -1,6 +1,6 @@
 """Request-level shadow prefill (the paper's prototype, Appendix D.1): the
 baseline for stock vLLM engines, and the gateway's fallback when an instance
-does not run the shadow scheduler.
+does not run the shadow scheduler. Router side: no engine import.
 
 After a routed call completes, its prompt and response go to the other
 models' instances as lowest-priority requests with one output token (the
@@ -9,8 +9,8 @@ need ``--scheduling-policy priority`` or the priority is silently ignored.
 
 :class:`RequestLevelShadower` is a small state machine with no I/O of its
 own. The caller plugs in how a shadow is submitted (``submit``: an
-in-process engine, a :class:`~shadow_vllm.virtual.VirtualEngine` or an HTTP
-client; :func:`completions_body` builds the OpenAI-compatible request) and how
+in-process engine, a virtual-time vLLM engine
+(:func:`shadow_vllm.backend.virtual_submitter`) or an HTTP client; :func:`completions_body` builds the OpenAI-compatible request) and how
 long a destination's waiting queue is (``num_waiting``; over HTTP
 :func:`parse_num_waiting` reads vLLM's ``/metrics``), and reports each
 shadow's end with :meth:`RequestLevelShadower.on_shadow_finished`.
@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -227,22 +227,6 @@ class RequestLevelShadower:
         return tuple(self._pending.get(instance_id, {}).values())
 
 
-def virtual_submitter(engines: Mapping[str, Any], shadower_ref: Callable[[], RequestLevelShadower]) -> Callable:
-    """A ``submit`` for :class:`~shadow_vllm.virtual.VirtualEngine` instances
-    (by instance id): adds the shadow at the lowest priority and reports its
-    end to the shadower ``shadower_ref()`` returns."""
-
-    def submit(shadow: ShadowSubmission) -> None:
-        engine = engines[shadow.destination.instance_id]
-        engine.add_request(
-            shadow.submission_id, shadow.prompt_token_ids, shadow.max_tokens, priority=shadow.priority,
-            extra_args=shadow.extra_args,
-            on_finish=lambda r: shadower_ref().on_shadow_finished(r.request_id, r.finish_reason != "abort"),
-        )
-
-    return submit
-
-
 __all__ = [
     "LOWEST_PRIORITY",
     "Destination",
@@ -251,5 +235,4 @@ __all__ = [
     "ShadowerStats",
     "completions_body",
     "parse_num_waiting",
-    "virtual_submitter",
 ]

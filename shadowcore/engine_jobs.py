@@ -1,9 +1,12 @@
 """The engine side of shadow jobs: one :class:`~shadowcore.job.ShadowJob` per
-live shadow request, served to the core's :class:`~shadowcore.hook.EngineHook`.
+live shadow request, served to the core's :class:`~shadowcore.hook.EngineHook`
+(a :class:`~shadowcore.hook.JobSource`, as the router side's manager is).
 
-The router side (the gateway, issue 6) decides which shadows to send; each
-arrives as a vLLM request tagged shadow (:mod:`shadowcore.wire`) whose prompt
-is the session context so far. :class:`EngineJobs` turns it into a job whose
+For engines that receive shadow work as requests rather than from an
+in-process router side (the vLLM scheduler does): the router side (the
+gateway) decides which shadows to send; each arrives as an engine request
+tagged shadow (:mod:`shadowcore.wire`) whose prompt is the session context so
+far. :class:`EngineJobs` turns it into a job whose
 history is that prompt (counts only: vLLM's own block hashes name the
 prefix) and hands jobs to the hook exactly as
 :class:`~shadowcore.manager.ShadowManager` does (``pending_jobs``, ``job``).
@@ -38,7 +41,7 @@ from shadowcore.wire import ShadowTag
 class ShadowEntry:
     """One shadow request and its job."""
 
-    request: Any  # vllm.v1.request.Request
+    request: Any  # the engine's request object (vLLM: vllm.v1.request.Request); has ``request_id``
     tag: ShadowTag
     job: ShadowJob
 
