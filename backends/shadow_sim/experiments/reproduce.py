@@ -26,7 +26,8 @@ from shadow_sim.experiments.distributed import ResultStore, execute_grid
 from shadow_sim.experiments.paper_numbers import PAPER
 from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, summary_json, tasks_for
 from shadow_sim.experiments.spec import PAIRS, Experiment
-from shadow_sim.experiments.sweep import no_nan, rows, write_rows
+from shadow_sim.experiments.output import no_nan
+from shadow_sim.experiments.sweep import rows, write_rows
 from shadowcore.cli import HelpFormatter, add_policy_options, describe, policies_from_args
 from shadowcore.config import PluginRef, policy_label
 from shadowcore.errors import ConfigError, PluginError

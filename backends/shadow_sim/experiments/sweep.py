@@ -294,15 +294,4 @@ def _cap_report(data: Mapping[str, Any]) -> CapReport | None:
     return build_attrs(NormalTraffic, "normal", data.get("normal", {})).cap_report()
 
 
-def no_nan(x: Any) -> Any:
-    """``x`` with every NaN float replaced by None (for JSON), through dicts, lists and tuples."""
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, dict):
-        return {k: no_nan(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [no_nan(v) for v in x]
-    return x
-
-
-__all__ = ["csv_list", "main", "no_nan", "run_grid", "simulate_table"]
+__all__ = ["csv_list", "main", "run_grid", "simulate_table"]
