@@ -69,7 +69,7 @@ def test_vllm_serve_environment():
 
 
 def test_a_declared_gauge_without_sample_is_zero_waiting():
-    from shadow_vllm.request_level import parse_num_waiting
+    from shadow_gateway.request_level import parse_num_waiting
 
     declared = "# HELP vllm:num_requests_waiting Number.\n# TYPE vllm:num_requests_waiting gauge\n"
     assert parse_num_waiting(declared) == 0

@@ -15,7 +15,7 @@ The API server runs the engine core in a process of its own whatever
 multiprocess mode a gauge
 nobody wrote yet has no sample (vLLM's ``vllm:num_requests_waiting`` of an
 engine that served nothing): readers take a declared, sample-less gauge as 0
-(``shadow_vllm.request_level.parse_num_waiting``).
+(``shadow_gateway.request_level.parse_num_waiting``).
 
 Counters (label ``instance``: the engine's ``--instance-id``):
 

@@ -43,7 +43,7 @@ def _alive(pid: int) -> bool:
 
 
 SWEEP = ["sweep", "--pairs", "Q7/L70", "--policies", "no-shadow,harvest-slo-host,oracle-host", "--seeds", "0,1",
-         "--latency", "roofline", "--duration", "600", "--warmup", "5", "--instances", "1",
+         "--latency", "roofline", "--duration", "3600", "--warmup", "5", "--instances", "1",
          "--capacity", "Qwen2.5-7B=4,Llama-3.1-70B=2", "--jobs", "2", "--format", "csv"]
 
 
@@ -73,7 +73,7 @@ def test_stopping_sweep_stops_every_worker(how: str, tmp_path: Path) -> None:
         survivors = [w for w in workers if _alive(w)]
         assert survivors == [], f"workers still running after {how}: {survivors}"
         # at once: the runs in flight are abandoned, not finished (each takes far longer)
-        assert time.monotonic() - stopped < 5
+        assert time.monotonic() - stopped < 20  # a run here takes minutes; a loaded machine needs seconds to stop
         assert rc == (143 if how == "sigterm" else 130), (tmp_path / "log.txt").read_text()
         if how == "ctrl-c":
             assert (tmp_path / "log.txt").read_text().rstrip().endswith("shadowprefill sweep: interrupted")
