@@ -9,9 +9,9 @@ runner can execute them in any order, in this process or in worker processes
 from __future__ import annotations
 
 import math
+import multiprocessing
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 import attrs
@@ -80,7 +80,9 @@ def execute(tasks: Sequence[Task], jobs: int = 1, on_done: Callable[[Task, RunRe
     Workers ignore SIGINT (Ctrl-C reaches the whole process group; the parent
     answers it). However this process stops -- Ctrl-C, SIGTERM turned into
     ``SystemExit`` (:func:`shadowcore.cli.exit_on_sigterm`), a failed run -- the
-    pool is terminated and joined: no worker outlives it."""
+    pool is terminated and joined (``multiprocessing.Pool.terminate``, made for
+    exactly this; ``ProcessPoolExecutor``'s shutdown after killing its workers
+    raced its own feeder thread): no worker outlives it."""
     results: list[RunRecord | None] = [None] * len(tasks)
     if jobs <= 1:
         for i, t in enumerate(tasks):
@@ -88,33 +90,24 @@ def execute(tasks: Sequence[Task], jobs: int = 1, on_done: Callable[[Task, RunRe
             if on_done:
                 on_done(t, results[i])
         return [r for r in results if r is not None]
-    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_worker_signals)
+    pool = multiprocessing.Pool(processes=jobs, initializer=_worker_signals)
     try:
-        futures = {pool.submit(run_task, t): i for i, t in enumerate(tasks)}
-        for f in as_completed(futures):
-            i = futures[f]
-            results[i] = f.result()
+        for i, record in pool.imap_unordered(_run_indexed, enumerate(tasks)):
+            results[i] = record
             if on_done:
-                on_done(tasks[i], results[i])
+                on_done(tasks[i], record)
     except BaseException:
-        _stop_workers(pool)
+        pool.terminate()  # runs in flight are abandoned
         raise
+    else:
+        pool.close()
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.join()
     return [r for r in results if r is not None]
 
 
-def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """Terminate the pool's workers now (their runs in flight are abandoned) and shut it down."""
-    terminate = getattr(pool, "terminate_workers", None)  # public from Python 3.14
-    if terminate is not None:
-        terminate()
-        return
-    workers = list((getattr(pool, "_processes", None) or {}).values())  # Python 3.11-3.13; None after shutdown
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in workers:
-        if proc.is_alive():
-            proc.terminate()
+def _run_indexed(item: tuple[int, Task]) -> tuple[int, RunRecord]:
+    return item[0], run_task(item[1])
 
 
 def _worker_signals() -> None:
