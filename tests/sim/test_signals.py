@@ -50,8 +50,11 @@ SWEEP = ["sweep", "--pairs", "Q7/L70", "--policies", "no-shadow,harvest-slo-host
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
 def test_stopping_sweep_stops_every_worker(how: str, tmp_path: Path) -> None:
     log = (tmp_path / "log.txt").open("w")
+    # As a terminal starts a foreground command: SIGINT at its default. A background job of a
+    # non-interactive shell (how CI may run us) inherits SIGINT ignored, and Python then keeps it ignored.
     proc = subprocess.Popen([sys.executable, "-m", "shadowcore.cli", *SWEEP, "--out", str(tmp_path / "out")],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 60
