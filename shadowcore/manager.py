@@ -111,7 +111,7 @@ class ShadowManager:
             raise ValueError(f"call for session {call.session_id}: unknown model {call.model!r}")
         s = self._session(call)
         if call.compact_to_tokens is not None:
-            s.history.compact(call.compact_to_tokens)
+            s.history.compact(call.compact_to_tokens, call.summary_token_ids)
         previous = s.current_model
         if previous is not None:
             self.predictor.observe_transition(s.session_id, s.task, previous, call.model)

@@ -24,6 +24,7 @@ from shadowcore._validators import (
     positive_int,
     probability,
 )
+from shadowcore.errors import ConfigError
 from shadowcore.latency import BatchShape, PrefillChunk
 
 
@@ -237,6 +238,27 @@ class CallArrival:
     compact_to_tokens: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(non_negative_int)
     )
+    #: The summary's token ids, for a backend with real tokens: with
+    #: ``new_token_ids`` and ``compact_to_tokens`` both set these must be set too
+    #: (``compact_to_tokens`` of them), so the new epoch is a token history an
+    #: engine can prefill and look up (vLLM virtual time, the gateway).
+    summary_token_ids: tuple[int, ...] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.summary_token_ids is None:
+            if self.compact_to_tokens is not None and self.new_token_ids is not None:
+                raise ConfigError("summary_token_ids", None,
+                                  "a compacting call that carries token ids needs the summary's token ids")
+            return
+        if self.compact_to_tokens is None:
+            raise ConfigError("summary_token_ids", len(self.summary_token_ids),
+                              "given without compact_to_tokens (no compaction to summarise)")
+        if len(self.summary_token_ids) != self.compact_to_tokens:
+            raise ConfigError("summary_token_ids", len(self.summary_token_ids),
+                              f"must hold compact_to_tokens = {self.compact_to_tokens} ids")
+        if self.new_token_ids is None:
+            raise ConfigError("summary_token_ids", len(self.summary_token_ids),
+                              "summary ids need the call's new_token_ids too (a history has ids or counts)")
 
 
 @attrs.frozen

@@ -15,6 +15,11 @@ Invariants:
   (``on_output_tokens``) as they arrive. When it finishes, it is recorded and
   the next call is scheduled ``gap_after_s`` later (or the session ends), then
   the port settles again.
+* A compacting call (``compact_to_tokens``) on a port with token ids asks
+  the port for ``compact_to_tokens + num_new_tokens`` ids at once: the first
+  ``compact_to_tokens`` are the summary the new epoch starts from, the rest
+  the call's new input, so the history stays a token history an engine can
+  prefill (vLLM virtual time) and the same call gets the same ids every run.
 * A rejected call (longer than a whole KV pool) is not recorded: its id goes
   to ``rejected`` and the session ends there (the agent cannot go on).
 * Request ids: ``{session}#{index}`` for calls, ``n{count}:{instance}`` for
@@ -67,7 +72,8 @@ class ServingPort(Protocol):
 
     def input_token_ids(self, session_id: str, call_index: int, model: str,
                         num_tokens: int) -> tuple[int, ...] | None:
-        """The new input's token ids (engines that look up prefixes by token), or None (by count)."""
+        """The new input's token ids (engines that look up prefixes by token), or None (by count).
+        For a compacting call ``num_tokens`` also counts the summary, which comes first."""
 
     def start_call(self, request_id: str, placement: CallPlacement, history: SessionHistory,
                    num_output_tokens: int, on_tokens: OnTokens,
@@ -123,10 +129,14 @@ class SessionDriver:
     def _call(self, s: SessionPlan, index: int) -> None:
         call = s.calls[index]
         manager = self.manager
-        ids = self.port.input_token_ids(s.session_id, index, call.model, call.num_new_tokens)
+        summary = call.compact_to_tokens or 0
+        ids = self.port.input_token_ids(s.session_id, index, call.model, summary + call.num_new_tokens)
+        summary_ids = None
+        if ids is not None and call.compact_to_tokens is not None:  # the summary, then the new input
+            summary_ids, ids = tuple(ids[:summary]), tuple(ids[summary:])
         placement = manager.on_call_arrival(CallArrival(
             s.session_id, call.model, call.num_new_tokens, self.loop.now_s,
-            compact_to_tokens=call.compact_to_tokens, new_token_ids=ids))
+            compact_to_tokens=call.compact_to_tokens, new_token_ids=ids, summary_token_ids=summary_ids))
         self.port.start_call(
             f"{s.session_id}#{index}", placement, manager.history(s.session_id), call.num_output_tokens,
             partial(manager.on_output_tokens, s.session_id),

@@ -1,6 +1,7 @@
 """One session-trace file, two engines: the simulator's and vLLM's scheduler in
 virtual time replay the same calls with the same per-call models and token
-counts (and, under no-shadow, the same cached tokens)."""
+counts (and, under no-shadow, the same cached tokens), compactions included
+(vLLM virtual time prefills the summary's token ids)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ def test_a_session_file_replays_identically_in_the_simulator_and_in_vllm_virtual
         rows += [f"s{k},0,small,{1.0 + 2.5 * k},,{700 + 40 * k},30,",
                  f"s{k},1,large,,1.5,{200 + k},20,",
                  f"s{k},2,small,,0.5,{90 + k},25,",
-                 f"s{k},3,small,,1.0,60,15,"]  # (a compaction needs summary ids in virtual time: not here)
+                 f"s{k},3,small,,1.0,60,15,",
+                 f"s{k},4,large,,1.0,{120 + k},10,256",  # compaction: a 256-token summary + the new input
+                 f"s{k},5,large,,0.5,40,10,"]  # same model: it finds the new epoch cached
     (tmp_path / "calls.csv").write_text("\n".join(rows) + "\n")
     trace, _ = load_call_csv(tmp_path / "calls.csv")
     plans = tuple(trace_plans(trace, MODELS, session_models={"small": MODELS[0], "large": MODELS[1]}, start_s=0.5))
@@ -43,4 +46,7 @@ def test_a_session_file_replays_identically_in_the_simulator_and_in_vllm_virtual
     assert [(s, i, p) for s, i, _m, _w, p, _c in got_sim] == want  # the file's prompts, every call
     assert got_vllm == got_sim
     assert {c[2] for c in got_sim} == set(MODELS)
-    assert sum(c[3] for c in got_sim) == 2 * 4  # two switches per session
+    assert sum(c[3] for c in got_sim) == 3 * 4  # three switches per session
+    after = [c for c in got_vllm if c[1] == 5]  # the call after the compaction: the summary epoch is cached
+    assert all(c[5] >= 256 for c in after), after
+    assert all(c[5] < 256 for c in got_vllm if c[1] == 4)  # the compacting call itself finds nothing of it
