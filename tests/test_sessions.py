@@ -15,6 +15,7 @@ from shadowcore.errors import ConfigError
 from shadowcore.workloads.sessions import (
     PRESETS,
     TABLE1,
+    TABLE5,
     AccuracyPerCostRouter,
     AgentSession,
     CallSpec,
@@ -239,8 +240,47 @@ def test_preset_matches_table1(name: str) -> None:
     assert abs(stats.p99_prompt / target.p99_prompt - 1) <= P99_PROMPT_REL, stats
 
 
+# -- per-pair presets against Table 5 -------------------------------------------------------
+
+
+MEAN_OUTPUT_REL = 0.05
+
+
+@pytest.mark.parametrize("pair", sorted(TABLE5))
+def test_pair_presets_match_table5(pair: tuple[str, str]) -> None:
+    """Each Table 5 pair, through :func:`for_pair` on the testbed's preset, reproduces the pair's
+    switch rate, switches per session, mean prompt and mean output (fitted) and its p99 prompt
+    (not fitted: within the Table 1 tolerance)."""
+    from shadowcore.workloads.sessions import for_pair
+
+    row = TABLE5[pair]
+    base = "fusionbench-testbed" if row.benchmark == "fusionbench" else "swe-bench"
+    preset = attrs.evolve(for_pair(get_preset(base), pair), models=pair)
+    sessions = generate(preset, math.inf, 0, max_sessions=1000)
+    stats = session_stats(sessions)
+    outputs = [c.num_output_tokens for s in sessions for c in s.calls]
+    assert abs(stats.switch_rate - row.switch_rate) <= SWITCH_RATE_POINTS, stats
+    assert abs(stats.switches_per_session / row.switches_per_session - 1) <= SWITCHES_PER_SESSION_REL, stats
+    assert abs(stats.mean_prompt / row.mean_prompt - 1) <= MEAN_PROMPT_REL, stats
+    assert abs(stats.p99_prompt / row.p99_prompt - 1) <= P99_PROMPT_REL, stats
+    assert abs(sum(outputs) / len(outputs) / row.mean_output - 1) <= MEAN_OUTPUT_REL
+
+
+def test_for_pair_leaves_other_pairs_alone_and_fusionbench_q7_gets_table5_outputs() -> None:
+    from shadowcore.workloads.sessions import for_pair
+
+    fb = get_preset("fusionbench")
+    assert for_pair(fb, ("Llama-3.1-8B", "Mistral-Nemo-12B")) is fb
+    q7 = for_pair(fb, ("Qwen2.5-7B", "Llama-3.1-70B"))
+    assert q7.output.median < fb.output.median and q7.first_input == fb.first_input  # outputs only
+    sessions = generate(attrs.evolve(q7, models=("qwen2.5-7b", "llama-3.1-70b")), math.inf, 0, max_sessions=500)
+    outputs = [c.num_output_tokens for s in sessions for c in s.calls]
+    assert abs(sum(outputs) / len(outputs) / 52 - 1) <= MEAN_OUTPUT_REL
+
+
 def test_presets_are_the_five_workloads_and_say_they_are_synthetic() -> None:
-    assert set(PRESETS) == {"xroutebench", "fusionbench", "router-r1", "ghcp-coding", "swe-bench"} == set(TABLE1)
+    assert set(PRESETS) - {"fusionbench-testbed"} == {"xroutebench", "fusionbench", "router-r1", "ghcp-coding",
+                                                       "swe-bench"} == set(TABLE1)
     for name, preset in PRESETS.items():
         assert preset.name == name and "synthetic" in preset.description
         assert get_preset(name) is preset

@@ -353,7 +353,10 @@ def _catalog() -> tuple[ModelConfig, ...]:
         "head_dim": 128,
         "intermediate_size": 18944,
         "vocab_size": 152064,
-        "max_context_tokens": 32768,
+        # YaRN-extended (Qwen2.5's documented rope_scaling factor 4 over 32,768): the paper runs
+        # Qwen2.5-7B past its native window (Table 5: FusionBench p99 prompt 75K on Q7/L70; Table 1:
+        # 58K) and its SWE-bench models "use YaRN with a 131,072-token context limit" (D.3).
+        "max_context_tokens": 131072,
     }
     llama70 = {
         "num_layers": 80,
@@ -379,7 +382,7 @@ def _catalog() -> tuple[ModelConfig, ...]:
     }
     return (
         ModelConfig("Qwen2.5-7B", **qwen7),
-        ModelConfig("Qwen2.5-72B", 80, 8192, 64, 8, 128, 29568, 152064, 32768),
+        ModelConfig("Qwen2.5-72B", 80, 8192, 64, 8, 128, 29568, 152064, 131072),  # YaRN x4, as Qwen2.5-7B (D.3)
         ModelConfig("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256, 131072),
         ModelConfig("Llama-3.1-70B", **llama70),
         ModelConfig("Llama-3.3-70B", **llama70),
@@ -439,7 +442,7 @@ def _catalog() -> tuple[ModelConfig, ...]:
         ),
         # SWE-agent-LM-7B/32B are fine-tunes of Qwen2.5-Coder-7B/32B-Instruct.
         ModelConfig("SWE-agent-LM-7B", **qwen7),
-        ModelConfig("SWE-agent-LM-32B", 64, 5120, 40, 8, 128, 27648, 152064, 32768),
+        ModelConfig("SWE-agent-LM-32B", 64, 5120, 40, 8, 128, 27648, 152064, 131072),  # YaRN (D.3)
         # DeepSeek-R1 (V3 architecture): MLA attention, 3 dense + 58 MoE layers,
         # 256 routed experts (8 active) + 1 shared, FP8 weights. The KV cache is
         # the compressed MLA latent, 512 + 64 values per layer per token: an

@@ -30,7 +30,7 @@ from shadowcore.engine.workload import ScenarioSpec, SessionPlan, defaults, from
 from shadowcore.errors import ConfigError
 from shadowcore.kv import KVClassManager, KVClassPolicy
 from shadowcore.latency import BatchShape
-from shadowcore.workloads.sessions import SessionPreset, generate, get_preset
+from shadowcore.workloads.sessions import SessionPreset, for_pair, generate, get_preset
 
 
 def _tuple(v: Iterable) -> tuple:
@@ -116,7 +116,7 @@ class SimScenario(ScenarioSpec):
 
     def session_preset(self) -> SessionPreset:
         """The preset mapped onto this cluster's models and context windows."""
-        preset = get_preset(self.preset)
+        preset = for_pair(get_preset(self.preset), self.models)
         if len(self.models) != len(preset.models):
             raise ConfigError("models", self.models, f"preset {self.preset!r} needs {len(preset.models)} models")
         windows = tuple(get_model(m).max_context_tokens for m in self.models)

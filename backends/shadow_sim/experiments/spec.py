@@ -16,8 +16,11 @@ duration_s)``.
 Context windows: the sessions compact at the SMALLEST window among the models
 (and a preset's token caps are scaled down to fit it), so that every call fits
 whichever model the router picks and no shadow ever exceeds its target's window.
-For the default pair this is Qwen2.5-7B's 32,768 tokens (the catalog has no YaRN
-extension), so FusionBench-like sessions compact more than the paper's.
+Qwen2.5-7B (and the other Qwen2.5-based models) are catalogued with their
+YaRN-extended 131,072 tokens, the window the paper runs them at (its FusionBench
+p99 prompt is 58K in Table 1 and 75K in Table 5; D.3 names YaRN for SWE-bench).
+A pair with its own published statistics (Table 5) gets them through
+:func:`~shadowcore.workloads.sessions.for_pair`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from shadowcore.config import PluginRef, build_attrs
 from shadowcore.engine.cluster import EngineCluster
 from shadowcore.engine.workload import NormalRequest, SessionPlan, from_agent_sessions, normal_requests
 from shadowcore.errors import ConfigError
-from shadowcore.workloads.sessions import PRESETS, SessionPreset, SyntheticScores, generate, get_preset
+from shadowcore.workloads.sessions import PRESETS, SessionPreset, SyntheticScores, for_pair, generate, get_preset
 
 #: Model pairs by name: the paper's figure labels of Table 3 (and a few of ours).
 PAIRS: dict[str, tuple[str, str]] = {
@@ -50,6 +53,7 @@ PAIRS: dict[str, tuple[str, str]] = {
     "G2-9/Mx8x7": ("Gemma-2-9B", "Mixtral-8x7B"),
     "G2-9/Granite34": ("Gemma-2-9B", "Granite-34B-code"),
     "S7/S32": ("SWE-agent-LM-7B", "SWE-agent-LM-32B"),
+    "S7/Q72": ("SWE-agent-LM-7B", "Qwen2.5-72B"),
 }
 
 
@@ -185,6 +189,7 @@ def fit_preset(preset: SessionPreset, models: tuple[str, ...], window: int, rate
     than the preset's pair re-route its sessions by accuracy per cost over all of
     them (Appendix C, "More than two models per router"), with skills and prices
     spread between the pair's."""
+    preset = for_pair(preset, models)  # a pair's own published statistics (PAIR_PRESETS), where it has them
     changes: dict[str, Any] = {}
     if len(models) != len(preset.models):
         router = preset.router

@@ -1,0 +1,319 @@
+"""The paper's GPU testbed (Section 6, Appendix D) in vLLM virtual time.
+
+One vLLM scheduler per model (the models' TP on H100-80GB: the simulator's
+half-of-HBM rule, which gives Table 4's 1/1/4/1/2/4), the simulator's latency
+model with the shipped ``paper-testbed-h100`` profile timing every batch, the
+paper's sessions (FusionBench sessions from the ``fusionbench-testbed`` preset
+at 0.05/s, SWE-bench from ``swe-bench`` at 0.01/s, both pinned per pair to
+Table 5), Poisson normal traffic with Azure-conversation lengths at ``rho``
+times the PUBLISHED per-instance capacities (Appendix D.1: 12.8, 11.0, 3.8,
+13.3, 4.8, 3.8 req/s; not recalibrated here), and arms:
+
+* ``no-shadow``: vLLM's stock ``Scheduler``, no shadow requests;
+* ``request-level``: the paper's prototype (Appendix D.1,
+  :class:`~shadow_vllm.virtual.request_level.RequestLevelFeeder`), stock
+  scheduler with priority scheduling: what the paper's testbed numbers measure;
+* engine-level policies (default ``harvest-slo``): :class:`~shadow_vllm.scheduler.ShadowScheduler`
+  with the router side's jobs as tagged shadow requests.
+
+Each arm replays the same workload (drawn once per seed by the simulator's
+experiment runner) and is compared with no-shadow on matched calls by the
+simulator's metrics (:mod:`shadow_sim.experiments.metrics`). Energy per good
+request uses the simulator's power model over the virtual engines' busy time;
+shadow tokens used are not tracked in vLLM (NaN).
+
+Invariants: every arm sees identical sessions, normal requests, latency
+models and KV pools; nothing reads wall time; vLLM is imported only when a
+run is built.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.latency import chunked_prefill_s
+
+#: Appendix D.1: capacity per instance (requests/s) on the H100 testbed.
+PAPER_CAPACITY: dict[str, float] = {
+    "Qwen2.5-7B": 12.8, "Llama-3.1-8B": 11.0, "Llama-3.1-70B": 3.8,
+    "SWE-agent-LM-7B": 13.3, "SWE-agent-LM-32B": 4.8, "Qwen2.5-72B": 3.8,
+}
+
+
+@attrs.frozen
+class TestbedPair:
+    """A testbed pair: its preset, session rate and run length (Appendix D.1)."""
+
+    label: str
+    models: tuple[str, str]
+    preset: str
+    session_rate_per_s: float
+    length_s: float  # the run, warm-up included
+    benchmark: str
+
+
+PAIRS: dict[str, TestbedPair] = {
+    "Q7/L70": TestbedPair("Q7/L70", ("Qwen2.5-7B", "Llama-3.1-70B"), "fusionbench-testbed", 0.05, 900.0,
+                          "fusionbench"),
+    "L8/L70": TestbedPair("L8/L70", ("Llama-3.1-8B", "Llama-3.1-70B"), "fusionbench-testbed", 0.05, 900.0,
+                          "fusionbench"),
+    "S7/S32": TestbedPair("S7/S32", ("SWE-agent-LM-7B", "SWE-agent-LM-32B"), "swe-bench", 0.01, 1320.0,
+                          "swe-bench"),
+    "S7/Q72": TestbedPair("S7/Q72", ("SWE-agent-LM-7B", "Qwen2.5-72B"), "swe-bench", 0.01, 1320.0, "swe-bench"),
+}
+
+BASELINE = "no-shadow"
+REQUEST_LEVEL = "request-level"
+
+
+@attrs.frozen
+class TestbedSettings:
+    """What to run: pairs x rhos x seeds x arms. ``length_scale`` shortens every
+    run (warm-up included) and ``session_rate_scale`` raises the session rate to
+    keep enough calls in a short run (the quick mode); 1.0 is the paper's."""
+
+    pairs: tuple[str, ...] = ("Q7/L70", "L8/L70", "S7/S32", "S7/Q72")
+    rhos: tuple[float, ...] = (0.3, 0.5)
+    seeds: tuple[int, ...] = (0,)
+    policies: tuple[PluginRef, ...] = (PluginRef("harvest-slo"),)
+    warmup_s: float = 120.0
+    length_scale: float = 1.0
+    session_rate_scale: float = 1.0
+    latency: str = "vidur"
+    latency_profile: str = "paper-testbed-h100"
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        from shadowcore.config import policy_label
+
+        return (BASELINE, REQUEST_LEVEL, *(policy_label(p) for p in self.policies))
+
+
+def experiment(pair: TestbedPair, rho: float, settings: TestbedSettings) -> Any:
+    """The pair's testbed run as a simulator :class:`~shadow_sim.experiments.spec.Experiment`."""
+    from shadow_sim.experiments.spec import Experiment
+
+    length = pair.length_s * settings.length_scale
+    warmup = min(settings.warmup_s * settings.length_scale, length / 2)
+    return Experiment.from_dict({
+        "models": list(pair.models), "preset": pair.preset, "instances_per_model": 1,
+        "duration_s": length - warmup, "warmup_s": warmup, "drain_s": 60.0 * settings.length_scale,
+        "session_rate_per_s": pair.session_rate_per_s * settings.session_rate_scale,
+        "normal": {"kind": "poisson", "source": "azure-conv", "rho": rho, "window": "peak"},
+        "latency": settings.latency, "latency_profile": settings.latency_profile,
+    })
+
+
+def draw(ex: Any, seed: int) -> Any:
+    """The simulator's run of ``ex`` (not started): its workload, latency models, KV pools and SLOs."""
+    from shadow_sim.experiments.spec import ExperimentRun
+
+    capacity = {m: PAPER_CAPACITY[m] for m in ex.models}
+    return ExperimentRun(ex.sim_scenario(seed), ShadowConfig(PluginRef(BASELINE), seed=seed), experiment=ex,
+                         capacity=capacity)
+
+
+def _engine_configs(sim: Any, ex: Any, arm: str, shadow: ShadowConfig | None) -> dict[str, Any]:
+    from shadow_vllm import virtual
+
+    configs = {}
+    for model in ex.models:
+        inst = sim.cluster.by_model[model][0]
+        extra: dict[str, Any] = {}
+        if shadow is not None:  # the engine rebuilds the policy, the SLOs and the same latency model
+            extra = {"shadowprefill": {
+                "shadow": json.loads(shadow.to_json()),
+                "slo": {"ttft_s": sim.scenario.slo.ttft_s, "tpot_s": inst.tpot_slo_s},
+                "latency": {"name": "shadow_sim.latency:latency_model",
+                            "args": {"name": model, "kind": ex.latency, "device": ex.device}},
+                **({"latency_profile": ex.latency_profile} if ex.latency_profile else {}),
+            }}
+        configs[model] = virtual.VirtualEngineConfig(
+            block_size=inst.kv.block_size, num_blocks=inst.kv.num_blocks + 1,  # + vLLM's null block
+            max_num_batched_tokens=inst.limits.token_budget, max_num_seqs=inst.limits.max_num_seqs,
+            max_model_len=ex.window_tokens, scheduling_policy="priority" if arm == REQUEST_LEVEL else "fcfs",
+            additional_config=extra)
+    return configs
+
+
+def run_arm(sim: Any, ex: Any, arm: str, policy: PluginRef | None, seed: int) -> Any:
+    """One arm in vLLM virtual time over ``sim``'s workload; the run, finished."""
+    from shadow_vllm import virtual
+    from shadow_vllm.scheduler import ShadowScheduler
+    from shadow_vllm.virtual.request_level import RequestLevelFeeder
+
+    engine_level = policy is not None
+    shadow = ShadowConfig(policy if engine_level else PluginRef(BASELINE), seed=seed)
+    latency = {m: sim.cluster.by_model[m][0].latency for m in ex.models}
+    feeder = (virtual.TaggedShadowFeeder(wake=True) if engine_level
+              else RequestLevelFeeder() if arm == REQUEST_LEVEL else None)
+    run = virtual.VirtualScenarioRun(sim.scenario, shadow, latency,
+                                     _engine_configs(sim, ex, arm, shadow if engine_level else None),
+                                     scheduler_cls=ShadowScheduler if engine_level else None,
+                                     shadow_feeder=feeder, workload=sim.workload)
+    return run.run()
+
+
+def _is_shadow(request_id: str) -> bool:
+    return request_id.startswith(("shadow:", "shadow-"))  # engine-level (TaggedShadowFeeder), request-level
+
+
+def record(sim: Any, ex: Any, run: Any, arm: str, seed: int) -> Any:
+    """The arm's :class:`~shadow_sim.experiments.metrics.RunRecord` (the simulator's metric inputs)."""
+    from shadow_sim.experiments.metrics import Call, RunRecord
+
+    workload = sim.workload
+    outputs = {(p.session_id, i): c.num_output_tokens for p in workload.sessions for i, c in enumerate(p.calls)}
+    measured = frozenset(p.session_id for p in workload.sessions if ex.warmup_s <= p.arrival_s < ex.end_s)
+    calls = tuple(Call(c.session_id, c.call_index, c.model, c.is_switch, c.ttft_s, c.latency_s, c.num_prompt_tokens,
+                       c.num_cached_tokens, outputs[(c.session_id, c.call_index)]) for c in run.calls)
+    met_all = [(r.arrival_s, _normal_met(sim, run, r)) for r in run.normal]
+    wall = run.loop.now_s
+    energy = shadow_tokens = 0.0
+    for name, engine in run.cluster.by_id.items():
+        inst = sim.cluster.by_id[name]
+        busy = sum(step.duration_s for step in engine.steps)
+        energy += inst.num_gpus * (inst.idle_power_w * wall + (inst.busy_power_w - inst.idle_power_w) * busy)
+        shadow_tokens += sum(r.num_scheduled_tokens for step in engine.steps for r in step.batch
+                             if _is_shadow(r.request_id))
+    good = sum(1 for _, met in met_all if met) + len(calls)
+    return RunRecord(
+        arm, seed, ex.normal.window, calls, measured,
+        tuple(met for arrival, met in met_all if ex.warmup_s <= arrival < ex.end_s),
+        sum(r.num_prompt_tokens for r in workload.normal), shadow_tokens, math.nan, energy,
+        energy / good if good else math.nan, wall,
+    )
+
+
+def _normal_met(sim: Any, run: Any, r: Any) -> bool:
+    """Both SLOs of a normal request, by the simulator's rule (TTFT within max(slo, 5x isolated
+    prefill), TPOT within the instance's); an unfinished request is a miss."""
+    if r.first_token_s is None or r.finish_s is None:
+        return False
+    instance = r.request_id.split(":", 1)[1]
+    inst = sim.cluster.by_id[instance]
+    isolated = chunked_prefill_s(inst.latency, len(r.prompt_token_ids), inst.limits.token_budget)
+    tpot = (r.finish_s - r.first_token_s) / max(1, len(r.output_token_ids) - 1)
+    return r.ttft_s <= max(sim.scenario.slo.ttft_s, 5 * isolated) and tpot <= inst.tpot_slo_s
+
+
+def run_point(pair: TestbedPair, rho: float, seed: int, settings: TestbedSettings,
+              progress: Any = None) -> dict[str, dict[str, float]]:
+    """Every arm at one (pair, rho, seed): :func:`~shadow_sim.experiments.metrics.compare_runs`'s
+    metrics per arm (relative ones against no-shadow on matched calls)."""
+    from shadow_sim.experiments.metrics import compare_runs
+    from shadowcore.config import policy_label
+
+    ex = experiment(pair, rho, settings)
+    records = []
+    for arm, policy in ((BASELINE, None), (REQUEST_LEVEL, None),
+                        *((policy_label(p), p) for p in settings.policies)):
+        sim = draw(ex, seed)  # a fresh draw per arm: the same seed gives the same workload
+        run = run_arm(sim, ex, arm, policy, seed)
+        records.append(record(sim, ex, run, arm, seed))
+        if progress is not None:
+            progress(f"{pair.label} rho={rho} seed {seed} {arm}: {len(run.calls)} calls, {len(run.normal)} normal")
+    return compare_runs(records, BASELINE, None)
+
+
+# -- the paper's numbers and the side-by-side table ---------------------------------------
+
+#: key -> (paper value, where, what); fractions. "dir" rows compare a sign only.
+PAPER_TESTBED: dict[str, tuple[float, str, str]] = {
+    "switch_ttft_red": (0.619, "§6 / Fig. 10", "switch-call TTFT reduction, mean over pairs"),
+    "task_time_red_fb": (0.121, "§6", "LLM time per task reduction, FusionBench pairs"),
+    "task_time_red_all": (0.070, "§6", "LLM time per task reduction, all pairs"),
+    "token_cost_red": (0.204, "§6 / Fig. 12", "routed token cost reduction, mean over pairs"),
+    "energy_inc": (0.014, "§6 / Fig. 13", "energy per SLO-compliant request, change"),
+    "call_latency_red_q7": (0.137, "Fig. 11 / 17", "LLM-call latency reduction, Q7/L70, rho 0.3"),
+    "call_latency_red_l8": (0.106, "Fig. 11 / 17", "LLM-call latency reduction, L8/L70, rho 0.3"),
+    "rho05_fb_keeps": (1.0, "App. D / Fig. 17", "rho 0.5: FusionBench pairs keep a reduction (sign)"),
+    "rho05_s32_slows": (-1.0, "App. D / Fig. 17", "rho 0.5: S7/S32 slows (sign; paper -35.1%)"),
+}
+TOLERANCE = 0.30
+
+
+def _mean(xs: Sequence[float]) -> float:
+    v = [x for x in xs if not math.isnan(x)]
+    return sum(v) / len(v) if v else math.nan
+
+
+def ours(results: Mapping[tuple[str, float], Mapping[str, Mapping[str, float]]], arm: str) -> dict[str, float]:
+    """Our numbers for :data:`PAPER_TESTBED` from ``results[(pair, rho)][arm][metric]`` (seed means)."""
+    at = {k: v for k, v in results.items() if k[1] == 0.3}
+    get = lambda pair, rho, m: results.get((pair, rho), {}).get(arm, {}).get(m, math.nan)
+    fb = [p for p, _ in at if PAIRS[p].benchmark == "fusionbench"]
+    out = {
+        "switch_ttft_red": _mean([v[arm]["switch_ttft_red"] for v in at.values()]),
+        "task_time_red_fb": _mean([get(p, 0.3, "task_time_red") for p in fb]),
+        "task_time_red_all": _mean([v[arm]["task_time_red"] for v in at.values()]),
+        "token_cost_red": _mean([v[arm]["token_cost_red"] for v in at.values()]),
+        "energy_inc": _mean([v[arm]["energy_inc"] for v in at.values()]),
+        "call_latency_red_q7": get("Q7/L70", 0.3, "call_latency_red"),
+        "call_latency_red_l8": get("L8/L70", 0.3, "call_latency_red"),
+    }
+    fb05 = [get(p, 0.5, "call_latency_red") for p in ("Q7/L70", "L8/L70") if (p, 0.5) in results]
+    out["rho05_fb_keeps"] = math.nan if not fb05 else (1.0 if min(fb05) > 0 else -1.0)
+    s32 = get("S7/S32", 0.5, "call_latency_red")
+    out["rho05_s32_slows"] = math.nan if math.isnan(s32) else (1.0 if s32 > 0 else -1.0)
+    return out
+
+
+def verdict(paper: float, value: float, sign_only: bool) -> str:
+    if math.isnan(value):
+        return "not run"
+    if sign_only:
+        return "same direction" if value == paper else "opposite"
+    return "within 30%" if abs(value - paper) <= TOLERANCE * abs(paper) else "outside 30%"
+
+
+def table(results: Mapping[tuple[str, float], Mapping[str, Mapping[str, float]]], arms: Sequence[str]) -> str:
+    """Markdown: each paper number, ours per shadow arm, and whether it is within +-30% relative."""
+    shown = [a for a in arms if a != BASELINE]
+    values = {a: ours(results, a) for a in shown}
+    head = "| what | where | paper | " + " | ".join(f"{a} | ±30%?" for a in shown) + " |"
+    lines = [head, "|" + "---|" * (3 + 2 * len(shown))]
+    for key, (paper, where, what) in PAPER_TESTBED.items():
+        sign = key.startswith("rho05")
+        cells = []
+        for a in shown:
+            v = values[a][key]
+            shown_v = ("n/a" if math.isnan(v) else ("reduction" if v > 0 else "slowdown")) if sign \
+                else ("n/a" if math.isnan(v) else f"{100 * v:.1f}%")
+            cells += [shown_v, verdict(paper, v, sign)]
+        p = ("reduction" if paper > 0 else "slowdown") if sign else f"{100 * paper:.1f}%"
+        lines.append(f"| {what} | {where} | {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def per_point_table(results: Mapping[tuple[str, float], Mapping[str, Mapping[str, float]]],
+                    arms: Sequence[str]) -> str:
+    metrics = ("switch_ttft_red", "call_latency_red", "task_time_red", "token_cost_red", "energy_inc",
+               "normal_slo_pp", "switch_calls")
+    lines = ["| pair | rho | arm | " + " | ".join(metrics) + " |", "|" + "---|" * (3 + len(metrics))]
+    for (pair, rho), by_arm in sorted(results.items()):
+        for a in arms:
+            m = by_arm.get(a, {})
+            cells = [f"{m.get(k, math.nan):.0f}" if k == "switch_calls" else f"{100 * m.get(k, math.nan):.1f}%"
+                     for k in metrics]
+            lines.append(f"| {pair} | {rho} | {a} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_all(settings: TestbedSettings, progress: Any = None) -> dict[tuple[str, float], dict[str, dict[str, float]]]:
+    """Seed means of every metric at every (pair, rho)."""
+    out: dict[tuple[str, float], dict[str, dict[str, float]]] = {}
+    for label in settings.pairs:
+        pair = PAIRS[label]
+        for rho in settings.rhos:
+            per_seed = [run_point(pair, rho, s, settings, progress) for s in settings.seeds]
+            out[(label, rho)] = {a: {k: _mean([r[a][k] for r in per_seed]) for k in per_seed[0][a]}
+                                 for a in per_seed[0]}
+    return out
+
