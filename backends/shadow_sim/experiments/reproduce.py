@@ -8,6 +8,12 @@ all targets vs top-1 vs our ``adaptive-host`` and ``benefit-host``). ``--quick``
 the measurement (2 instances per model, 180 s measured, one seed, peak window)
 to finish in under 30 minutes on 2 cores; the full grid uses the paper's
 settings (4 instances, 600 s after 120 s warm-up, 3 seeds x 3 windows).
+
+``--testbed`` runs the paper's GPU testbed instead (Section 6, Appendix D:
+Q7/L70, L8/L70, S7/S32, S7/Q72, one instance per model, rho 0.3 and 0.5) on
+vLLM's scheduler in virtual time (:mod:`shadow_vllm.virtual.testbed`) and
+prints each testbed number of the paper next to ours and whether it is within
++-30%; ``--testbed --quick`` is one pair at 5% of the length (under a minute).
 """
 
 from __future__ import annotations
@@ -316,7 +322,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Reproduce the paper's figure types on the simulator: PNG figures and a Markdown table next to the paper's numbers."""
     p = argparse.ArgumentParser(prog="shadowprefill reproduce", description=describe(__doc__),
                                 epilog=describe(__doc__.split("\n\n", 1)[1]), formatter_class=HelpFormatter)
-    p.add_argument("--quick", action="store_true", help="reduced grid (< 30 minutes on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="reduced grid (< 30 minutes on 2 cores); with --testbed: "
+                   "one pair, rho 0.3, 5%% of the run length (under a minute)")
+    t = p.add_argument_group("the GPU testbed (Section 6, Appendix D) in vLLM virtual time: --testbed")
+    t.add_argument("--testbed", action="store_true",
+                   help="run the paper's testbed settings on vLLM's scheduler in virtual time (needs vLLM) with "
+                        "the request-level baseline and engine-level --policy (default harvest-slo; policies "
+                        "without the host tier) and print the side-by-side table")
+    t.add_argument("--pairs", help="testbed pairs, comma-separated (default Q7/L70,L8/L70,S7/S32,S7/Q72)")
+    t.add_argument("--rhos", help="normal-traffic loads (default 0.3,0.5)")
+    t.add_argument("--seeds", help="seeds (default 0)")
+    t.add_argument("--length-scale", type=float, help="scale every run's length (1 = the paper's)")
+    t.add_argument("--session-rate-scale", type=float, help="scale the session rate (1 = the paper's)")
     p.add_argument("--out", default="reproduce-out", help="output folder")
     p.add_argument("--jobs", type=int, default=2, help="local worker processes")
     p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
@@ -326,6 +343,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_policy_options(p, note="added to every study, table and figure, after its own policies")
     args = p.parse_args(argv)
     out = Path(args.out)
+    if args.testbed:
+        return _testbed(args, out)
+    testbed_only = [f for f in ("pairs", "rhos", "seeds", "length_scale", "session_rate_scale")
+                    if getattr(args, f) is not None]
+    if testbed_only:
+        print(f"shadowprefill reproduce: error: --{testbed_only[0].replace('_', '-')} needs --testbed",
+              file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     try:
@@ -349,3 +374,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {len(figs)} figures, reproduction.md, runs.csv and summary.json to {out} "
           f"in {time.time() - start:.0f} s")
     return 0
+
+
+def _testbed(args: argparse.Namespace, out: Path) -> int:
+    """``reproduce --testbed``: :mod:`shadow_vllm.virtual.testbed`, its table printed and written."""
+    start = time.time()
+    try:
+        from shadow_vllm.virtual import testbed
+
+        settings = testbed.settings_from(args.quick, args.pairs, args.rhos, args.seeds, args.length_scale,
+                                         args.session_rate_scale, policies_from_args(args))
+        print(f"testbed in vLLM virtual time: {testbed.describe(settings)}", flush=True)
+        results = testbed.run_all(settings, progress=lambda m: print(f"  [{time.time() - start:.0f} s] {m}",
+                                                                     flush=True))
+    except (ConfigError, PluginError) as e:
+        print(f"shadowprefill reproduce: error: {e}", file=sys.stderr)
+        return 2
+    print(testbed.write_report(results, settings, out, time.time() - start))
+    print(f"wrote testbed.md and testbed.json to {out} in {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
