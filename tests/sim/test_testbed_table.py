@@ -1,0 +1,36 @@
+"""The testbed table's arithmetic (:mod:`shadow_vllm.virtual.testbed`): the paper's
+averages over pairs, the +-30% verdict and the rho 0.5 directions. No vLLM run."""
+
+from __future__ import annotations
+
+import math
+
+from shadow_vllm.virtual import testbed
+
+
+def _point(switch_ttft: float, task: float, cost: float, energy: float, call: float) -> dict:
+    m = {"switch_ttft_red": switch_ttft, "task_time_red": task, "token_cost_red": cost, "energy_inc": energy,
+         "call_latency_red": call}
+    return {"request-level": m}
+
+
+def test_ours_averages_pairs_as_the_paper_does() -> None:
+    results = {("Q7/L70", 0.3): _point(0.6, 0.10, 0.2, 0.01, 0.12), ("L8/L70", 0.3): _point(0.7, 0.14, 0.3, 0.02, 0.1),
+               ("S7/S32", 0.3): _point(0.5, 0.0, 0.1, 0.03, 0.0), ("Q7/L70", 0.5): _point(0, 0, 0, 0, 0.05),
+               ("L8/L70", 0.5): _point(0, 0, 0, 0, 0.02), ("S7/S32", 0.5): _point(0, 0, 0, 0, -0.3)}
+    o = testbed.ours(results, "request-level")
+    assert math.isclose(o["switch_ttft_red"], 0.6) and math.isclose(o["task_time_red_fb"], 0.12)
+    assert math.isclose(o["task_time_red_all"], 0.08) and math.isclose(o["energy_inc"], 0.02)
+    assert o["call_latency_red_q7"] == 0.12 and o["rho05_fb_keeps"] == 1.0 and o["rho05_s32_slows"] == -1.0
+    results[("L8/L70", 0.5)] = _point(0, 0, 0, 0, -0.01)  # one FusionBench pair slows: not kept
+    assert testbed.ours(results, "request-level")["rho05_fb_keeps"] == -1.0
+
+
+def test_verdict_is_thirty_percent_relative() -> None:
+    assert testbed.verdict(0.619, 0.619 * 1.29, False) == "within 30%"
+    assert testbed.verdict(0.619, 0.619 * 0.69, False) == "outside 30%"
+    assert testbed.verdict(0.014, -0.004, False) == "outside 30%"
+    assert testbed.verdict(-1.0, -1.0, True) == "same direction" and testbed.verdict(-1.0, 1.0, True) == "opposite"
+    assert testbed.verdict(0.1, math.nan, False) == "not run"
+    table = testbed.table({("L8/L70", 0.3): _point(0.5, 0.1, 0.2, 0.01, 0.1)}, ("no-shadow", "request-level"))
+    assert "| 61.9% | 50.0% | within 30% |" in table and "not run" in table
