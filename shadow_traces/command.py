@@ -210,6 +210,8 @@ def paper_rows(preset: str, models: Sequence[str] | None, st: TraceStats,
     bench = "fusionbench" if preset == "fusionbench-testbed" else preset
     t1 = TABLE1.get(bench)
     t5 = TABLE5.get(tuple(m.lower() for m in models)) if models else None
+    if t5 is not None and t5.benchmark != bench:  # Table 5 is the testbed's FusionBench and SWE-bench replay
+        t5 = None
     out = [f"{'statistic':<34} {'ours':>9} {'Table 1':>9} {'Table 5':>9}"]
 
     def row(name: str, ours: str, a: str, b: str) -> None:
