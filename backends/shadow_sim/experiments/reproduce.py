@@ -334,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--seeds", help="seeds (default 0)")
     t.add_argument("--length-scale", type=float, help="scale every run's length (1 = the paper's)")
     t.add_argument("--session-rate-scale", type=float, help="scale the session rate (1 = the paper's)")
+    t.add_argument("--no-engine-level", action="store_true",
+                   help="only no-shadow and the request-level baseline (the arms the paper's testbed ran)")
     p.add_argument("--out", default="reproduce-out", help="output folder")
     p.add_argument("--jobs", type=int, default=2, help="local worker processes")
     p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
@@ -346,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.testbed:
         return _testbed(args, out)
     testbed_only = [f for f in ("pairs", "rhos", "seeds", "length_scale", "session_rate_scale")
-                    if getattr(args, f) is not None]
+                    if getattr(args, f) is not None] + (["no_engine_level"] if args.no_engine_level else [])
     if testbed_only:
         print(f"shadowprefill reproduce: error: --{testbed_only[0].replace('_', '-')} needs --testbed",
               file=sys.stderr)
@@ -383,10 +385,11 @@ def _testbed(args: argparse.Namespace, out: Path) -> int:
         from shadow_vllm.virtual import testbed
 
         settings = testbed.settings_from(args.quick, args.pairs, args.rhos, args.seeds, args.length_scale,
-                                         args.session_rate_scale, policies_from_args(args))
+                                         args.session_rate_scale, policies_from_args(args),
+                                         engine_level=not args.no_engine_level)
         print(f"testbed in vLLM virtual time: {testbed.describe(settings)}", flush=True)
         results = testbed.run_all(settings, progress=lambda m: print(f"  [{time.time() - start:.0f} s] {m}",
-                                                                     flush=True))
+                                                                     flush=True), points=out / "points")
     except (ConfigError, PluginError) as e:
         print(f"shadowprefill reproduce: error: {e}", file=sys.stderr)
         return 2

@@ -208,6 +208,7 @@ def run_point(pair: TestbedPair, rho: float, seed: int, settings: TestbedSetting
     """Every arm at one (pair, rho, seed): :func:`~shadow_sim.experiments.metrics.compare_runs`'s
     metrics per arm (relative ones against no-shadow on matched calls)."""
     from shadow_sim.experiments.metrics import compare_runs
+
     from shadowcore.config import policy_label
 
     ex = experiment(pair, rho, settings)
@@ -306,15 +307,62 @@ def per_point_table(results: Mapping[tuple[str, float], Mapping[str, Mapping[str
     return "\n".join(lines)
 
 
-def run_all(settings: TestbedSettings, progress: Any = None) -> dict[tuple[str, float], dict[str, dict[str, float]]]:
-    """Seed means of every metric at every (pair, rho)."""
+def point_name(label: str, rho: float, seed: int, settings: TestbedSettings) -> str:
+    """The file name of one finished point in ``OUT/points``: every setting that changes it."""
+    key = json.dumps([label, rho, seed, settings.arms, [attrs.asdict(p) for p in settings.policies],
+                      settings.warmup_s, settings.length_scale, settings.session_rate_scale, settings.latency,
+                      settings.latency_profile], sort_keys=True, default=str)
+    import hashlib
+
+    return f"{label.replace('/', '-')}@{rho:g}@{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+
+
+def run_all(settings: TestbedSettings, progress: Any = None, points: Any = None,
+            ) -> dict[tuple[str, float], dict[str, dict[str, float]]]:
+    """Seed means of every metric at every (pair, rho). With ``points`` (a folder), each finished
+    (pair, rho, seed) is written there as it finishes and a rerun with the same settings reads it
+    back instead of running it again (a stopped run keeps what it finished)."""
     out: dict[tuple[str, float], dict[str, dict[str, float]]] = {}
     for label in settings.pairs:
         pair = PAIRS[label]
         for rho in settings.rhos:
-            per_seed = [run_point(pair, rho, s, settings, progress) for s in settings.seeds]
+            per_seed = []
+            for seed in settings.seeds:
+                path = None if points is None else points / point_name(label, rho, seed, settings)
+                if path is not None and path.exists():
+                    per_seed.append(_load(path))
+                    continue
+                result = run_point(pair, rho, seed, settings, progress)
+                if path is not None:
+                    points.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps({"pair": label, "rho": rho, "seed": seed,
+                                                "settings": describe(settings), "arms": _jsonable(result)}, indent=1))
+                per_seed.append(result)
             out[(label, rho)] = {a: {k: _mean([r[a][k] for r in per_seed]) for k in per_seed[0][a]}
                                  for a in per_seed[0]}
+    return out
+
+
+def _jsonable(result: Mapping[str, Mapping[str, float]]) -> dict:
+    return {a: {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in m.items()}
+            for a, m in result.items()}
+
+
+def _load(path: Any) -> dict[str, dict[str, float]]:
+    data = json.loads(path.read_text())["arms"]
+    return {a: {k: (math.nan if v is None else v) for k, v in m.items()} for a, m in data.items()}
+
+
+def load_points(paths: Sequence[Any]) -> dict[tuple[str, float], dict[str, dict[str, float]]]:
+    """Seed means from point files (:func:`point_name`) of one or more runs, by (pair, rho)."""
+    by_point: dict[tuple[str, float], list[dict[str, dict[str, float]]]] = {}
+    for path in paths:
+        head = json.loads(path.read_text())
+        by_point.setdefault((head["pair"], float(head["rho"])), []).append(_load(path))
+    out = {}
+    for key, runs in by_point.items():
+        arms = set.intersection(*(set(r) for r in runs))
+        out[key] = {a: {k: _mean([r[a][k] for r in runs]) for k in runs[0][a]} for a in runs[0] if a in arms}
     return out
 
 
@@ -326,7 +374,7 @@ QUICK = TestbedSettings(pairs=("L8/L70",), rhos=(0.3,), length_scale=0.05, sessi
 
 def settings_from(quick: bool, pairs: str | None, rhos: str | None, seeds: str | None,
                   length_scale: float | None, session_rate_scale: float | None,
-                  policies: Sequence[PluginRef]) -> TestbedSettings:
+                  policies: Sequence[PluginRef], engine_level: bool = True) -> TestbedSettings:
     """The settings of ``reproduce --testbed``: the paper's (or :data:`QUICK`) with the flags given
     over them; a bad flag is one ConfigError naming it."""
     from shadowcore.errors import ConfigError
@@ -353,8 +401,12 @@ def settings_from(quick: bool, pairs: str | None, rhos: str | None, seeds: str |
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(flag, value, "must be > 0")
             changes[key] = float(value)
+    if policies and not engine_level:
+        raise ConfigError("--no-engine-level", True, "and --policy/--policies: give one")
     if policies:
         changes["policies"] = tuple(policies)
+    if not engine_level:
+        changes["policies"] = ()
     return attrs.evolve(base, **changes)
 
 
@@ -374,8 +426,8 @@ def write_report(results: Mapping[tuple[str, float], Mapping[str, Mapping[str, f
     text = "\n".join([
         "# The paper's GPU testbed (Section 6, Appendix D) in vLLM virtual time", "",
         describe(settings) + f"; {wall_s:.0f} s wall.", "",
-        "Ours: each arm against no-shadow on matched calls, means over pairs (rho 0.3) as the paper averages; "
-        "the paper's testbed numbers are its request-level prototype's (Appendix D.1).", "",
+        ("Ours: each arm against no-shadow on matched calls, means over pairs (rho 0.3) as the paper averages; "
+         "the paper's testbed numbers are its request-level prototype's (Appendix D.1)."), "",
         table(results, settings.arms), "", "## Per pair and load", "", per_point_table(results, settings.arms), ""])
     out.mkdir(parents=True, exist_ok=True)
     (out / "testbed.md").write_text(text)
