@@ -60,7 +60,10 @@ def run_task(task: Task) -> RunRecord:
         for c in result.calls
     )
     normal_met = tuple(met for arrival, met in run.normal if ex.warmup_s <= arrival < ex.end_s)
-    m = result.metrics
+    measured_normal = [(p, c) for arrival, p, c in run.normal_tokens if ex.warmup_s <= arrival < ex.end_s]
+    prompt = sum(p for p, _ in measured_normal)
+    m = {**result.metrics,  # the measured window's normal prefix hits (the run's summary counts from warmup on)
+         "normal_hit_rate": sum(c for _, c in measured_normal) / prompt if prompt else math.nan}
     return RunRecord(
         task.name, task.seed, task.window, calls, measured, normal_met,
         sum(r.num_prompt_tokens for r in workload.normal), m["shadow_tokens"], m["shadow_tokens_used"], m["energy_j"],
@@ -253,6 +256,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("token_cost_red", "cost red", "pct"),
     ("normal_slo_attainment", "normal SLO", "pct"),
     ("normal_slo_pp", "SLO (pp)", "pp"),
+    ("normal_hit_rate", "normal hit", "pct"),
     ("energy_inc", "energy/good", "pct"),
     ("shadow_unused_share", "unused shadow", "pct"),
     ("prefill_tput_inc", "prefill tput", "pct"),
@@ -282,6 +286,7 @@ LEGEND: dict[str, str] = {
     "token_cost_red": "reduction of the routed token cost (cached input at 10%) against {base}",
     "normal_slo_attainment": "share of normal requests that met both SLOs",
     "normal_slo_pp": "change of the normal requests' SLO attainment against {base}, percentage points",
+    "normal_hit_rate": "cached prompt tokens / prompt tokens of the measured normal requests (prefix sharing)",
     "energy_inc": "change of GPU energy per good request against {base}",
     "shadow_unused_share": "share of shadow tokens whose KV no switch call used (extra hits over {base})",
     "prefill_tput_inc": "change of prefill tokens/s (routed uncached + normal + shadow) against {base}",
@@ -352,9 +357,21 @@ def format_table(c: Comparison, columns: Sequence[tuple[str, str, str]] | None =
         note.append(f"{SILENT_MARK} planned no shadow token in any run although it can shadow "
                     f"({', '.join(c.silent)}): see the warnings above")
     note += oracle_notes(c)
+    note += normal_hit_notes(c, [key for key, _, _ in columns])
     if left_out:
         note.append(f"left out to fit {TABLE_WIDTH} columns: {', '.join(left_out)} (--wide shows every column)")
     return "\n".join(aligned(header, rows) + note + legend(columns, c.baseline, c.oracle))
+
+
+def normal_hit_notes(c: Comparison, shown: Sequence[str] = ()) -> list[str]:
+    """One line with every policy's normal-traffic prefix hit rate, when some
+    run's normal requests hit cached prefixes (a trace with block hashes) and
+    the table has no such column."""
+    rates = {p: c.summary[p].get("normal_hit_rate", (math.nan, math.nan)) for p in c.policies}
+    if "normal_hit_rate" in shown or not any(m > 0 for m, _ in rates.values()):
+        return []
+    cells = ", ".join(f"{p} {_cell(m, se, 'pct')}" for p, (m, se) in rates.items())
+    return [f"normal-traffic prefix hit rate (cached / prompt tokens of measured normal requests): {cells}"]
 
 
 def oracle_notes(c: Comparison, metric: str = "switch_latency_red") -> list[str]:
