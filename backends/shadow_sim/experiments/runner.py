@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
-from shadow_sim.experiments.calibrate import ProbeSettings, capacities
+from shadow_sim.experiments.calibrate import ProbeSettings, capacities, promise
 from shadow_sim.experiments.metrics import Call, RunRecord, aggregate, compare_runs, mean_se
 from shadow_sim.experiments.spec import Experiment, ExperimentRun
 from shadowcore.config import PluginRef, ShadowConfig, policy_label
@@ -150,6 +151,8 @@ class Comparison:
     steps: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict)
     silent: tuple[str, ...] = ()
     notices: tuple[str, ...] = ()
+    #: What calibration promised the normal traffic, beside what it got (:func:`with_promise`); None: not asked.
+    promise: Mapping[str, Any] | None = None
 
 
 def _can_shadow(ref: PluginRef) -> bool:
@@ -208,7 +211,27 @@ def run_comparison_records(ex: Experiment, policies: Sequence[PluginRef | str], 
     caps = {m: c.capacity_per_s for m, c in capacities(ex, settings, progress=progress).items()}
     tasks = tasks_for(ex, refs, seeds, windows, caps, label)
     records = with_progress(tasks, jobs, progress)
-    return compare(records, tasks)[label], tasks, records
+    return with_promise(compare(records, tasks)[label], ex, caps, windows, settings), tasks, records
+
+
+def with_promise(c: Comparison, ex: Experiment, capacity: Mapping[str, float], windows: Sequence[str],
+                 settings: ProbeSettings = DEFAULT_PROBE) -> Comparison:
+    """``c`` with the normal SLO attainment calibration promised (the probe at the
+    run's rate, arrival process and window: :func:`~shadow_sim.experiments.calibrate.promise`,
+    the mean over ``windows``) next to what each policy got (its mean over runs).
+    Unchanged when a model has no capacity (nothing was calibrated)."""
+    if any(m not in capacity for m in ex.models):
+        return c
+    promises = [promise(ex, dict(capacity), w, settings) for w in windows]
+    got = {p: c.summary[p]["normal_slo_attainment"][0] for p in c.policies}
+    value = {
+        "arrivals": promises[0].arrivals, "rho": ex.normal.rho, "windows": list(windows),
+        "per_model": {m: float(np.mean([pr.per_model[m] for pr in promises])) for m in ex.models},
+        "promised": float(np.mean([pr.attainment for pr in promises])), "got": got,
+        "line": attrs.evolve(promises[0], window="/".join(windows),
+                             attainment=float(np.mean([pr.attainment for pr in promises]))).line(got),
+    }
+    return attrs.evolve(c, promise=value)
 
 
 Executor = Callable[..., list[RunRecord]]  # (tasks, on_done) -> records in task order
@@ -358,6 +381,8 @@ def format_table(c: Comparison, columns: Sequence[tuple[str, str, str]] | None =
                     f"({', '.join(c.silent)}): see the warnings above")
     note += oracle_notes(c)
     note += normal_hit_notes(c, [key for key, _, _ in columns])
+    if c.promise is not None:
+        note.append(c.promise["line"])
     if left_out:
         note.append(f"left out to fit {TABLE_WIDTH} columns: {', '.join(left_out)} (--wide shows every column)")
     return "\n".join(aligned(header, rows) + note + legend(columns, c.baseline, c.oracle))
@@ -401,4 +426,5 @@ def summary_json(c: Comparison) -> dict[str, Any]:
         "label": c.label, "baseline": c.baseline, "oracle": c.oracle, "runs": len(c.per_run),
         "policies": {p: {k: {"mean": v[0], "se": v[1]} for k, v in m.items()} for p, m in c.summary.items()},
         "steps": {p: dict(m) for p, m in c.steps.items()}, "silent": list(c.silent), "notices": list(c.notices),
+        **({"normal_slo_promise": {k: v for k, v in c.promise.items() if k != "line"}} if c.promise else {}),
     }

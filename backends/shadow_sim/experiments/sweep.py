@@ -34,6 +34,7 @@ from shadow_sim.experiments.runner import (
     format_table,
     run_comparison_records,
     tasks_for,
+    with_promise,
 )
 from shadow_sim.experiments.spec import PAIRS, SIMULATE_DEFAULT, Experiment, get_pair
 from shadowcore.cli import HelpFormatter, add_policy_options, describe, load_scenario, policies_from_args
@@ -220,6 +221,7 @@ def run_grid_records(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequen
                      ) -> tuple[dict[str, Comparison], list[Task], list[RunRecord]]:
     """:func:`run_grid`, with the tasks and their records (the per-call data)."""
     tasks: list[Task] = []
+    experiments: dict[str, tuple[Experiment, dict[str, float]]] = {}
     for pair in pairs:
         data = {k: v for k, v in base.items() if k not in ("models", "pair")}
         ex = Experiment.from_dict({**data, "models": list(get_pair(pair))})
@@ -231,9 +233,11 @@ def run_grid_records(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequen
         else:
             caps = {m: c.capacity_per_s for m, c in capacities(ex, progress=progress).items()}
         tasks += tasks_for(ex, refs, seeds, windows, caps, pair)
+        experiments[pair] = (ex, caps)
     records = execute_grid(tasks, jobs=jobs, progress=progress, store=store, ray_address=ray_address,
                            max_retries=max_retries)
-    return compare(records, tasks), tasks, records
+    comparisons = {label: with_promise(c, *experiments[label], windows) for label, c in compare(records, tasks).items()}
+    return comparisons, tasks, records
 
 
 _DETAIL = ("Calibration first (cached), then every run in local worker processes (--jobs) or on a Ray cluster "
