@@ -174,11 +174,15 @@ class Promise:
     per_model: dict[str, float]
     attainment: float
 
-    def line(self, got: dict[str, float]) -> str:
-        how = ("its peak window replayed, time-scaled" if self.arrivals == "replay-peak" else "Poisson arrivals")
+    def line(self, got: dict[str, float], width: int = 120) -> str:
+        """The promise and what each policy got, in lines of at most ``width`` characters."""
+        import textwrap
+
+        how = "peak window replayed, time-scaled" if self.arrivals == "replay-peak" else "Poisson arrivals"
+        head = f"normal SLO promised by calibration: {self.attainment:.1%} ({how}; rho {self.rho:g}, {self.window})"
         cells = ", ".join(f"{p} {a:.1%}" for p, a in got.items())
-        return (f"normal SLO promised by calibration ({how}; rho {self.rho:g}, {self.window} window): "
-                f"{self.attainment:.1%}; got: {cells}")
+        return "\n".join([head, *textwrap.wrap(f"normal SLO got: {cells}", width, subsequent_indent="  ",
+                                                break_on_hyphens=False)])
 
 
 def promise(ex: Experiment, capacity: dict[str, float], window: str = "peak",
