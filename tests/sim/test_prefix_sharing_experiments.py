@@ -46,3 +46,16 @@ def test_embedded_lengths_carry_no_prefixes() -> None:
     ex, c = _compare({"kind": "poisson", "source": "azure-conv", "rho": 0.3})
     assert not ex.normal.shares_prefixes
     assert c.summary["no-shadow"]["normal_hit_rate"][0] == 0.0 or math.isnan(c.summary["no-shadow"]["normal_hit_rate"][0])
+
+
+def test_prefix_sharing_flag_and_bad_values(tmp_path) -> None:
+    import pytest
+    from shadow_sim.experiments.sweep import experiment_from_args, parser
+
+    from shadowcore.errors import ConfigError
+
+    args = parser().parse_args(["--normal-trace", "x.jsonl", "--no-prefix-sharing"])
+    assert experiment_from_args(args)["normal"]["prefix_sharing"] is False
+    with pytest.raises(ConfigError, match="normal.prefix_sharing"):
+        Experiment.from_dict({**BASE, "normal": {"kind": "trace", "source": str(fx.write(tmp_path / "m.jsonl")),
+                                                 "prefix_sharing": "yes"}})

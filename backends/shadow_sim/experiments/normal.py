@@ -92,6 +92,11 @@ def _check_window(_instance: object, attribute: attrs.Attribute, value: str) -> 
         raise ConfigError(attribute.name, value, f"unknown window (valid: {', '.join(WINDOWS)})")
 
 
+def _check_bool(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(attribute.name, value, "must be true or false")
+
+
 def _check_kind(_instance: object, attribute: attrs.Attribute, value: str) -> None:
     if value not in ("poisson", "trace"):
         raise ConfigError(attribute.name, value, "unknown normal-traffic kind (valid: poisson, trace)")
@@ -229,7 +234,7 @@ class NormalTraffic:
     max_prompt_tokens: int | None = attrs.field(default=MAX_PROMPT_TOKENS, validator=_optional_cap)
     max_output_tokens: int | None = attrs.field(default=MAX_OUTPUT_TOKENS, validator=_optional_cap)
     #: Requests of a trace with prefix-block hashes share their prefixes (module docstring).
-    prefix_sharing: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    prefix_sharing: bool = attrs.field(default=True, validator=_check_bool)
 
     def __attrs_post_init__(self) -> None:
         lengths = self.lengths

@@ -107,6 +107,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--normal-trace", help="replay this trace file as normal traffic (Azure, BurstGPT, ...)")
     p.add_argument("--max-prompt", type=_cap, help="cap of normal-trace prompts (default 8192; 'none': no cap)")
     p.add_argument("--max-output", type=_cap, help="cap of normal-trace outputs (default 1024; 'none': no cap)")
+    p.add_argument("--no-prefix-sharing", action="store_true",
+                   help="replay a normal trace's prompts fresh, ignoring its prefix-block hashes (Mooncake hash_ids)")
     p.add_argument("--sessions", help="replay this session-trace file instead of the preset (shadowprefill sessions)")
     p.add_argument("--router", metavar="NAME[:JSON]",
                    help="re-route the --sessions file: markov, accuracy-per-cost or a plugin (default: replay)")
@@ -144,6 +146,8 @@ def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
         normal["rho"] = args.rho
     if args.normal_trace:
         normal.update(kind="trace", source=args.normal_trace)
+    if getattr(args, "no_prefix_sharing", False):
+        normal["prefix_sharing"] = False
     for flag, key in (("max_prompt", "max_prompt_tokens"), ("max_output", "max_output_tokens")):
         if getattr(args, flag, None) is not None:
             normal[key] = None if getattr(args, flag) == "none" else getattr(args, flag)
