@@ -79,3 +79,23 @@ def test_bad_prefixes_are_named() -> None:
         PromptPrefix((1,), 0)
     with pytest.raises(ConfigError, match="prefix"):
         NormalRequest("i", 0.0, 10, 1, prefix=(1, 2))
+
+
+@pytest.mark.parametrize("block_size", [16, 24])
+def test_a_random_sequential_trace_hits_exactly_its_reuse(block_size) -> None:
+    """Random hash lists with shared heads and partial last blocks, one request at
+    a time on an unbounded pool: every request's cached tokens are the reference's."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    heads = [list(map(int, rng.integers(0, 50, rng.integers(1, 5)))) for _ in range(6)]
+    reqs = []
+    for k in range(40):
+        ids = heads[int(rng.integers(len(heads)))] + list(map(int, rng.integers(0, 50, rng.integers(0, 3))))
+        prompt = max(1, len(ids) * 512 - int(rng.integers(0, 700)))  # a partial last block, or tokens past the hashes
+        reqs.append(NormalRequest("small/0", 20.0 * k, prompt, 3, PromptPrefix(tuple(ids), 512)))
+    scenario = attrs.evolve(SCENARIO, block_size=block_size, duration_s=900.0)
+    run = FakeRun(scenario, ShadowConfig(PluginRef("no-shadow")), workload=Workload((), tuple(reqs)))
+    run.run()
+    want = prefix_reuse_tokens(((r.num_prompt_tokens, r.prefix) for r in reqs), block_size)
+    assert [c for _, _, c in sorted(run.normal_tokens)] == want and sum(want) > 0
