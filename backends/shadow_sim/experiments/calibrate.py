@@ -9,9 +9,9 @@ trace replay, the trace's PEAK window time-scaled to the probed rate and
 replayed (tiled) for ``warmup_s`` plus at least one whole pass of the window, so
 a bursty trace is provisioned for its bursts (issue 14 item 5). Requests carry
 their trace prefixes when the run's do. The attainment is over requests arriving
-after the warm-up, and the run drains. The rate doubles from ``start_per_s`` until a probe misses the target, then bisects
-between the last passing and the first failing rate until they are within
-``rel_tol``. The result records both: ``capacity_per_s`` passed, and
+after the warm-up, and the run drains. The rate doubles from ``start_per_s``
+until a probe misses the target, then bisects between the last passing and
+the first failing rate until they are within ``rel_tol``. The result records both: ``capacity_per_s`` passed, and
 ``fail_per_s`` (at most ``rel_tol`` above it) missed, on the same probe seed.
 
 Results are cached under ``$SHADOWPREFILL_CACHE/capacity`` (default
