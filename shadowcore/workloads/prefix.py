@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
@@ -111,7 +112,8 @@ def trace_prefix(request: Any) -> PromptPrefix | None:
     return PromptPrefix(request.hash_ids, request.hash_block_tokens)
 
 
-def block_token_ids(hash_id: int, block_tokens: int, vocab_size: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)  # a trace's hot prefixes recur: their ids are made once
+def block_token_ids(hash_id: int, block_tokens: int, vocab_size: int) -> tuple[int, ...]:
     """``block_tokens`` token ids in ``[3, vocab_size)``, a pure function of the arguments."""
     seed = hashlib.blake2b(struct.pack("<QQ", hash_id & _MASK64, block_tokens), digest_size=32).digest()
     ids: list[int] = []
@@ -121,7 +123,7 @@ def block_token_ids(hash_id: int, block_tokens: int, vocab_size: int) -> list[in
         chunk = hashlib.blake2b(seed + struct.pack("<Q", counter), digest_size=64).digest()
         ids.extend(_SPECIAL_IDS + v % span for v in struct.unpack("<8Q", chunk))
         counter += 1
-    return ids[:block_tokens]
+    return tuple(ids[:block_tokens])
 
 
 @attrs.define(eq=False)
