@@ -147,6 +147,21 @@ class LinearLatencyModel:
 __all__ = ["BatchShape", "LatencyModel", "LinearLatencyModel", "PrefillChunk", "chunked_prefill_s"]
 
 
+def windowed_prefill_s(latency: LatencyModel, num_tokens: int, chunk_tokens: int, window_tokens: int) -> float:
+    """The placement estimate of ``num_tokens`` of queued prefill work: requests of at
+    most ``window_tokens`` each (0: no window), every one from an empty context. While
+    the work fits one window this is :func:`chunked_prefill_s`; beyond it that would
+    price one impossible prompt longer than the model's window (which a table-based
+    latency model refuses)."""
+    if window_tokens <= 0 or num_tokens <= window_tokens:
+        return chunked_prefill_s(latency, num_tokens, chunk_tokens)  # context ignored: an estimate
+    full, rest = divmod(num_tokens, window_tokens)
+    t = full * chunked_prefill_s(latency, window_tokens, chunk_tokens)
+    if rest:
+        t += chunked_prefill_s(latency, rest, chunk_tokens)
+    return t
+
+
 def chunked_prefill_s(latency: LatencyModel, num_tokens: int, chunk_tokens: int, num_context_tokens: int = 0) -> float:
     """Predicted time to prefill ``num_tokens`` alone in chunks of ``chunk_tokens``
     on top of ``num_context_tokens`` already cached (the isolated prefill of SLOs

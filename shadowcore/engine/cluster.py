@@ -14,7 +14,7 @@ from shadowcore.engine._fastpath import InlineEventLoop
 from shadowcore.engine.instance import EngineInstance
 from shadowcore.engine.kinds import STEP_END, WAKE
 from shadowcore.job import SessionHistory
-from shadowcore.latency import chunked_prefill_s
+from shadowcore.latency import windowed_prefill_s
 
 
 @attrs.define(eq=False)
@@ -45,14 +45,7 @@ class EngineCluster:
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
         inst = self.by_id[instance_id]
         work = inst.queued_prefill_tokens + num_uncached_tokens
-        budget = inst.limits.token_budget
-        if self.window_tokens <= 0 or work <= self.window_tokens:
-            return self.loop.now_s + chunked_prefill_s(inst.latency, work, budget)  # context ignored: an estimate
-        full, rest = divmod(work, self.window_tokens)
-        t = full * chunked_prefill_s(inst.latency, self.window_tokens, budget)
-        if rest:
-            t += chunked_prefill_s(inst.latency, rest, budget)
-        return self.loop.now_s + t
+        return self.loop.now_s + windowed_prefill_s(inst.latency, work, inst.limits.token_budget, self.window_tokens)
 
     def kick(self, inst: EngineInstance) -> None:
         """Start an iteration on an idle instance now (no-op when busy)."""

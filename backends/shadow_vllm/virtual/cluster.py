@@ -3,7 +3,8 @@ side's :class:`~shadowcore.manager.ClusterPort`.
 
 Invariants: prefix lookups go through each engine's vLLM KV cache manager, so
 histories must carry token ids; placement estimates price the queued prefill
-work with the engine's latency model.
+work with the engine's latency model, windowed as the simulator's are
+(:func:`~shadowcore.latency.windowed_prefill_s`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import attrs
 
 from shadow_vllm.virtual.engine import VirtualEngine
 from shadowcore.events import EventLoop
-from shadowcore.latency import chunked_prefill_s
+from shadowcore.latency import windowed_prefill_s
 
 
 @attrs.define(eq=False)
@@ -25,6 +26,8 @@ class VirtualCluster:
 
     loop: EventLoop
     by_model: dict[str, list[VirtualEngine]]
+    #: The placement estimate's window, as the simulator's ``EngineCluster.window_tokens`` (0: none).
+    window_tokens: int = 0
 
     @property
     def by_id(self) -> dict[str, VirtualEngine]:
@@ -46,7 +49,8 @@ class VirtualCluster:
         sched = engine.scheduler
         queued = sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in [*sched.waiting, *sched.running])
         budget = sched.max_num_scheduled_tokens
-        return self.loop.now_s + chunked_prefill_s(engine.latency, queued + num_uncached_tokens, budget)
+        return self.loop.now_s + windowed_prefill_s(engine.latency, queued + num_uncached_tokens, budget,
+                                                    self.window_tokens)
 
     def kick_all(self) -> None:
         for engine in self.by_id.values():

@@ -62,6 +62,8 @@ class VirtualScenarioRun:
     shadow_feeder: Callable[[VirtualScenarioRun], None] | None = None
     observers: tuple = ()
     workload: Any = None  # a Workload; None: drawn from the scenario (the fake backend's draws)
+    #: The placement estimate's window (the simulator's ``EngineCluster.window_tokens``; 0: none).
+    placement_window_tokens: int = 0
     loop: EventLoop = attrs.field(init=False, factory=EventLoop)
     clock: VirtualClock = attrs.field(init=False, factory=VirtualClock)
     cluster: VirtualCluster = attrs.field(init=False)
@@ -80,7 +82,7 @@ class VirtualScenarioRun:
             ]
             for m in sc.models
         }
-        self.cluster = VirtualCluster(self.loop, by_model)
+        self.cluster = VirtualCluster(self.loop, by_model, self.placement_window_tokens)
         self.runtime = build_runtime(self.shadow, self.cluster, sc.models)
         for obs in self.observers:
             self.runtime.observers.add(obs)

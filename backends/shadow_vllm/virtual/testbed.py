@@ -156,7 +156,8 @@ def run_arm(sim: Any, ex: Any, arm: str, policy: PluginRef | None, seed: int) ->
     run = virtual.VirtualScenarioRun(sim.scenario, shadow, latency,
                                      _engine_configs(sim, ex, arm, shadow if engine_level else None),
                                      scheduler_cls=ShadowScheduler if engine_level else None,
-                                     shadow_feeder=feeder, workload=sim.workload)
+                                     shadow_feeder=feeder, workload=sim.workload,
+                                     placement_window_tokens=sim.cluster.window_tokens)
     return run.run()
 
 
