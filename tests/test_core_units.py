@@ -286,3 +286,24 @@ def test_probability_gate_keeps_targets_at_or_above_threshold():
     assert ProbabilityGate(0.26).choose(ranked) == []
     assert ProbabilityGate(0.0).choose(ranked) == ranked
     assert [t.model for t in TopK(2).choose(ranked)] == ["B", "C"]
+
+
+def test_windowed_prefill_prices_a_long_queue_as_window_sized_prompts() -> None:
+    """The placement estimate (simulator and vLLM virtual time alike) never asks the
+    latency model for a prompt longer than the window: a table-based model refuses one."""
+    from shadowcore.latency import BatchShape, chunked_prefill_s, windowed_prefill_s
+
+    class Table:
+        def predict_s(self, batch: BatchShape) -> float:
+            for c in batch.prefills:
+                assert c.num_context_tokens + c.num_new_tokens <= 4096, "beyond the table"
+            return 1e-4 * sum(c.num_new_tokens for c in batch.prefills)
+
+    lat = Table()
+    assert windowed_prefill_s(lat, 3000, 512, 4096) == chunked_prefill_s(lat, 3000, 512)
+    assert windowed_prefill_s(lat, 3 * 4096 + 100, 512, 4096) == 3 * chunked_prefill_s(lat, 4096, 512) \
+        + chunked_prefill_s(lat, 100, 512)
+    import pytest
+
+    with pytest.raises(AssertionError, match="beyond the table"):
+        windowed_prefill_s(lat, 3 * 4096, 512, 0)  # no window: one impossible prompt
