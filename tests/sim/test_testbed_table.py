@@ -34,3 +34,11 @@ def test_verdict_is_thirty_percent_relative() -> None:
     assert testbed.verdict(0.1, math.nan, False) == "not run"
     table = testbed.table({("L8/L70", 0.3): _point(0.5, 0.1, 0.2, 0.01, 0.1)}, ("no-shadow", "request-level"))
     assert "| 61.9% | 50.0% | within 30% |" in table and "not run" in table
+
+
+def test_switch_ttft_share_bounds_the_task_time_reduction() -> None:
+    m = {"calls": 10.0, "call_latency_s": 2.0, "switch_calls": 2.0, "switch_ttft_s": 1.5}
+    assert math.isclose(testbed.switch_ttft_share(m), 3.0 / 20.0)
+    assert math.isnan(testbed.switch_ttft_share({}))
+    table = testbed.per_point_table({("L8/L70", 0.3): {"no-shadow": m}}, ("no-shadow",))
+    assert "| 15.0% |" in table
