@@ -24,6 +24,8 @@ def test_ours_averages_pairs_as_the_paper_does() -> None:
     assert o["call_latency_red_q7"] == 0.12 and o["rho05_fb_keeps"] == 1.0 and o["rho05_s32_slows"] == -1.0
     results[("L8/L70", 0.5)] = _point(0, 0, 0, 0, -0.01)  # one FusionBench pair slows: not kept
     assert testbed.ours(results, "request-level")["rho05_fb_keeps"] == -1.0
+    assert math.isnan(testbed.ours(results, "harvest-slo")["rho05_fb_keeps"])  # an arm not run at 0.5: no sign
+    assert "harvest-slo" not in testbed.per_point_table(results, ("no-shadow", "request-level", "harvest-slo"))
 
 
 def test_verdict_is_thirty_percent_relative() -> None:

@@ -248,19 +248,20 @@ def _mean(xs: Sequence[float]) -> float:
 
 def ours(results: Mapping[tuple[str, float], Mapping[str, Mapping[str, float]]], arm: str) -> dict[str, float]:
     """Our numbers for :data:`PAPER_TESTBED` from ``results[(pair, rho)][arm][metric]`` (seed means)."""
-    at = {k: v for k, v in results.items() if k[1] == 0.3}
+    at = [p for p, rho in results if rho == 0.3 and arm in results[(p, rho)]]
     get = lambda pair, rho, m: results.get((pair, rho), {}).get(arm, {}).get(m, math.nan)
-    fb = [p for p, _ in at if PAIRS[p].benchmark == "fusionbench"]
+    fb = [p for p in at if PAIRS[p].benchmark == "fusionbench"]
+    over = lambda m, pairs: _mean([get(p, 0.3, m) for p in pairs])
     out = {
-        "switch_ttft_red": _mean([v[arm]["switch_ttft_red"] for v in at.values()]),
-        "task_time_red_fb": _mean([get(p, 0.3, "task_time_red") for p in fb]),
-        "task_time_red_all": _mean([v[arm]["task_time_red"] for v in at.values()]),
-        "token_cost_red": _mean([v[arm]["token_cost_red"] for v in at.values()]),
-        "energy_inc": _mean([v[arm]["energy_inc"] for v in at.values()]),
+        "switch_ttft_red": over("switch_ttft_red", at),
+        "task_time_red_fb": over("task_time_red", fb),
+        "task_time_red_all": over("task_time_red", at),
+        "token_cost_red": over("token_cost_red", at),
+        "energy_inc": over("energy_inc", at),
         "call_latency_red_q7": get("Q7/L70", 0.3, "call_latency_red"),
         "call_latency_red_l8": get("L8/L70", 0.3, "call_latency_red"),
     }
-    fb05 = [get(p, 0.5, "call_latency_red") for p in ("Q7/L70", "L8/L70") if (p, 0.5) in results]
+    fb05 = [v for v in (get(p, 0.5, "call_latency_red") for p in ("Q7/L70", "L8/L70")) if not math.isnan(v)]
     out["rho05_fb_keeps"] = math.nan if not fb05 else (1.0 if min(fb05) > 0 else -1.0)
     s32 = get("S7/S32", 0.5, "call_latency_red")
     out["rho05_s32_slows"] = math.nan if math.isnan(s32) else (1.0 if s32 > 0 else -1.0)
@@ -309,8 +310,8 @@ def per_point_table(results: Mapping[tuple[str, float], Mapping[str, Mapping[str
                "normal_slo_pp", "switch_calls", "calls", "switch TTFT share")
     lines = ["| pair | rho | arm | " + " | ".join(metrics) + " |", "|" + "---|" * (3 + len(metrics))]
     for (pair, rho), by_arm in sorted(results.items()):
-        for a in arms:
-            m = by_arm.get(a, {})
+        for a in (a for a in arms if a in by_arm):
+            m = by_arm[a]
             cells = [f"{m.get(k, math.nan):.0f}" if k in ("switch_calls", "calls")
                      else f"{100 * switch_ttft_share(m):.1f}%" if k == "switch TTFT share"
                      else f"{100 * m.get(k, math.nan):.1f}%" for k in metrics]
@@ -371,9 +372,10 @@ def load_points(paths: Sequence[Any]) -> dict[tuple[str, float], dict[str, dict[
         head = json.loads(path.read_text())
         by_point.setdefault((head["pair"], float(head["rho"])), []).append(_load(path))
     out = {}
-    for key, runs in by_point.items():
-        arms = set.intersection(*(set(r) for r in runs))
-        out[key] = {a: {k: _mean([r[a][k] for r in runs]) for k in runs[0][a]} for a in runs[0] if a in arms}
+    for key, runs in by_point.items():  # an arm's mean is over the runs (seeds) that have it
+        arms = list(dict.fromkeys(a for r in runs for a in r))
+        out[key] = {a: {k: _mean([r[a][k] for r in runs if a in r])
+                        for k in next(r[a] for r in runs if a in r)} for a in arms}
     return out
 
 
