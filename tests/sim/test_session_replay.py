@@ -92,10 +92,11 @@ def test_replay_errors_name_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="maps to"):
         Experiment.from_dict({**SMALL, "sessions": str(path), "session_models": {"small": "GPT-5"}})
     big = tmp_path / "big.csv"
-    big.write_text("session_id,call_index,model,arrival_s,input_tokens,output_tokens\ns,0,m,0,40000,10\n")
+    # beyond Qwen2.5-7B's 131,072 tokens (YaRN)
+    big.write_text("session_id,call_index,model,arrival_s,input_tokens,output_tokens\ns,0,m,0,140000,10\n")
     trace, _ = load_call_csv(big)
     write_session_trace(trace, tmp_path / "big.jsonl")
-    with pytest.raises(ConfigError, match="40010 tokens exceed the run's 32768-token context window"):
+    with pytest.raises(ConfigError, match="140010 tokens exceed the run's 131072-token context window"):
         Experiment.from_dict({**SMALL, "sessions": str(tmp_path / "big.jsonl")})
     with pytest.raises(ConfigError, match="--sessions"):
         from shadow_sim.experiments.sweep import simulate_table
