@@ -291,10 +291,10 @@ def test_probability_gate_keeps_targets_at_or_above_threshold():
 def test_windowed_prefill_prices_a_long_queue_as_window_sized_prompts() -> None:
     """The placement estimate (simulator and vLLM virtual time alike) never asks the
     latency model for a prompt longer than the window: a table-based model refuses one."""
-    from shadowcore.latency import BatchShape, chunked_prefill_s, windowed_prefill_s
+    from shadowcore.latency import chunked_prefill_s, windowed_prefill_s
 
     class Table:
-        def predict_s(self, batch: BatchShape) -> float:
+        def predict_s(self, batch) -> float:  # noqa: ANN001  (a BatchShape)
             for c in batch.prefills:
                 assert c.num_context_tokens + c.num_new_tokens <= 4096, "beyond the table"
             return 1e-4 * sum(c.num_new_tokens for c in batch.prefills)

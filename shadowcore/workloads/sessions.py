@@ -92,9 +92,9 @@ from shadowcore import _validators as _v
 from shadowcore.errors import ConfigError
 
 __all__ = [
-    "PRESETS",
     "FIGURE2D_SWITCH_COST",
     "PAIR_PRESETS",
+    "PRESETS",
     "TABLE1",
     "TABLE5",
     "AccuracyPerCostRouter",
@@ -102,6 +102,7 @@ __all__ = [
     "CallSpec",
     "MarkovRouter",
     "MarkovSpec",
+    "PairFit",
     "ReplayRouter",
     "RouterSpec",
     "SessionPreset",
@@ -109,7 +110,6 @@ __all__ = [
     "SessionStats",
     "SyntheticScores",
     "Table1Row",
-    "PairFit",
     "Table5Row",
     "TokenDist",
     "for_pair",
