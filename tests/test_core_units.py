@@ -294,7 +294,7 @@ def test_windowed_prefill_prices_a_long_queue_as_window_sized_prompts() -> None:
     from shadowcore.latency import chunked_prefill_s, windowed_prefill_s
 
     class Table:
-        def predict_s(self, batch) -> float:  # noqa: ANN001  (a BatchShape)
+        def predict_s(self, batch) -> float:  # batch: a BatchShape
             for c in batch.prefills:
                 assert c.num_context_tokens + c.num_new_tokens <= 4096, "beyond the table"
             return 1e-4 * sum(c.num_new_tokens for c in batch.prefills)
