@@ -17,7 +17,11 @@ P instances). :class:`Pusher` then moves each shadow prefix P finished toward
 the session's sticky D of that model (paper §3.5): a request for the prefix
 with one output token and P's ``kv_transfer_params``, so D takes the KV over
 its connector and keeps it in its prefix cache; at the switch call, D's
-connector sends only the tokens D lacks.
+connector sends only the tokens D lacks. To a ``scheduler: stock`` D the
+push is a plain request at ``pd.push_priority``; to a ``scheduler: shadow`` D
+(``shadow_vllm.pd.DecodeShadowScheduler``) it is a shadow-tagged *push
+offer* that D's own push policy pulls in pushes of its size, when its link
+carries no normal transfer, into its reclaim-first shadow class.
 
 Invariants:
 
@@ -90,6 +94,7 @@ class Push:
     num_tokens: int
     kv_transfer_params: dict[str, Any] | None = attrs.field(eq=False, repr=False)
     cache_fields: dict[str, str] = attrs.field(factory=dict, eq=False, repr=False)
+    switch_probability: float = 1.0  # the job's, for a D-role shadow scheduler's push policy
 
 
 @attrs.define(eq=False)
@@ -156,7 +161,8 @@ class Pusher:
         if push.kv_transfer_params is not None:
             body["kv_transfer_params"] = push.kv_transfer_params
         if dest.scheduler is SchedulerKind.SHADOW:  # a D-role shadow scheduler reads the tag
-            body["vllm_xargs"] = ShadowTag(TagKind.SHADOW, push.session_id, push.model).to_extra_args()
+            body["vllm_xargs"] = ShadowTag(TagKind.SHADOW, push.session_id, push.model,
+                                           switch_probability=push.switch_probability).to_extra_args()
         else:
             body["priority"] = self.config.push_priority
         try:

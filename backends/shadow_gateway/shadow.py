@@ -230,8 +230,10 @@ class ShadowDispatcher:
         if inst.role is not InstanceRole.PREFILL or outcome not in ("completed", "partial") or num_held <= 0:
             return
         try:
+            job = self.manager.job(JobKey(session_id, inst.model.name))
             self.pusher.offer(Push(session_id, inst.model.name, ids, num_held, kv_params,
-                                   self.session_fields(session_id)))
+                                   self.session_fields(session_id),
+                                   job.switch_probability if job is not None else 1.0))
         except Exception:  # a push must never break a lane
             log.exception("push offer for %s failed", inst.id)
             self.metrics.errors.labels("push", inst.id).inc()
