@@ -9,8 +9,14 @@ spawned) as JSON in ``VllmConfig.additional_config["shadowprefill"]``
         "shadow": {"policy": "harvest-slo", "seed": 0},      # a ShadowConfig
         "instance_id": "small-0",                            # optional
         "slo": {"ttft_s": 1.0, "tpot_s": 0.025},             # routed and normal requests
-        "latency": {"name": "linear", "args": {"overhead_s": 0.003}}
+        "latency": {"name": "linear", "args": {"overhead_s": 0.003}},
+        "pd": {"role": "prefill", "max_iteration_s": 0.1, "push_tokens": 4096}  # optional
     }}
+
+``pd`` (:class:`PDEngineConfig`) is read by the P/D schedulers of
+:mod:`shadow_vllm.pd` only: a prefill-role engine's shadow iterations last at
+most ``max_iteration_s`` (the policy's ``prefill_slack``), a decode-role
+engine pulls shadow KV in pushes of at most ``push_tokens``.
 
 ``latency`` is the :class:`~shadowcore.latency.LatencyModel` of the hardware
 the engine runs on: ``"linear"`` is
@@ -34,7 +40,7 @@ from typing import Any
 
 import attrs
 
-from shadowcore._validators import non_empty_str
+from shadowcore._validators import non_empty_str, one_of, positive, positive_int
 from shadowcore.config import PluginRef, ShadowConfig, SloConfig, build_attrs
 from shadowcore.errors import ConfigError, PluginError
 from shadowcore.latency import LatencyModel, LinearLatencyModel
@@ -45,6 +51,21 @@ CONFIG_KEY = "shadowprefill"
 FIELD = f"additional_config.{CONFIG_KEY}"
 SCHEDULER_CLS = "shadow_vllm.scheduler.ShadowScheduler"
 ASYNC_SCHEDULER_CLS = "shadow_vllm.scheduler.AsyncShadowScheduler"
+
+
+PD_ROLES = ("prefill", "decode")
+
+
+@attrs.frozen
+class PDEngineConfig:
+    """A P/D engine's settings (the simulator's ``PDConfig`` fields that live on an engine)."""
+
+    role: str = attrs.field(validator=one_of(*PD_ROLES))
+    max_iteration_s: float = attrs.field(default=0.1, validator=positive)
+    push_tokens: int = attrs.field(default=4096, validator=positive_int)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"role": self.role, "max_iteration_s": self.max_iteration_s, "push_tokens": self.push_tokens}
 
 
 @attrs.frozen
@@ -69,6 +90,8 @@ class EngineShadowConfig:
     #: fields; "" for none. The same value ``simulate --latency-profile`` takes,
     #: so a policy sees the same iteration times in simulation and on the engine.
     latency_profile: str | Mapping[str, Any] = ""
+    #: P/D settings (:mod:`shadow_vllm.pd`'s schedulers); None: the engine is colocated.
+    pd: PDEngineConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -79,6 +102,7 @@ class EngineShadowConfig:
             "keep_tails_below_n_min": self.keep_tails_below_n_min,
             **({"refit": dict(self.refit)} if self.refit is not None else {}),
             **({"latency_profile": self.latency_profile} if self.latency_profile else {}),
+            **({"pd": self.pd.to_dict()} if self.pd is not None else {}),
         }
 
     @classmethod
@@ -90,7 +114,7 @@ class EngineShadowConfig:
                 raise ConfigError(f"{field}:{e.lineno}:{e.colno}", data, e.msg) from None
         if not isinstance(data, Mapping):
             raise ConfigError(field, data, "must be a JSON object")
-        known = {"shadow", "instance_id", "slo", "latency", "keep_tails_below_n_min", "refit", "latency_profile"}
+        known = {"shadow", "instance_id", "slo", "latency", "keep_tails_below_n_min", "refit", "latency_profile", "pd"}
         for k in data:
             if k not in known:
                 raise ConfigError(f"{field}.{k}", data[k], f"unknown field (known: {', '.join(sorted(known))})")
@@ -108,8 +132,13 @@ class EngineShadowConfig:
         if not isinstance(keep_tails, bool):
             raise ConfigError(f"{field}.keep_tails_below_n_min", keep_tails, "must be true or false")
         profile = data.get("latency_profile", "")
+        pd = data.get("pd")
+        if pd is not None:
+            if not isinstance(pd, Mapping) or "role" not in pd:
+                raise ConfigError(f"{field}.pd", pd, f"must be a JSON object with a role ({' or '.join(PD_ROLES)})")
+            pd = build_attrs(PDEngineConfig, f"{field}.pd", pd)
         config = cls(shadow, instance_id, slo, latency, keep_tails, _refit(data.get("refit"), f"{field}.refit"),
-                     dict(profile) if isinstance(profile, Mapping) else profile)
+                     dict(profile) if isinstance(profile, Mapping) else profile, pd)
         config.profile()  # a bad name, file or field fails here, before the engine serves
         return config
 

@@ -212,7 +212,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
                                             lambda: self.shadow_clock(), lazy=True)  # attached by the first shadow
         self.shadow_jobs = EngineJobs(config.instance_id, self.block_size)
         self._shadow_by_request = self.shadow_jobs.by_request  # truthy while a shadow request exists
-        slack = runtime.policy.slack.build(np.random.default_rng(runtime.rng.integers(2**63)))
+        slack = self._shadow_build_slack(runtime, config, np.random.default_rng(runtime.rng.integers(2**63)))
         if self._shadow_no_cache:
             slack = NoShadowController()
         self.shadow_hook = EngineHook(config.instance_id, self.shadow_jobs, slack, config.build_latency(),
@@ -251,6 +251,11 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
             logger.warning("policy %r has a host tier, which on vLLM needs a KV offloading connector "
                            "(--kv-offloading-size, OffloadingConnector); this engine has none, so shadows "
                            "use the device tier only (see docs/vllm.md: host tier)", runtime.policy.name)
+
+    def _shadow_build_slack(self, runtime: Any, config: EngineShadowConfig, rng: np.random.Generator) -> Any:
+        """This engine's slack controller: the policy's ``slack`` (a P/D prefill engine,
+        :class:`shadow_vllm.pd.PrefillShadowScheduler`, builds its ``prefill_slack``)."""
+        return runtime.policy.slack.build(rng)
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
