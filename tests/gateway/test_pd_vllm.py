@@ -70,72 +70,97 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_pd_command(model_dir: Path, served: str, port: int, role: str, storage: Path) -> list[str]:
-    """One P (``kv_producer``) or D (``kv_consumer``) server with ExampleConnector (docs/vllm.md)."""
-    kv = {"kv_connector": "ExampleConnector", "kv_role": role,
-          "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+def vllm_pd_command(model_dir: Path, served: str, port: int, role: str, storage: Path,
+                    engine_level: bool = False) -> list[str]:
+    """One P (``kv_producer``) or D (``kv_consumer``) server (docs/vllm.md): stock vLLM with
+    ExampleConnector, or (``engine_level``) the P- / D-role shadow scheduler with NixlConnector."""
+    if engine_level:
+        kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+        pd_role = "prefill" if role == "kv_producer" else "decode"
+        cls = "PrefillShadowScheduler" if pd_role == "prefill" else "DecodeShadowScheduler"
+        extra = ["--scheduler-cls", f"shadow_vllm.pd.{cls}", "--additional-config",
+                 json.dumps({"shadowprefill": {"shadow": {"policy": "harvest-slo"}, "instance_id": f"{served}-{pd_role}",
+                                               "pd": {"role": pd_role}}})]
+    else:
+        kv = {"kv_connector": "ExampleConnector", "kv_role": role,
+              "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+        extra = []
     return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
             "--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
             "--dtype", "float32", "--enforce-eager", "--enable-prompt-tokens-details",
-            "--scheduling-policy", "priority", "--kv-transfer-config", json.dumps(kv)]
+            "--scheduling-policy", "priority", "--kv-transfer-config", json.dumps(kv), *extra]
 
 
-@pytest.fixture(scope="module")
-def pd_servers(tmp_path_factory) -> Iterator[dict[str, dict[str, str]]]:
-    """{model: {"prefill": url, "decode": url}}, four vLLM servers, always torn down."""
-    root = tmp_path_factory.mktemp("pd_e2e")
+def start_pd_servers(root: Path, engine_level: bool = False):
+    """Four servers (P and D per model); returns (processes, urls); the caller stops them."""
     build = ("from shadow_vllm.tinymodel import build_tiny_model; import sys; "
              "build_tiny_model(sys.argv[1], seed=0); build_tiny_model(sys.argv[2], seed=1)")
     subprocess.run([VLLM_PYTHON, "-c", build, str(root / MODELS[0]), str(root / MODELS[1])], check=True,
                    capture_output=True, timeout=120)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
     procs, urls = [], {}
+    for name in MODELS:
+        storage = root / f"kv-{name}"
+        storage.mkdir(exist_ok=True)
+        for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            port = _free_port()
+            log_path = root / f"{name}-{role}.log"
+            log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+            side = dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port()))
+            procs.append((subprocess.Popen(vllm_pd_command(root / name, name, port, kv_role, storage, engine_level),
+                                           env=side, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                          log, log_path))
+            urls.setdefault(name, {})[role] = f"http://127.0.0.1:{port}"
+    return procs, urls
+
+
+def wait_healthy(procs, urls, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    for (proc, _, log_path), url in zip(procs, [u for m in urls.values() for u in m.values()], strict=True):
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited: {Path(log_path).read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM did not become healthy: {Path(log_path).read_text()[-3000:]}")
+            time.sleep(0.5)
+
+
+def stop_servers(procs) -> None:
+    for proc, _, _ in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc, log, _ in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def pd_servers(tmp_path_factory) -> Iterator[dict[str, dict[str, str]]]:
+    """{model: {"prefill": url, "decode": url}}, four vLLM servers, always torn down."""
+    procs, urls = start_pd_servers(tmp_path_factory.mktemp("pd_e2e"))
     try:
-        for name in MODELS:
-            storage = root / f"kv-{name}"
-            storage.mkdir()
-            for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-                port = _free_port()
-                log_path = root / f"{name}-{role}.log"
-                log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-                procs.append((subprocess.Popen(vllm_pd_command(root / name, name, port, kv_role, storage), env=env,
-                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
-                              log, log_path))
-                urls.setdefault(name, {})[role] = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        for (proc, _, log_path), url in zip(procs, [u for m in urls.values() for u in m.values()], strict=True):
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"vLLM exited: {Path(log_path).read_text()[-3000:]}")
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"vLLM did not become healthy: {Path(log_path).read_text()[-3000:]}")
-                time.sleep(0.5)
+        wait_healthy(procs, urls)
         yield urls
     finally:
-        for proc, _, _ in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc, log, _ in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-            log.close()
+        stop_servers(procs)
 
 
-def pd_gateway_config(urls: dict[str, dict[str, str]]) -> dict:
+def pd_gateway_config(urls: dict[str, dict[str, str]], scheduler: str = "stock") -> dict:
     """The gateway configuration of the P/D deployment (docs/vllm.md shows it as YAML)."""
     return {
         "models": {name: {"block_size": BLOCK,
-                          "prefill_instances": [{"url": u["prefill"], "scheduler": "stock"}],
-                          "decode_instances": [{"url": u["decode"], "scheduler": "stock"}]}
+                          "prefill_instances": [{"url": u["prefill"], "scheduler": scheduler}],
+                          "decode_instances": [{"url": u["decode"], "scheduler": scheduler}]}
                    for name, u in urls.items()},
         "shadow": {"policy": "harvest-slo"},
         "health": {"interval_s": 1.0},
