@@ -158,6 +158,18 @@ MUTATIONS: dict[str, tuple] = {
                     "backends/shadow_gateway/validation.py",
                     "if key in RESERVED_FIELDS or key.startswith(RESERVED_PREFIX):", "if False:",
                     "if isinstance(key, str) and key.startswith(RESERVED_PREFIX):", "if False:"),
+    # P/D pushes: normal transfers first, one push at a time per D; a call's D gets P's kv_transfer_params
+    "push-over-transfer": ("tests/gateway/test_pd.py",
+                           "test_pusher_waits_for_normal_transfers_and_sends_one_push_per_d_at_a_time",
+                           "backends/shadow_gateway/pd.py",
+                           "if dest.num_transfers_inflight or not dest.available", "if not dest.available"),
+    "push-two-at-once": ("tests/gateway/test_pd.py",
+                         "test_pusher_waits_for_normal_transfers_and_sends_one_push_per_d_at_a_time",
+                         "backends/shadow_gateway/pd.py",
+                         "if not queue or dest_id in self.inflight:", "if not queue:"),
+    "pd-no-handle": ("tests/gateway/test_pd.py",
+                     "test_pd_call_goes_p_then_sticky_d_and_shadows_push_toward_the_other_models_d",
+                     "backends/shadow_gateway/gateway.py", "extra=decode_fields(data))", "extra={})"),
     "nan-json": (MALFORMED, "test_malformed_request_is_a_4xx_naming_the_field", "backends/shadow_gateway/validation.py",
                  "json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)", "json.loads(raw)"),
     # shadow tokens used: a host-tier hit on a shadow block counts (one definition, issue 14 item 7)

@@ -150,3 +150,44 @@ def test_pd_streaming_call_and_a_dead_decode_instance(upstreams, gateway, client
     other = next(d for d in d_a if d is not served)
     assert other.requests and other.requests[-1][1]["kv_transfer_params"]["do_remote_prefill"]
     assert gw.metric("shadowprefill_gateway_pushes_total", model="b", outcome="completed") == 0  # pd.push: false
+
+
+def test_pusher_waits_for_normal_transfers_and_sends_one_push_per_d_at_a_time(upstreams):
+    import asyncio
+
+    import aiohttp
+    from shadow_gateway.cluster import GatewayCluster
+    from shadow_gateway.metrics import GatewayMetrics
+    from shadow_gateway.pd import Push, Pusher
+
+    (p,), (d,) = upstreams(1), upstreams(1)
+    d.delay_s = 0.2
+    cfg = from_dict({"models": {"a": {"block_size": 16, "prefill_instances": [p.url], "decode_instances": [d.url]}}})
+    cluster = GatewayCluster(cfg)
+    dest = cluster.decode_for("s1", "a")
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as client:
+            pusher = Pusher(cluster, cfg.pd, GatewayMetrics(), client)
+            ids = list(range(64))
+            dest.num_transfers_inflight = 1  # a routed call's KV is on its way to D
+            pusher.offer(Push("s1", "a", ids, 64, {"remote_engine_id": "p"}))
+            pusher.offer(Push("s2", "a", ids, 48, None))
+            await asyncio.sleep(0.05)
+            assert not pusher.inflight and not d.requests  # normal transfers go first
+            dest.num_transfers_inflight = 0
+            pusher.pump()
+            pusher.pump()
+            assert len(pusher.inflight) == 1  # one push at a time on D's link
+            await asyncio.sleep(0.1)
+            assert len(d.requests) == 1 and len(pusher.inflight) == 1
+            while pusher.inflight or pusher.num_session_entries():
+                await asyncio.sleep(0.02)
+            assert [len(b["prompt"]) for _, b in d.requests] == [64, 48]
+            assert d.requests[0][1]["kv_transfer_params"] == {"remote_engine_id": "p"}
+            # the same prefix again: D is expected to hold it, nothing is sent
+            pusher.offer(Push("s1", "a", ids, 64, None))
+            await asyncio.sleep(0.05)
+            assert len(d.requests) == 2 and not pusher.inflight
+
+    asyncio.run(run())
