@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from shadow_gateway.config import from_dict, parse_config
 from shadow_gateway.fake_upstream import encode
+
 from shadowcore.errors import ConfigError
 from shadowcore.wire import parse_tag
 
@@ -48,8 +49,8 @@ def _pd_config(p_a, d_a, p_b, d_b, **extra: Any) -> dict[str, Any]:
      "non-empty list"),
     ("a: {prefill_instances: [http://127.0.0.1:1], decode_instances: [http://127.0.0.1:1]}",
      "models.a.decode_instances[0].url", "duplicates the URL"),
-    ("a: {prefill_instances: [http://127.0.0.1:1], decode_instances: [http://127.0.0.1:2], "
-     "shadow_instance: http://127.0.0.1:3}", "models.a.shadow_instance", "not supported"),
+    (("a: {prefill_instances: [http://127.0.0.1:1], decode_instances: [http://127.0.0.1:2], "
+      "shadow_instance: http://127.0.0.1:3}"), "models.a.shadow_instance", "not supported"),
     ("a: {}", "models.a.instances", "is required"),
 ])
 def test_pd_config_errors_name_the_field(yaml_models, field, problem):
