@@ -259,10 +259,14 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = {m: len(gw.cluster.healthy_instances(m)) for m in gw.models}
-        ok = all(healthy.values())
-        return JSONResponse({"status": "ok" if ok else "degraded", "healthy_instances": healthy},
-                            status_code=200)
+        healthy = {m: len(gw.cluster.healthy_instances(m)) for m in gw.models}  # P instances of a P/D model
+        decode = {m: sum(i.available for i in gw.cluster.decode_instances(m)) for m in gw.models
+                  if gw.cluster.is_pd(m)}
+        ok = all(healthy.values()) and all(decode.values())
+        out: dict[str, Any] = {"status": "ok" if ok else "degraded", "healthy_instances": healthy}
+        if decode:
+            out["healthy_decode_instances"] = decode
+        return JSONResponse(out, status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -145,11 +145,17 @@ def test_pd_streaming_call_and_a_dead_decode_instance(upstreams, gateway, client
     assert pre["stream"] is False and "stream_options" not in pre
     served = next(d for d in d_a if d.requests)
     assert served.requests[0][1]["stream"] is True
+    assert client.get(gw.url + "/health").json() == {"status": "ok", "healthy_instances": {"a": 1, "b": 1},
+                                                    "healthy_decode_instances": {"a": 2, "b": 1}}
     # the sticky D dies: the next call goes to the other D, and still succeeds
     served.kill()
     _call(client, gw, "a", "hello " * 12)
     other = next(d for d in d_a if d is not served)
     assert other.requests and other.requests[-1][1]["kv_transfer_params"]["do_remote_prefill"]
+    d_b[0].kill()  # no D left for b: degraded
+    wait_for(lambda: client.get(gw.url + "/health").json()["healthy_decode_instances"] == {"a": 1, "b": 0},
+             what="health sees the dead D instances")
+    assert client.get(gw.url + "/health").json()["status"] == "degraded"
     assert gw.metric("shadowprefill_gateway_pushes_total", model="b", outcome="completed") == 0  # pd.push: false
 
 
