@@ -177,6 +177,28 @@ class PDVirtualEngine(VirtualEngine):
         return super()._deliver(out, now)
 
 
+def pd_engine(role: str, name: str, model: str, latency: LatencyModel, config: VirtualEngineConfig,
+              fabric: PDFabric, loop: EventLoop, clock: Any, scheduler_cls: type | None = None,
+              link_bytes_per_s: float | None = None, max_iteration_s: float = 0.1, push_tokens: int = 4096,
+              kv_bytes_per_block: int | None = None, on_handle: Callable | None = None) -> PDVirtualEngine:
+    """One P (``role="prefill"``) or D engine on ``fabric``: ``scheduler_cls`` with ``NixlConnector``
+    (``kv_producer`` / ``kv_consumer``), the shadow section's ``pd`` set to this role and
+    deployment, and a :class:`NixlTransferWorker` (a D's inbound link at ``link_bytes_per_s``)."""
+    extra = dict(config.additional_config)
+    if "shadowprefill" in extra:
+        extra["shadowprefill"] = {**extra["shadowprefill"], "instance_id": name,
+                                  "pd": {"role": role, "max_iteration_s": max_iteration_s, "push_tokens": push_tokens}}
+    config = attrs.evolve(config, additional_config=extra)
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    sched = build_scheduler(scheduler_cls, config, nixl_config(kv_role, name))
+    engine = PDVirtualEngine(sched, latency, loop, clock, name=name, on_handle=on_handle, model_name=model)
+    (group,) = sched.kv_cache_config.kv_cache_groups
+    per_block = kv_bytes_per_block or group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    engine.offload = NixlTransferWorker(engine, fabric, per_block, link_bytes_per_s if role == "decode" else None)
+    fabric.engines[name] = engine
+    return engine
+
+
 @attrs.define(eq=False)
 class PDVirtualRun:
     """The fake backend's scenario (same draws as the simulator's P/D run) on P and D vLLM
@@ -221,24 +243,10 @@ class PDVirtualRun:
         self.driver = SessionDriver(self.loop, self.runtime.manager, self)
 
     def _engine(self, model: str, name: str, role: str) -> PDVirtualEngine:
-        config = self.engine_config[model]
-        extra = dict(config.additional_config)
-        cls = self.prefill_cls if role == "prefill" else self.decode_cls
-        if "shadowprefill" in extra:
-            extra["shadowprefill"] = {**extra["shadowprefill"], "instance_id": name,
-                                      "pd": {"role": role, "max_iteration_s": self.pd.max_iteration_s,
-                                             "push_tokens": self.pd.push_tokens}}
-        config = attrs.evolve(config, additional_config=extra)
-        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-        sched = build_scheduler(cls, config, nixl_config(kv_role, name))
-        engine = PDVirtualEngine(sched, self.latency[model], self.loop, self.clock, name=name,
-                                 on_handle=self._on_handle, model_name=model)
-        (group,) = sched.kv_cache_config.kv_cache_groups
-        per_block = self.kv_bytes_per_block or group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-        link = self.pd.link_bytes_per_s if role == "decode" else None
-        engine.offload = NixlTransferWorker(engine, self.fabric, per_block, link)
-        self.fabric.engines[name] = engine
-        return engine
+        return pd_engine(role, name, model, self.latency[model], self.engine_config[model], self.fabric, self.loop,
+                         self.clock, self.prefill_cls if role == "prefill" else self.decode_cls,
+                         self.pd.link_bytes_per_s, self.pd.max_iteration_s, self.pd.push_tokens,
+                         self.kv_bytes_per_block, self._on_handle)
 
     @property
     def by_id(self) -> dict[str, PDVirtualEngine]:
