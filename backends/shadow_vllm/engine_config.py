@@ -51,6 +51,8 @@ CONFIG_KEY = "shadowprefill"
 FIELD = f"additional_config.{CONFIG_KEY}"
 SCHEDULER_CLS = "shadow_vllm.scheduler.ShadowScheduler"
 ASYNC_SCHEDULER_CLS = "shadow_vllm.scheduler.AsyncShadowScheduler"
+#: The P/D engines' schedulers by role (their async twins: ``AsyncPrefill...``, ``AsyncDecode...``).
+PD_SCHEDULER_CLS = {"prefill": "shadow_vllm.pd.PrefillShadowScheduler", "decode": "shadow_vllm.pd.DecodeShadowScheduler"}
 
 
 PD_ROLES = ("prefill", "decode")
@@ -197,10 +199,16 @@ def engine_args(policy: str | Mapping[str, Any] = "harvest-slo", *, asynchronous
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that load the shadow
     scheduler with ``policy`` (a name or ``{"name": ..., "args": {...}}``);
     ``config`` holds the other :class:`EngineShadowConfig` fields
-    (``instance_id``, ``slo``, ``latency``, ``keep_tails_below_n_min``, ``seed``)."""
+    (``instance_id``, ``slo``, ``latency``, ``keep_tails_below_n_min``, ``pd``, ``seed``); with
+    ``pd`` the scheduler is :mod:`shadow_vllm.pd`'s of its role (the engine also needs
+    ``kv_transfer_config``)."""
     seed = config.pop("seed", 0)
     data = {"shadow": {"policy": policy, "seed": seed}, **config}
-    EngineShadowConfig.from_dict(data)  # fail here, not in the engine process
+    parsed = EngineShadowConfig.from_dict(data)  # fail here, not in the engine process
+    if parsed.pd is not None:  # a P/D engine: shadow_vllm.pd's scheduler of its role
+        cls = PD_SCHEDULER_CLS[parsed.pd.role]
+        return {"scheduler_cls": cls.replace(".Prefill", ".AsyncPrefill").replace(".Decode", ".AsyncDecode")
+                if asynchronous else cls, "additional_config": {CONFIG_KEY: data}}
     return {
         "scheduler_cls": ASYNC_SCHEDULER_CLS if asynchronous else SCHEDULER_CLS,
         "additional_config": {CONFIG_KEY: data},

@@ -66,6 +66,7 @@ class LinkRead:
     start_s: float
     end_s: float
     is_push: bool
+    num_tokens: int  # the tokens it loads (the last block may be partial)
 
 
 @attrs.define(eq=False)
@@ -77,6 +78,9 @@ class NixlTransferWorker:
     fabric: PDFabric
     bytes_per_block: int
     bytes_per_s: float | None = None  # this engine's inbound link (D)
+    #: True: a read takes the bytes of the tokens it loads (the simulator's accounting); False: of
+    #: whole blocks (``NixlConnector`` moves whole pages, the last partial block included).
+    charge_tokens: bool = False
     _link_free_s: float = 0.0
     _inflight: list[LinkRead] = attrs.Factory(list)
     _sent: set[str] = attrs.Factory(set)  # P side: requests whose handle was released, to report
@@ -95,9 +99,13 @@ class NixlTransferWorker:
                 continue
             self.fabric.check_held(remote.engine_id, remote.request_id, num_blocks, req.local_num_computed_blocks)
             start = max(now_s, self._link_free_s)
-            end = start + (0.0 if self.bytes_per_s is None else num_blocks * self.bytes_per_block / self.bytes_per_s)
+            bs = self.engine.block_size
+            held = (req.local_num_computed_blocks[0] if req.local_num_computed_blocks else 0) * bs
+            num_tokens = min(num_blocks * bs, self.engine.scheduler.requests[rid].num_computed_tokens - held)
+            units = num_tokens / bs if self.charge_tokens else num_blocks
+            end = start + (0.0 if self.bytes_per_s is None else units * self.bytes_per_block / self.bytes_per_s)
             self._link_free_s = end
-            read = LinkRead(self.engine.name, rid, remote.request_id, num_blocks, start, end, is_push)
+            read = LinkRead(self.engine.name, rid, remote.request_id, num_blocks, start, end, is_push, num_tokens)
             self._inflight.append(read)
             self.fabric.reads.append(read)
             if not is_push:  # the real worker notifies P after the read (pushes: when the offer ends)
@@ -128,6 +136,9 @@ class PDFabric:
     reads: list[LinkRead] = attrs.Factory(list)
     num_stale_reads: int = 0
     _releases: dict[str, dict[str, float]] = attrs.Factory(dict)  # P engine -> request id -> due s
+
+    def read_tokens(self, read: LinkRead) -> int:
+        return read.num_tokens
 
     def release(self, engine_id: str, request_id: str) -> None:
         self.release_at(engine_id, request_id, self.engines[engine_id].loop.now_s)
@@ -177,6 +188,30 @@ class PDVirtualEngine(VirtualEngine):
         return super()._deliver(out, now)
 
 
+def pd_engine(role: str, name: str, model: str, latency: LatencyModel, config: VirtualEngineConfig,
+              fabric: PDFabric, loop: EventLoop, clock: Any, scheduler_cls: type | None = None,
+              link_bytes_per_s: float | None = None, max_iteration_s: float = 0.1, push_tokens: int = 4096,
+              kv_bytes_per_block: int | None = None, on_handle: Callable | None = None,
+              charge_tokens: bool = False) -> PDVirtualEngine:
+    """One P (``role="prefill"``) or D engine on ``fabric``: ``scheduler_cls`` with ``NixlConnector``
+    (``kv_producer`` / ``kv_consumer``), the shadow section's ``pd`` set to this role and
+    deployment, and a :class:`NixlTransferWorker` (a D's inbound link at ``link_bytes_per_s``)."""
+    extra = dict(config.additional_config)
+    if "shadowprefill" in extra:
+        extra["shadowprefill"] = {**extra["shadowprefill"], "instance_id": name,
+                                  "pd": {"role": role, "max_iteration_s": max_iteration_s, "push_tokens": push_tokens}}
+    config = attrs.evolve(config, additional_config=extra)
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    sched = build_scheduler(scheduler_cls, config, nixl_config(kv_role, name))
+    engine = PDVirtualEngine(sched, latency, loop, clock, name=name, on_handle=on_handle, model_name=model)
+    (group,) = sched.kv_cache_config.kv_cache_groups
+    per_block = kv_bytes_per_block or group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    engine.offload = NixlTransferWorker(engine, fabric, per_block, link_bytes_per_s if role == "decode" else None,
+                                        charge_tokens)
+    fabric.engines[name] = engine
+    return engine
+
+
 @attrs.define(eq=False)
 class PDVirtualRun:
     """The fake backend's scenario (same draws as the simulator's P/D run) on P and D vLLM
@@ -194,7 +229,11 @@ class PDVirtualRun:
     decode_cls: type | None = None
     shadow_feeder: Callable[[PDVirtualRun], None] | None = None
     workload: Any = None
-    kv_bytes_per_block: int | None = None  # the link's bytes per block (default: the virtual model's)
+    #: The link's bytes per block, per model (default: the virtual model's), and whether a read is
+    #: charged by its tokens (the simulator's accounting) rather than its whole blocks.
+    kv_bytes_per_block: Mapping[str, int] | None = None
+    charge_tokens: bool = False
+    decode_latency: LatencyModel | None = None  # every D engine's (default: its model's in ``latency``)
     loop: EventLoop = attrs.field(init=False, factory=EventLoop)
     clock: Any = attrs.field(init=False)
     fabric: PDFabric = attrs.field(init=False, factory=PDFabric)
@@ -221,24 +260,11 @@ class PDVirtualRun:
         self.driver = SessionDriver(self.loop, self.runtime.manager, self)
 
     def _engine(self, model: str, name: str, role: str) -> PDVirtualEngine:
-        config = self.engine_config[model]
-        extra = dict(config.additional_config)
-        cls = self.prefill_cls if role == "prefill" else self.decode_cls
-        if "shadowprefill" in extra:
-            extra["shadowprefill"] = {**extra["shadowprefill"], "instance_id": name,
-                                      "pd": {"role": role, "max_iteration_s": self.pd.max_iteration_s,
-                                             "push_tokens": self.pd.push_tokens}}
-        config = attrs.evolve(config, additional_config=extra)
-        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-        sched = build_scheduler(cls, config, nixl_config(kv_role, name))
-        engine = PDVirtualEngine(sched, self.latency[model], self.loop, self.clock, name=name,
-                                 on_handle=self._on_handle, model_name=model)
-        (group,) = sched.kv_cache_config.kv_cache_groups
-        per_block = self.kv_bytes_per_block or group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-        link = self.pd.link_bytes_per_s if role == "decode" else None
-        engine.offload = NixlTransferWorker(engine, self.fabric, per_block, link)
-        self.fabric.engines[name] = engine
-        return engine
+        latency = self.decode_latency if role == "decode" and self.decode_latency is not None else self.latency[model]
+        return pd_engine(role, name, model, latency, self.engine_config[model], self.fabric, self.loop,
+                         self.clock, self.prefill_cls if role == "prefill" else self.decode_cls,
+                         self.pd.link_bytes_per_s, self.pd.max_iteration_s, self.pd.push_tokens,
+                         (self.kv_bytes_per_block or {}).get(model), self._on_handle, self.charge_tokens)
 
     @property
     def by_id(self) -> dict[str, PDVirtualEngine]:

@@ -79,15 +79,42 @@ def compare_pushes(decode_id: str, sim: Sequence[PushDecision], vllm: Sequence[P
         lead)
 
 
-def run_both(scenario: dict, policy: str = "harvest-slo", record: bool = True, **policy_args: Any) -> tuple:
-    """(sim run, vLLM virtual run, sim P recorder, vLLM P recorder, sim push recorder), both run."""
-    from shadow_sim.disagg import PDRun
+def _pd_run_cls(decode_latency: Any) -> type:
+    """The simulator's ``PDRun``, its D instances on ``decode_latency`` when given."""
+    from shadow_sim.disagg import DecodeInstance, PDRun
+
+    if decode_latency is None:
+        return PDRun
+
+    @attrs.define(eq=False)
+    class _PDRun(PDRun):
+        def build_instance(self, instance_id: str, model: str, kv_policy: Any, engine_cls: type = DecodeInstance
+                           ) -> Any:
+            inst = super().build_instance(instance_id, model, kv_policy, engine_cls)
+            if engine_cls is DecodeInstance:
+                inst.latency = decode_latency
+            return inst
+
+    return _PDRun
+
+
+def run_both(scenario: dict, policy: str = "harvest-slo", record: bool = True, decode_latency: Any = None,
+             charge_tokens: bool = True, **policy_args: Any) -> tuple:
+    """(sim run, vLLM virtual run, sim P recorder, vLLM P recorder, sim push recorder), both run.
+
+    ``decode_latency``: the latency model of every D instance in both runs (default: the model's
+    roofline, as P). The agreement test gives D a model whose step time does not depend on
+    context: vLLM's D recomputes the last prompt token after a remote prefill (context one
+    shorter than the simulator's first D decode, which computes P's first token), and with a
+    context-dependent model that one-token shift moves every later call by microseconds.
+    ``charge_tokens``: the fake link charges a read by its tokens, as the simulator charges a
+    transfer (False: by whole blocks, as ``NixlConnector`` moves them)."""
     from shadow_sim.simulator import SimScenario
 
     sc = SimScenario.from_dict(scenario)
     shadow = ShadowConfig(PluginRef(policy, policy_args))
     sim_rec = agreement.PlanRecorder(lambda i: [j for j in sim.runtime.manager.jobs() if j.instance_id == i])
-    sim = PDRun(sc, shadow, (sim_rec,) if record else ())
+    sim = _pd_run_cls(decode_latency)(sc, shadow, (sim_rec,) if record else ())
     push_rec = PushRecorder(sim.fabric.push_policy, sim.loop)
     sim.fabric.push_policy = push_rec
     sim.run()
@@ -105,9 +132,12 @@ def run_both(scenario: dict, policy: str = "harvest-slo", record: bool = True, *
             block_size=sc.block_size, num_blocks=inst.kv.num_blocks + 1,  # + vLLM's null block
             max_num_batched_tokens=sc.token_budget, max_num_seqs=sc.max_num_seqs,
             max_model_len=max(32768, 4 * sc.input_tokens_median * sc.calls_per_session), additional_config=extra)
-    bytes_per_block = int(sim.cluster.decode[sc.models[0]][0].kv.kv_bytes_per_token * sc.block_size)
+    # The simulator's link is link_bytes_per_s per GPU of the D instance: per block, bytes per GPU.
+    bytes_per_block = {m: int(sim.cluster.decode[m][0].kv.kv_bytes_per_token * sc.block_size
+                              / sim.cluster.decode[m][0].num_gpus) for m in sc.models}
     vrun = PDVirtualRun(sc, shadow, sc.pd, latency, configs, PrefillShadowScheduler, DecodeShadowScheduler,
-                        TaggedShadowFeeder(), workload=sim.workload, kv_bytes_per_block=bytes_per_block)
+                        TaggedShadowFeeder(), workload=sim.workload, kv_bytes_per_block=bytes_per_block,
+                        decode_latency=decode_latency, charge_tokens=charge_tokens)
     vllm_rec = agreement.PlanRecorder(
         lambda i: [e.job for e in vrun.cluster.by_id[i].scheduler.shadow_jobs.entries()])
     for engine in vrun.cluster.by_id.values():
@@ -123,14 +153,14 @@ def _mean(values: Sequence[float]) -> float:
 def summary(sim: Any, vrun: PDVirtualRun, warmup_s: float = 0.0) -> dict[str, dict[str, float]]:
     """The simulator's P/D transfer figures, and vLLM virtual time's, per measured switch call."""
     bs = sim.scenario.block_size
-    per_token = sim.cluster.decode[sim.scenario.models[0]][0].kv.kv_bytes_per_token
+    per_token = {m: ds[0].kv.kv_bytes_per_token for m, ds in sim.cluster.decode.items()}
     sim_sw = [c for c in sim.calls if c.arrival_s >= warmup_s and c.is_switch]
     sim_recs = [sim.fabric.transfers.get(f"{c.session_id}#{c.call_index}") for c in sim_sw]
     sim_recs = [r for r in sim_recs if r is not None]
     reads = {r.request_id: r for r in vrun.fabric.reads if not r.is_push}
     v_sw = [c for c in vrun.calls if c.arrival_s >= warmup_s and c.is_switch]
-    v_recs = [reads.get(f"{c.session_id}#{c.call_index}@d") for c in v_sw]
-    v_bytes = [0.0 if r is None else r.num_blocks * bs * per_token for r in v_recs]
+    v_bytes = [0.0 if (r := reads.get(f"{c.session_id}#{c.call_index}@d")) is None
+               else vrun.fabric.read_tokens(r) * per_token[c.model] for c in v_sw]
     sim_push = sum(float(s.num_pushed_tokens) for s in [sim.fabric])
     v_push = sum(e.scheduler.shadow_push_stats.num_pushed_tokens for ds in vrun.decode.values() for e in ds)
     v_dropped = sum(e.scheduler.shadow_push_stats.num_dropped_push_tokens for ds in vrun.decode.values() for e in ds)
