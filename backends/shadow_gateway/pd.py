@@ -129,6 +129,8 @@ class Pusher:
 
     def pump(self) -> None:
         """Start a push on every D instance with one pending, none in flight, and no routed transfer."""
+        if self._closed:
+            return
         for dest_id, queue in self.pending.items():
             if not queue or dest_id in self.inflight:
                 continue
