@@ -44,7 +44,8 @@ allocation of the KV bridge (:mod:`shadow_vllm.kvpool`): the reclaim-first
 class (shadow-first eviction, cap, cold age, promotion on a normal hit).
 When vLLM reports the load finished the blocks are cached and released, idle
 in that class. An offer ends (``shadowprefill:prefilled``) once D holds all of
-it, or when superseded by a newer offer of its (session, target).
+it, after its one push when a read spends its handle (``pushed``, below), or
+when superseded by a newer offer of its (session, target).
 
 Invariants (``tests/vllm/test_pd.py``, ``tests/vllm/test_pd_agreement.py``):
 
@@ -86,11 +87,11 @@ from typing import Any, NamedTuple
 import attrs
 import numpy as np
 
+from shadow_vllm import vllm_internals
 from shadow_vllm.connector_loads import ConnectorLoads
 from shadow_vllm.engine_config import EngineShadowConfig, PDEngineConfig
 from shadow_vllm.kvpool import ShadowKVBridge
 from shadow_vllm.scheduler import ShadowSchedulerMixin, _end_name, _NoCluster
-from shadow_vllm import vllm_internals
 from shadow_vllm.vllm_internals import (
     AsyncScheduler,
     EngineCoreOutput,

@@ -10,6 +10,8 @@ listed (blocks per read), vLLM's prefill stats of the switch call on D.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from shadow_vllm import virtual
 from shadow_vllm.engine_config import engine_args
@@ -55,7 +57,7 @@ def _offer(d, p, rid: str, prompt: list[int], session: str = "s", p_switch: floa
 
 
 def test_the_prefill_engine_runs_the_policys_prefill_controller_and_hands_shadow_kv_to_the_connector() -> None:
-    fabric, p, _ = _pair(max_iteration_s=0.006, policy={"name": "harvest-slo", "args": {"n_min": 0}})
+    _fabric, p, _ = _pair(max_iteration_s=0.006, policy={"name": "harvest-slo", "args": {"n_min": 0}})
     slack = p.scheduler.shadow_hook.slack
     assert isinstance(slack, PrefillInstanceController) and slack.max_iteration_s == 0.006
     prompt = _tokens(330, 1)  # 20 full blocks + 10 tokens
@@ -122,7 +124,7 @@ def test_an_offer_longer_than_a_push_is_pulled_in_pushes_when_reads_do_not_spend
     d.loop.run()
     pushes = [r for r in fabric.reads if r.is_push]
     assert [r.num_blocks for r in pushes] == [8, 8, 4]  # 128-token pushes, the last one the rest (320 in all)
-    assert all(a.end_s <= b.start_s for a, b in zip(pushes, pushes[1:], strict=False))  # one at a time
+    assert all(a.end_s <= b.start_s for a, b in itertools.pairwise(pushes))  # one at a time
     assert [x.grant[2:] for x in d.scheduler.shadow_push_decisions if x.grant] == [(0, 128), (128, 128), (256, 64)]
     assert offer.finish_reason == "stop" and d.scheduler.shadow_push_stats.num_ended == {"prefilled": 1}
     assert d.cached_prefix_tokens(prompt) == 320 and d.scheduler.shadow_bridge.num_shadow_blocks == 20
