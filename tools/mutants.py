@@ -195,6 +195,20 @@ MUTATIONS: dict[str, tuple] = {
     "prefix-reuse": ("tests/test_prefix_sharing.py", "test_simulator_normal_hit_rate_matches_the_trace_reuse_exactly",
                      "shadowcore/engine/run.py", "history = PrefixHistory.for_prompt(request_id, num_prompt_tokens, prefix)",
                      "history = SessionHistory(request_id)\n            history.append(num_prompt_tokens)"),
+    # P/D on vLLM (shadow_vllm.pd): P runs the policy's prefill controller; D pushes only on an idle link,
+    # within the policy's free room; a Nixl handle serves one read
+    "pd-prefill-slack": ("tests/vllm/test_pd_agreement.py", "test_p_shadow_and_d_push_decisions_agree",
+                         "backends/shadow_vllm/pd.py", "        if recipe is None:\n", "        if True:\n"),
+    "pd-link-busy": ("tests/vllm/test_pd.py", "test_no_push_starts_while_a_normal_transfer",
+                     "backends/shadow_vllm/pd.py",
+                     '        """A normal transfer is in flight or waits for D\'s inbound link."""\n',
+                     '        """A normal transfer is in flight or waits for D\'s inbound link."""\n        return False\n'),
+    "pd-room": ("tests/vllm/test_pd_agreement.py", "test_p_shadow_and_d_push_decisions_agree",
+                "backends/shadow_vllm/pd.py",
+                "room = self.shadow_bridge.shadow_room_blocks(now_s) * self.block_size",
+                "room = (self.shadow_bridge.shadow_room_blocks(now_s) - 1) * self.block_size"),
+    "pd-one-read": ("tests/vllm/test_pd.py", "test_decode_pulls_an_offer_in_pushes", "backends/shadow_vllm/pd.py",
+                    "            elif self.shadow_one_read:", "            elif False:"),
 }
 
 

@@ -44,7 +44,8 @@ allocation of the KV bridge (:mod:`shadow_vllm.kvpool`): the reclaim-first
 class (shadow-first eviction, cap, cold age, promotion on a normal hit).
 When vLLM reports the load finished the blocks are cached and released, idle
 in that class. An offer ends (``shadowprefill:prefilled``) once D holds all of
-it, or when superseded by a newer offer of its (session, target).
+it, after its one push when a read spends its handle (``pushed``, below), or
+when superseded by a newer offer of its (session, target).
 
 Invariants (``tests/vllm/test_pd.py``, ``tests/vllm/test_pd_agreement.py``):
 
@@ -62,13 +63,18 @@ Invariants (``tests/vllm/test_pd.py``, ``tests/vllm/test_pd_agreement.py``):
   no longer holds is not pushed again until ``cold_age_s`` after that push
   ended.
 
+* D, handles: with a connector whose read spends the handle
+  (``NixlConnector``: P frees a finished request's blocks once D read them,
+  :func:`shadow_vllm.vllm_internals.releases_on_read`) an offer serves one
+  push, then ends (``shadowprefill:pushed held=<tokens>``; what is left needs
+  a new offer, with a new handle); with any other asynchronous connector an
+  offer is read again for each push until D holds all of it. An offer that
+  ends unread gives its handle back through the connector (re-armed, so
+  ``NixlConnector`` sends its notify-only read and P frees the blocks).
+
 Not here: a synchronous connector load on D (``ExampleConnector``) is not
-used for pushes (the offer stays, no push starts; the connector still serves
-normal transfers). With ``NixlConnector``, P frees a handle's blocks after D's
-first read (the worker's notification), so an offer longer than one push
-needs a fresh handle for each later push (docs/vllm.md, "P/D engines"); the
-virtual-time worker (:mod:`shadow_vllm.virtual.pd`) keeps the handle until D
-ends the offer.
+used for pushes (no push starts; the connector still serves normal
+transfers).
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ from typing import Any, NamedTuple
 import attrs
 import numpy as np
 
+from shadow_vllm import vllm_internals
 from shadow_vllm.connector_loads import ConnectorLoads
 from shadow_vllm.engine_config import EngineShadowConfig, PDEngineConfig
 from shadow_vllm.kvpool import ShadowKVBridge
@@ -234,6 +241,10 @@ class DecodePushMixin(ConnectorLoads):
         self._shadow_defer_meta = False
         self._shadow_deferred_meta: tuple[Any, Any] | None = None
         self._shadow_last_inputs: tuple | None = None
+        #: One read spends a handle (NixlConnector: P frees the blocks once D read them): an offer
+        #: then serves one push; else one offer serves pushes until D holds all of it.
+        self.shadow_one_read = self.connector is not None and vllm_internals.releases_on_read(self.connector)
+        vllm_internals.check_scheduler(self)
 
     # -- offers ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -399,6 +410,8 @@ class DecodePushMixin(ConnectorLoads):
         rid = request.request_id
         stats = self.shadow_push_stats
         request.kv_transfer_params = dict(offer.params)  # re-armed: one read per push
+        if self.shadow_one_read:  # this read spends the handle: nothing to release when the offer ends
+            self._shadow_offer_params.pop(rid, None)
         blocks, num_hit, _ = self.kv_cache_manager.get_computed_blocks(request)
         try:
             num_external, load_async = connector.get_num_new_matched_tokens(request, num_hit)
@@ -462,6 +475,9 @@ class DecodePushMixin(ConnectorLoads):
             if held >= offer.num_prefill_tokens or held >= (request.num_tokens - 1) // self.block_size * self.block_size:
                 self._shadow_end(push.request_id, RequestStatus.FINISHED_STOPPED,
                                  ShadowStop(ShadowEnd.PREFILLED, held).to_stop_reason())
+            elif self.shadow_one_read:  # the handle is spent: the rest needs a new offer
+                self._shadow_end(push.request_id, RequestStatus.FINISHED_STOPPED,
+                                 ShadowStop(ShadowEnd.PUSHED, held).to_stop_reason())
 
     def _shadow_finish(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         todo, self.shadow_to_finish = self.shadow_to_finish, {}

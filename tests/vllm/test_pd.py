@@ -10,6 +10,8 @@ listed (blocks per read), vLLM's prefill stats of the switch call on D.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from shadow_vllm import virtual
 from shadow_vllm.engine_config import engine_args
@@ -55,7 +57,7 @@ def _offer(d, p, rid: str, prompt: list[int], session: str = "s", p_switch: floa
 
 
 def test_the_prefill_engine_runs_the_policys_prefill_controller_and_hands_shadow_kv_to_the_connector() -> None:
-    fabric, p, _ = _pair(max_iteration_s=0.006, policy={"name": "harvest-slo", "args": {"n_min": 0}})
+    _fabric, p, _ = _pair(max_iteration_s=0.006, policy={"name": "harvest-slo", "args": {"n_min": 0}})
     slack = p.scheduler.shadow_hook.slack
     assert isinstance(slack, PrefillInstanceController) and slack.max_iteration_s == 0.006
     prompt = _tokens(330, 1)  # 20 full blocks + 10 tokens
@@ -80,20 +82,20 @@ def test_decode_pulls_an_offer_in_pushes_then_a_switch_call_sends_only_what_d_la
     p.loop.run()
     offer = _offer(d, p, "sh", prompt)
     d.loop.run()
-    pushes = [r for r in fabric.reads if r.is_push]
-    assert [r.num_blocks for r in pushes] == [8, 8, 4]  # 128-token pushes, the last one the rest (320 in all)
-    assert all(a.end_s <= b.start_s for a, b in zip(pushes, pushes[1:], strict=False))  # one at a time on the link
-    assert pushes[0].end_s - pushes[0].start_s == pytest.approx(8 * BYTES_PER_BLOCK / 1e8)
+    # NixlConnector: a read spends P's handle, so the offer served one push of push_tokens (of 320).
+    (push,) = [r for r in fabric.reads if r.is_push]
+    assert (push.num_blocks, push.num_tokens) == (8, 128)
+    assert push.end_s - push.start_s == pytest.approx(8 * BYTES_PER_BLOCK / 1e8)
     stats = d.scheduler.shadow_push_stats
-    assert (stats.num_pushes, stats.num_pushed_tokens, stats.num_dropped_push_tokens) == (3, 320, 0)
-    assert offer.finish_reason == "stop" and stats.num_ended == {"prefilled": 1}
-    assert d.cached_prefix_tokens(prompt) == 320
+    assert (stats.num_pushes, stats.num_pushed_tokens, stats.num_dropped_push_tokens) == (1, 128, 0)
+    assert offer.finish_reason == "stop" and stats.num_ended == {"pushed": 1}
+    assert d.cached_prefix_tokens(prompt) == 128
     bridge = d.scheduler.shadow_bridge
-    assert bridge.num_shadow_blocks == 20  # the reclaim-first class
+    assert bridge.num_shadow_blocks == 8  # the reclaim-first class
     assert fabric.num_stale_reads == 0
-    assert "sh" in p.scheduler.requests  # P holds the handle's blocks until it learns the offer ended
     decisions = d.scheduler.shadow_push_decisions
-    assert [x.grant[2:] for x in decisions if x.grant] == [(0, 128), (128, 128), (256, 64)]
+    assert [x.grant[2:] for x in decisions if x.grant] == [(0, 128)]
+    assert "sh" in p.scheduler.requests  # P frees the handle's blocks at its next step after the read
 
     # The switch call: P prefills only the tail after the shadow's prefix; D loads only what it lacks.
     call = [*prompt, *_tokens(40, 3)]
@@ -101,15 +103,34 @@ def test_decode_pulls_an_offer_in_pushes_then_a_switch_call_sends_only_what_d_la
     pre = p.add_request("c", call, 1, extra_args={**routed, "kv_transfer_params": dict(PREFILL_KV_PARAMS)})
     p.loop.run()
     assert pre.num_cached_tokens == 320  # the shadow's blocks on P
-    assert "sh" not in p.scheduler.requests  # that step's connector output released the ended offer's handle
+    assert "sh" not in p.scheduler.requests  # that step's connector output released the read handle
     num_reads = len(fabric.reads)
     dec = d.add_request("c@d", call, 4, extra_args={**routed, "kv_transfer_params": p.kv_params["c"]})
     d.loop.run()
     (read,) = fabric.reads[num_reads:]
-    assert not read.is_push and read.num_blocks == 4  # tokens 320..369: blocks 20-23 of 24 (D held blocks 0-19)
-    assert dec.prefill_stats.num_local_cached_tokens == 320  # vLLM's own breakdown on D
+    assert not read.is_push and (read.num_blocks, read.num_tokens) == (16, 242)  # tokens 128..369 of 370
+    assert dec.prefill_stats.num_local_cached_tokens == 128  # vLLM's own breakdown on D: the pushed prefix
     assert dec.finish_reason == "length" and len(dec.output_token_ids) == 4
-    assert bridge.num_promoted_blocks == 20  # the pushed blocks were used: promoted out of the shadow class
+    assert bridge.num_promoted_blocks == 8  # the pushed blocks were used: promoted out of the shadow class
+
+
+def test_an_offer_longer_than_a_push_is_pulled_in_pushes_when_reads_do_not_spend_the_handle() -> None:
+    fabric, p, d = _pair(push_tokens=128)
+    d.scheduler.shadow_one_read = False  # a connector whose reads leave P's blocks held (not NixlConnector)
+    prompt = _tokens(330, 7)
+    p.add_request("sh", prompt, 1, extra_args=ShadowTag(TagKind.SHADOW, "s", "m", 0, 0.9).to_extra_args())
+    p.loop.run()
+    offer = _offer(d, p, "sh", prompt)
+    d.loop.run()
+    pushes = [r for r in fabric.reads if r.is_push]
+    assert [r.num_blocks for r in pushes] == [8, 8, 4]  # 128-token pushes, the last one the rest (320 in all)
+    assert all(a.end_s <= b.start_s for a, b in itertools.pairwise(pushes))  # one at a time
+    assert [x.grant[2:] for x in d.scheduler.shadow_push_decisions if x.grant] == [(0, 128), (128, 128), (256, 64)]
+    assert offer.finish_reason == "stop" and d.scheduler.shadow_push_stats.num_ended == {"prefilled": 1}
+    assert d.cached_prefix_tokens(prompt) == 320 and d.scheduler.shadow_bridge.num_shadow_blocks == 20
+    # The fake worker is NixlConnector's: P let the handle go after the first read, so the two later
+    # reads found its blocks freed. That is why, with NixlConnector, an offer serves one push.
+    assert fabric.num_stale_reads == 2
 
 
 def test_no_push_starts_while_a_normal_transfer_is_in_flight_or_waits() -> None:

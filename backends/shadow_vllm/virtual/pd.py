@@ -18,10 +18,11 @@ The worker follows ``NixlConnector``'s: a read listed in a step's metadata
 starts when the step starts and takes its blocks' bytes over the D link (one
 read at a time per link, FIFO); D reports it in ``finished_recving`` at the
 first step end after it is done; P learns of it (``finished_sending``, its
-blocks freed) at P's first step end after that. One difference, for pushes:
-the real worker notifies P after every read, this one after the push offer
-ends on D (its notify-only read, vLLM's ``request_finished``), so that one
-handle serves all of an offer's pushes (docs/vllm.md, "P/D engines").
+blocks freed) at P's first step end after that (the real engine core keeps
+stepping while it holds delay-freed requests; a virtual P engine steps only
+when it has work, so an idle P frees them at its next step). A notify-only
+read (a full local hit, an offer that ended unread) releases the handle the
+same way, without link time.
 
 Invariants: every scheduling decision is vLLM's, its connector's and the
 shadow schedulers'; a read of blocks P no longer holds for the handle is
@@ -97,8 +98,8 @@ class NixlTransferWorker:
             if num_blocks == 0:  # notify-only (a full local hit, or an offer that ended)
                 self.fabric.release(remote.engine_id, remote.request_id)
                 continue
-            self.fabric.check_held(remote.engine_id, remote.request_id, num_blocks, req.local_num_computed_blocks)
             start = max(now_s, self._link_free_s)
+            self.fabric.check_held(remote.engine_id, remote.request_id, start)
             bs = self.engine.block_size
             held = (req.local_num_computed_blocks[0] if req.local_num_computed_blocks else 0) * bs
             num_tokens = min(num_blocks * bs, self.engine.scheduler.requests[rid].num_computed_tokens - held)
@@ -108,8 +109,7 @@ class NixlTransferWorker:
             read = LinkRead(self.engine.name, rid, remote.request_id, num_blocks, start, end, is_push, num_tokens)
             self._inflight.append(read)
             self.fabric.reads.append(read)
-            if not is_push:  # the real worker notifies P after the read (pushes: when the offer ends)
-                self.fabric.release_at(remote.engine_id, remote.request_id, end)
+            self.fabric.release_at(remote.engine_id, remote.request_id, end)  # as the real worker: after the read
         return 0.0
 
     def wait_s(self, now_s: float) -> float | None:
@@ -156,11 +156,12 @@ class PDFabric:
             del pending[rid]
         return [rid for rid in due if rid in sched.requests]  # vLLM asserts the request still exists
 
-    def check_held(self, engine_id: str, request_id: str, num_blocks: int, local_computed: tuple) -> None:
-        """The handle's blocks are still held by P (its finished request, delay-freed)."""
-        sched = self.engines[engine_id].scheduler
-        request = sched.requests.get(request_id)
-        if request is None or not request.is_finished():
+    def check_held(self, engine_id: str, request_id: str, now_s: float) -> None:
+        """The handle's blocks are still P's to give (its finished request, delay-freed, not yet
+        released by an earlier read or notification: P frees them as soon as it learns of that)."""
+        request = self.engines[engine_id].scheduler.requests.get(request_id)
+        due = self._releases.get(engine_id, {}).get(request_id)
+        if request is None or not request.is_finished() or (due is not None and due <= now_s):
             self.num_stale_reads += 1
 
 

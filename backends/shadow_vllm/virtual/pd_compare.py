@@ -152,7 +152,6 @@ def _mean(values: Sequence[float]) -> float:
 
 def summary(sim: Any, vrun: PDVirtualRun, warmup_s: float = 0.0) -> dict[str, dict[str, float]]:
     """The simulator's P/D transfer figures, and vLLM virtual time's, per measured switch call."""
-    bs = sim.scenario.block_size
     per_token = {m: ds[0].kv.kv_bytes_per_token for m, ds in sim.cluster.decode.items()}
     sim_sw = [c for c in sim.calls if c.arrival_s >= warmup_s and c.is_switch]
     sim_recs = [sim.fabric.transfers.get(f"{c.session_id}#{c.call_index}") for c in sim_sw]
