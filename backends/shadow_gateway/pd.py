@@ -34,6 +34,11 @@ Invariants:
   records nothing as held.
 * A push is skipped when the D instance is already expected to hold the
   prefix (a routed call or an earlier push left it there).
+* What D is expected to hold after a push is what it says it holds: the
+  whole prefix for a plain answer or ``shadowprefill:prefilled``, the
+  ``held=`` count of ``shadowprefill:pushed`` (a NIXL handle serves one read:
+  the rest waits for the next shadow of the session on P, whose answer
+  brings a new handle) or of ``superseded``.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import attrs
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import PDConfig, SchedulerKind
 from shadow_gateway.metrics import GatewayMetrics
-from shadowcore.wire import ShadowTag, TagKind
+from shadowcore.wire import ShadowEnd, ShadowTag, TagKind, parse_stop
 
 log = logging.getLogger("shadow_gateway.pd")
 JSON_HEADERS = {"content-type": "application/json"}
@@ -95,6 +100,7 @@ class Push:
     kv_transfer_params: dict[str, Any] | None = attrs.field(eq=False, repr=False)
     cache_fields: dict[str, str] = attrs.field(factory=dict, eq=False, repr=False)
     switch_probability: float = 1.0  # the job's, for a D-role shadow scheduler's push policy
+    epoch: int = 0
 
 
 @attrs.define(eq=False)
@@ -142,14 +148,15 @@ class Pusher:
 
     async def _send(self, dest: InstanceState, push: Push) -> None:
         try:
-            outcome = await self._post(dest, push)
+            outcome, num_held = await self._post(dest, push)
         finally:
             self.inflight.pop(dest.id, None)
         self.metrics.pushes.labels(push.model, outcome).inc()
-        if outcome == "completed":
+        if outcome in ("completed", "partial", "superseded"):
             before = self._held(dest, push)
-            self.cluster.record_shadow(dest.id, push.session_id, push.token_ids, push.num_tokens)
-            self.metrics.push_tokens.labels(push.model).inc(max(0, push.num_tokens - before))
+            if num_held > before:
+                self.cluster.record_shadow(dest.id, push.session_id, push.token_ids, num_held)
+                self.metrics.push_tokens.labels(push.model).inc(num_held - before)
         else:
             self.metrics.errors.labels("push", dest.id).inc()
             dest.shadow_blocked_until_s = time.monotonic() + 1.0
@@ -157,14 +164,15 @@ class Pusher:
         if not self._closed:
             self.pump()
 
-    async def _post(self, dest: InstanceState, push: Push) -> str:
+    async def _post(self, dest: InstanceState, push: Push) -> tuple[str, int]:
+        """(outcome, prompt tokens D holds for the push)."""
         body: dict[str, Any] = {"model": dest.model.upstream_name, "prompt": list(push.token_ids[:push.num_tokens]),
                                 "max_tokens": 1, "temperature": 0.0, **push.cache_fields}
         if push.kv_transfer_params is not None:
             body["kv_transfer_params"] = push.kv_transfer_params
         if dest.scheduler is SchedulerKind.SHADOW:  # a D-role shadow scheduler reads the tag
-            body["vllm_xargs"] = ShadowTag(TagKind.SHADOW, push.session_id, push.model,
-                                           switch_probability=push.switch_probability).to_extra_args()
+            body["vllm_xargs"] = ShadowTag(TagKind.SHADOW, push.session_id, push.model, push.epoch,
+                                           push.switch_probability).to_extra_args()
         else:
             body["priority"] = self.config.push_priority
         try:
@@ -172,13 +180,20 @@ class Pusher:
             async with self.client.post(f"{dest.url}/v1/completions", data=json.dumps(body).encode(),
                                         headers={**JSON_HEADERS, **dest.config.auth_headers},
                                         timeout=aiohttp.ClientTimeout(total=self.config.push_timeout_s)) as r:
-                await r.read()
-                return "completed" if r.status == 200 else f"http-{r.status // 100}xx"
+                raw = await r.read()
+                if r.status != 200:
+                    return f"http-{r.status // 100}xx", 0
+                choice = (json.loads(raw).get("choices") or [{}])[0]
+                stop = parse_stop(choice.get("stop_reason"))
         except TimeoutError:
-            return "timeout"
-        except (aiohttp.ClientError, OSError) as e:
+            return "timeout", 0
+        except (aiohttp.ClientError, OSError, ValueError, AttributeError) as e:
             log.warning("push to %s failed: %r", dest.id, e)
-            return "failed"
+            return "failed", 0
+        if stop is None or stop.end is ShadowEnd.PREFILLED:
+            return "completed", push.num_tokens
+        held = min(stop.num_held_tokens or 0, push.num_tokens)
+        return ("superseded" if stop.end is ShadowEnd.SUPERSEDED else "partial"), held
 
     def forget_session(self, session_id: str) -> None:
         for queue in self.pending.values():

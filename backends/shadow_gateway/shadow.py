@@ -233,7 +233,8 @@ class ShadowDispatcher:
             job = self.manager.job(JobKey(session_id, inst.model.name))
             self.pusher.offer(Push(session_id, inst.model.name, ids, num_held, kv_params,
                                    self.session_fields(session_id),
-                                   job.switch_probability if job is not None else 1.0))
+                                   job.switch_probability if job is not None else 1.0,
+                                   job.history.epoch if job is not None else 0))
         except Exception:  # a push must never break a lane
             log.exception("push offer for %s failed", inst.id)
             self.metrics.errors.labels("push", inst.id).inc()

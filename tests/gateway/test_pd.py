@@ -198,3 +198,35 @@ def test_pusher_waits_for_normal_transfers_and_sends_one_push_per_d_at_a_time(up
             assert len(d.requests) == 2 and not pusher.inflight
 
     asyncio.run(run())
+
+
+def test_a_push_d_held_only_in_part_records_what_d_says_it_holds(upstreams):
+    import asyncio
+
+    import aiohttp
+    from shadow_gateway.cluster import GatewayCluster
+    from shadow_gateway.metrics import GatewayMetrics
+    from shadow_gateway.pd import Push, Pusher
+
+    (p,), (d,) = upstreams(1), upstreams(1)
+    d.shadow_short_tokens = 20  # plays a D-role shadow scheduler that ends an offer early, saying held=N
+    cfg = from_dict({"models": {"a": {"block_size": 16, "prefill_instances": [p.url],
+                                      "decode_instances": [{"url": d.url, "scheduler": "shadow"}]}}})
+    cluster = GatewayCluster(cfg)
+    metrics = GatewayMetrics()
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as client:
+            pusher = Pusher(cluster, cfg.pd, metrics, client)
+            pusher.offer(Push("s1", "a", list(range(64)), 64, None, switch_probability=0.7, epoch=2))
+            while pusher.inflight or pusher.num_session_entries():
+                await asyncio.sleep(0.02)
+
+    asyncio.run(run())
+    (_, body), = d.requests
+    tag = parse_tag(body["vllm_xargs"])  # a push offer: shadow-tagged for the model, with the job's numbers
+    assert tag.is_shadow and tag.target_model == "a" and tag.epoch == 2 and tag.switch_probability == 0.7
+    assert "priority" not in body
+    assert cluster.by_id["a/d0"].known["s1"].shadow_len == 32  # (64 - 20) // 16 * 16, not 64
+    assert metrics.registry.get_sample_value("shadowprefill_gateway_pushes_total",
+                                             {"model": "a", "outcome": "partial"}) == 1
