@@ -35,6 +35,7 @@ time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -196,9 +197,8 @@ class RequestLevelFeeder:
         self._num_requests_seen: dict[str, int] = {}  # per instance: requests already looked at (in added order)
 
     def __call__(self, run: Any) -> None:
-        import itertools
-
         from shadow_gateway.request_level import Destination, RequestLevelShadower
+
         from shadow_vllm.backend import virtual_submitter
 
         engines = run.cluster.by_id
@@ -233,9 +233,12 @@ def host_tier_config(scenario: FakeScenario) -> dict[str, Any]:
 
 
 def run_virtual(arm: str, scenario: FakeScenario, sessions: Sequence[Any], latency: Mapping[str, LatencyModel],
-                latency_spec: Callable[[str], dict[str, Any]]) -> list[CallRecord]:
+                latency_spec: Callable[[str], dict[str, Any]], keep_tails_below_n_min: bool = True
+                ) -> list[CallRecord]:
     """The arm's routed calls on vLLM's scheduler in virtual time. ``latency_spec(model)``: the
-    ``{"name", "args"}`` plugin reference the shadow scheduler rebuilds ``latency[model]`` from."""
+    ``{"name", "args"}`` plugin reference the shadow scheduler rebuilds ``latency[model]`` from.
+    ``keep_tails_below_n_min``: the shadow scheduler's option (``docs/vllm.md``, "Tails below
+    n_min"); true by default here, as the feeder (``TaggedShadowFeeder``) ends shadows itself."""
     from shadow_vllm import virtual
     from shadow_vllm.scheduler import ShadowScheduler
 
@@ -250,6 +253,7 @@ def run_virtual(arm: str, scenario: FakeScenario, sessions: Sequence[Any], laten
                 "shadow": json.loads(shadow.to_json()),
                 "slo": {"ttft_s": scenario.slo.ttft_s, "tpot_s": tpot_slo_s(scenario, latency[m])},
                 "latency": latency_spec(m),
+                "keep_tails_below_n_min": keep_tails_below_n_min,
             }}
         configs[m] = virtual.VirtualEngineConfig(
             block_size=scenario.block_size, num_blocks=scenario.num_blocks + 1,  # + vLLM's null block
@@ -261,6 +265,32 @@ def run_virtual(arm: str, scenario: FakeScenario, sessions: Sequence[Any], laten
                                       scheduler_cls=ShadowScheduler if engine_level else None, shadow_feeder=feeder)
     vrun.run()
     return list(vrun.calls)
+
+
+# -- the workload ------------------------------------------------------------------------
+def write_session_file(path: Any, num_sessions: int, span_s: float, *, calls: int = 6, switch_probability: float = 0.4,
+                       first_input: tuple[int, int] = (800, 2500), new_input: tuple[int, int] = (100, 1200),
+                       output: tuple[int, int] = (40, 200), gap_s: tuple[float, float] = (0.5, 2.0),
+                       seed: int = 0) -> None:
+    """A call CSV (``shadow_traces.agent_loaders.load_call_csv``) of ``num_sessions`` sessions
+    arriving evenly over ``span_s`` from 1 s, each of ``calls`` calls on two recorded models
+    (``small``, ``large``) that switch with ``switch_probability`` per call, token counts and
+    tool gaps uniform in the given ranges (seeded)."""
+    import random
+    from pathlib import Path
+
+    rng = random.Random(seed)
+    rows = ["session_id,call_index,model,arrival_s,gap_s,input_tokens,output_tokens,compact_to_tokens"]
+    for k in range(num_sessions):
+        model = rng.choice(["small", "large"])
+        for i in range(calls):
+            if i and rng.random() < switch_probability:
+                model = "large" if model == "small" else "small"
+            arrival = f"{1.0 + span_s * k / num_sessions:.3f}" if i == 0 else ""
+            gap = "" if i == 0 else f"{rng.uniform(*gap_s):.3f}"
+            tokens = rng.randint(*(first_input if i == 0 else new_input))
+            rows.append(f"s{k},{i},{model},{arrival},{gap},{tokens},{rng.randint(*output)},")
+    Path(path).write_text("\n".join(rows) + "\n")
 
 
 # -- effects -------------------------------------------------------------------------------
@@ -337,4 +367,4 @@ def table(rows: Sequence[ArmAgreement]) -> str:
 
 __all__ = ["ARMS", "TOLERANCE", "ArmAgreement", "PriorityInstance", "RequestLevelFeeder", "SimEffectRun",
            "SimRequestLevelRun", "compare", "compared_effects", "effects", "host_tier_config", "run_sim",
-           "run_virtual", "table", "tpot_slo_s", "within"]
+           "run_virtual", "table", "tpot_slo_s", "within", "write_session_file"]
