@@ -45,6 +45,7 @@ import attrs
 
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.engine.instance import EngineInstance, EngineLimits, EngineRequest
+from shadowcore.engine.kinds import NORMAL
 from shadowcore.engine.records import CallRecord
 from shadowcore.engine.scenario import FakeRun, FakeScenario
 from shadowcore.kv import KVClassManager
@@ -168,7 +169,8 @@ class SimRequestLevelRun(SimEffectRun):
         n = len(shadow.prompt_token_ids)
         req = EngineRequest(shadow.submission_id, RequestKind.NORMAL, self._prefixes[(shadow.session_id, n)], n, 1,
                             self.loop.now_s, math.inf, inst.tpot_slo_s, on_finish=self._shadow_done)
-        self._enqueue(inst, req)
+        # an event of its own: a submission comes from inside an iteration's end (a token, a finish)
+        self.loop.at(self.loop.now_s, NORMAL, lambda t: self._enqueue(inst, req))
 
     def _shadow_done(self, req: EngineRequest, now_s: float) -> None:
         self.shadower.on_shadow_finished(req.request_id, not req.rejected)
