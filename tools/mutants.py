@@ -41,8 +41,11 @@ MUTATIONS: dict[str, tuple] = {
     "idle": (UNIT, "test_idle_shadow_iterations_within_beta_T", "shadowcore/slack.py",
              "return SlackBudget(cap, BudgetReason.IDLE)", "return SlackBudget(2 * cap, BudgetReason.IDLE)", 2),
     "credit-earn": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
-                    "if snapshot.batch_shape.is_decode_only and outcome.num_shadow_tokens == 0 and not plan.grants:",
-                    "if outcome.num_shadow_tokens == 0 and not plan.grants:"),
+                    "and self.accrues(snapshot.batch_shape.is_decode_only, snapshot.has_routed)):",
+                    "and self.accrues(True, snapshot.has_routed)):"),
+    "credit-denominator": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
+                           "return decode_only and (routed or self.accrual is CreditAccrual.ALL_DECODE)",
+                           "return decode_only"),  # the old reading: every decode-only iteration earns
     "credit-spend": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
                      "self.balance_s -= cost", "pass"),
     "cap": (UNIT, "test_shadow_kv_never_exceeds_cap", "shadowcore/kv.py",
