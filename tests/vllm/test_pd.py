@@ -165,3 +165,28 @@ def test_p_and_d_schedulers_need_their_connector_role_and_pd_role() -> None:
         engine_args("harvest-slo", pd={"role": "decode", "push_tokens": 0})
     assert engine_args("harvest-slo", pd={"role": "prefill"}, asynchronous=True)["scheduler_cls"] == \
         "shadow_vllm.pd.AsyncPrefillShadowScheduler"
+
+
+def test_the_prefill_scheduler_runs_in_a_real_cpu_engine_with_a_producer_connector(engines, tmp_path) -> None:
+    """The real engine (tiny model, ExampleConnector as kv_producer): the P scheduler is built by vLLM's
+    engine core, runs a shadow with the policy's prefill controller, and the switch call finds it cached."""
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+
+    store = tmp_path / "kv"
+    store.mkdir()
+    config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer",
+                              kv_connector_extra_config={"shared_storage_path": str(store)})
+    llm = engines.start(**engine_args("harvest-slo", pd={"role": "prefill"}), kv_transfer_config=config)
+    sched = engines.scheduler(llm)
+    assert type(sched).__name__ == "PrefillShadowScheduler"
+    assert isinstance(sched.shadow_hook.slack, PrefillInstanceController)
+    prompt = [10 + (i * 7 + 3) % 300 for i in range(300)]  # within the tiny model's vocabulary
+    shadow = SamplingParams(max_tokens=1, extra_args=ShadowTag(TagKind.SHADOW, "s", "m", 0, 0.9).to_extra_args())
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], shadow, use_tqdm=False)
+    assert out.outputs[0].stop_reason.startswith("shadowprefill:prefilled")
+    assert sched.shadow_stats.num_shadow_tokens == 288  # 9 full blocks of 32
+    routed = SamplingParams(max_tokens=1, extra_args=ShadowTag(TagKind.ROUTED, "s").to_extra_args())
+    (call,) = llm.generate([{"prompt_token_ids": [*prompt, *range(20, 40)]}], routed, use_tqdm=False)
+    assert call.num_cached_tokens == 288
+    engines.stop(llm)

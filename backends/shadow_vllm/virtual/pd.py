@@ -322,12 +322,14 @@ class PDVirtualRun:
         p.add_request(request_id, prompt, 1, extra_args={**tag, "kv_transfer_params": dict(PREFILL_KV_PARAMS)},
                       on_token=lambda r, tok: self._token(on_tokens, tok), on_finish=handoff)
 
-    def start_normal(self, request_id: str, instance_id: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+    def start_normal(self, request_id: str, instance_id: str, num_prompt_tokens: int, num_output_tokens: int,
+                     prefix: Any = None) -> None:
         from shadow_vllm.pd import PREFILL_KV_PARAMS
 
         p = self.cluster.by_id[instance_id]
         vocab = p.scheduler.vllm_config.model_config.get_vocab_size()
-        prompt = [hashed_token(request_id, i, vocab) for i in range(num_prompt_tokens)]
+        shared = [] if prefix is None else prefix.token_ids(num_prompt_tokens, vocab)  # as VirtualScenarioRun
+        prompt = shared + [hashed_token(request_id, i, vocab) for i in range(len(shared), num_prompt_tokens)]
 
         def handoff(pre: VirtualRequest) -> None:
             if num_output_tokens > 1 and pre.finish_reason != "abort":
