@@ -102,14 +102,14 @@ from shadow_vllm.vllm_internals import (
     SchedulerOutput,
 )
 from shadowcore.errors import ConfigError
-from shadowcore.pd import DecodeLinkView, PushCandidate, PushGrant
+from shadowcore.pd import DecodeLinkView, PushCandidate, PushDecision, PushGrant
 from shadowcore.pipeline import build_runtime
 from shadowcore.types import JobKey
 from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_tag
 
 __all__ = [
     "PREFILL_KV_PARAMS", "AsyncDecodeShadowScheduler", "AsyncPrefillShadowScheduler", "DecodePushMixin",
-    "DecodeShadowScheduler", "PrefillShadowMixin", "PrefillShadowScheduler", "PushDecision", "PushStats",
+    "DecodeShadowScheduler", "PrefillShadowMixin", "PrefillShadowScheduler", "PushStats",
 ]
 
 logger = logging.getLogger("shadow_vllm.scheduler")
@@ -173,22 +173,6 @@ class AsyncPrefillShadowScheduler(PrefillShadowMixin, AsyncScheduler):
 
 
 # -- D side ------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class PushDecision:
-    """One question to the push policy on a D engine, and its answer (agreement records)."""
-
-    decode_id: str
-    now_s: float
-    link_busy: bool
-    num_free_tokens: int
-    candidates: tuple[tuple[str, str, int, int, float], ...]  # (session, target, P held, D held, p)
-    grant: tuple[str, str, int, int] | None  # (session, target, start, tokens)
-
-    @property
-    def inputs(self) -> tuple:
-        return (self.link_busy, self.num_free_tokens, self.candidates)
 
 
 @attrs.define
@@ -375,16 +359,11 @@ class DecodePushMixin(ConnectorLoads):
     def _shadow_record(self, view: DecodeLinkView, candidates: list[PushCandidate], grant: PushGrant | None,
                        now_s: float) -> None:
         """Keep the decision when its inputs changed since the last one (agreement records)."""
-        cands = tuple(sorted((c.job.session_id, c.job.target_model, c.num_prefill_held_tokens,
-                              c.num_decode_held_tokens, round(c.switch_probability, 12)) for c in candidates))
-        inputs = (view.link_busy, view.num_free_tokens, cands)
-        if inputs == self._shadow_last_inputs and grant is None:
+        decision = PushDecision.of(view, candidates, grant, now_s)
+        if decision.inputs == self._shadow_last_inputs and grant is None:
             return
-        self._shadow_last_inputs = inputs
-        g = None if grant is None else (grant.job.session_id, grant.job.target_model, grant.start_token,
-                                        grant.num_tokens)
-        self.shadow_push_decisions.append(PushDecision(view.decode_instance_id, now_s, view.link_busy,
-                                                       view.num_free_tokens, cands, g))
+        self._shadow_last_inputs = decision.inputs
+        self.shadow_push_decisions.append(decision)
 
     def _shadow_check_grant(self, grant: PushGrant, view: DecodeLinkView, candidates: list[PushCandidate]) -> None:
         """The push rules a third-party policy must keep (one clear error otherwise)."""
