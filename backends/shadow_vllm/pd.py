@@ -225,6 +225,7 @@ class DecodePushMixin(ConnectorLoads):
         self._shadow_defer_meta = False
         self._shadow_deferred_meta: tuple[Any, Any] | None = None
         self._shadow_last_inputs: tuple | None = None
+        self._shadow_policy_warned = False
         #: One read spends a handle (NixlConnector: P frees the blocks once D read them): an offer
         #: then serves one push; else one offer serves pushes until D holds all of it.
         self.shadow_one_read = self.connector is not None and vllm_internals.releases_on_read(self.connector)
@@ -352,8 +353,7 @@ class DecodePushMixin(ConnectorLoads):
         view = DecodeLinkView(self.shadow_config.instance_id, self._shadow_link_busy(), room)
         grant = self.shadow_push_policy.pull(view, candidates)
         self._shadow_record(view, candidates, grant, now_s)
-        if grant is not None:
-            self._shadow_check_grant(grant, view, candidates)
+        if grant is not None and self._shadow_grant_ok(grant, view, candidates):
             self._shadow_start_push(out, self.shadow_offers[grant.job], grant, now_s)
 
     def _shadow_record(self, view: DecodeLinkView, candidates: list[PushCandidate], grant: PushGrant | None,
@@ -365,8 +365,9 @@ class DecodePushMixin(ConnectorLoads):
         self._shadow_last_inputs = decision.inputs
         self.shadow_push_decisions.append(decision)
 
-    def _shadow_check_grant(self, grant: PushGrant, view: DecodeLinkView, candidates: list[PushCandidate]) -> None:
-        """The push rules a third-party policy must keep (one clear error otherwise)."""
+    def _shadow_grant_ok(self, grant: PushGrant, view: DecodeLinkView, candidates: list[PushCandidate]) -> bool:
+        """The push rules a third-party policy must keep: a grant that breaks one is logged (one
+        clear error naming the rule) and dropped; shadow work never fails the engine."""
         cand = next((c for c in candidates if c.job == grant.job), None)
         bs = self.block_size
         problem = None
@@ -380,8 +381,14 @@ class DecodePushMixin(ConnectorLoads):
                 or grant.num_tokens > view.num_free_tokens or grant.num_tokens > cand.num_pushable_tokens:
             problem = (f"push of {grant.num_tokens} tokens (whole blocks of {bs}, at most push_tokens "
                        f"{self.shadow_pd.push_tokens}, free {view.num_free_tokens}, pushable {cand.num_pushable_tokens})")
-        if problem is not None:
-            raise AssertionError(f"push policy {type(self.shadow_push_policy).__name__}: {problem}")
+        if problem is None:
+            return True
+        level = logging.DEBUG if self._shadow_policy_warned else logging.ERROR  # once, then quietly
+        self._shadow_policy_warned = True
+        logger.log(level, "push policy %s on %s: %s; push dropped", type(self.shadow_push_policy).__name__,
+                   self.shadow_config.instance_id, problem)
+        self.shadow_push_stats.num_dropped_push_tokens += max(0, grant.num_tokens)
+        return False
 
     def _shadow_start_push(self, out: SchedulerOutput, offer: _Offer, grant: PushGrant, now_s: float) -> None:
         """An asynchronous connector load of exactly the grant's tokens into shadow-class blocks."""
