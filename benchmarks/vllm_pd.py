@@ -63,7 +63,8 @@ def main() -> None:
     rows = {}
     for policy in ("no-shadow", "harvest-slo"):
         t0 = time.perf_counter()
-        sim, vrun, *_ = pd_compare.run_both(sc, policy, record=False)
+        sim = pd_compare.sim_run(sc, policy)
+        vrun = pd_compare.virtual_run(sim)
         side = pd_compare.summary(sim, vrun, warmup_s=sc["warmup_s"])
         bs = sim.scenario.block_size
         ds = [e for es in vrun.decode.values() for e in es]

@@ -102,14 +102,14 @@ from shadow_vllm.vllm_internals import (
     SchedulerOutput,
 )
 from shadowcore.errors import ConfigError
-from shadowcore.pd import DecodeLinkView, PushCandidate, PushGrant
+from shadowcore.pd import DecodeLinkView, PushCandidate, PushDecision, PushGrant
 from shadowcore.pipeline import build_runtime
 from shadowcore.types import JobKey
 from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_tag
 
 __all__ = [
     "PREFILL_KV_PARAMS", "AsyncDecodeShadowScheduler", "AsyncPrefillShadowScheduler", "DecodePushMixin",
-    "DecodeShadowScheduler", "PrefillShadowMixin", "PrefillShadowScheduler", "PushDecision", "PushStats",
+    "DecodeShadowScheduler", "PrefillShadowMixin", "PrefillShadowScheduler", "PushStats",
 ]
 
 logger = logging.getLogger("shadow_vllm.scheduler")
@@ -175,22 +175,6 @@ class AsyncPrefillShadowScheduler(PrefillShadowMixin, AsyncScheduler):
 # -- D side ------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class PushDecision:
-    """One question to the push policy on a D engine, and its answer (agreement records)."""
-
-    decode_id: str
-    now_s: float
-    link_busy: bool
-    num_free_tokens: int
-    candidates: tuple[tuple[str, str, int, int, float], ...]  # (session, target, P held, D held, p)
-    grant: tuple[str, str, int, int] | None  # (session, target, start, tokens)
-
-    @property
-    def inputs(self) -> tuple:
-        return (self.link_busy, self.num_free_tokens, self.candidates)
-
-
 @attrs.define
 class PushStats:
     """Counters of one D engine's pushes."""
@@ -241,6 +225,7 @@ class DecodePushMixin(ConnectorLoads):
         self._shadow_defer_meta = False
         self._shadow_deferred_meta: tuple[Any, Any] | None = None
         self._shadow_last_inputs: tuple | None = None
+        self._shadow_policy_warned = False
         #: One read spends a handle (NixlConnector: P frees the blocks once D read them): an offer
         #: then serves one push; else one offer serves pushes until D holds all of it.
         self.shadow_one_read = self.connector is not None and vllm_internals.releases_on_read(self.connector)
@@ -368,26 +353,21 @@ class DecodePushMixin(ConnectorLoads):
         view = DecodeLinkView(self.shadow_config.instance_id, self._shadow_link_busy(), room)
         grant = self.shadow_push_policy.pull(view, candidates)
         self._shadow_record(view, candidates, grant, now_s)
-        if grant is not None:
-            self._shadow_check_grant(grant, view, candidates)
+        if grant is not None and self._shadow_grant_ok(grant, view, candidates):
             self._shadow_start_push(out, self.shadow_offers[grant.job], grant, now_s)
 
     def _shadow_record(self, view: DecodeLinkView, candidates: list[PushCandidate], grant: PushGrant | None,
                        now_s: float) -> None:
         """Keep the decision when its inputs changed since the last one (agreement records)."""
-        cands = tuple(sorted((c.job.session_id, c.job.target_model, c.num_prefill_held_tokens,
-                              c.num_decode_held_tokens, round(c.switch_probability, 12)) for c in candidates))
-        inputs = (view.link_busy, view.num_free_tokens, cands)
-        if inputs == self._shadow_last_inputs and grant is None:
+        decision = PushDecision.of(view, candidates, grant, now_s)
+        if decision.inputs == self._shadow_last_inputs and grant is None:
             return
-        self._shadow_last_inputs = inputs
-        g = None if grant is None else (grant.job.session_id, grant.job.target_model, grant.start_token,
-                                        grant.num_tokens)
-        self.shadow_push_decisions.append(PushDecision(view.decode_instance_id, now_s, view.link_busy,
-                                                       view.num_free_tokens, cands, g))
+        self._shadow_last_inputs = decision.inputs
+        self.shadow_push_decisions.append(decision)
 
-    def _shadow_check_grant(self, grant: PushGrant, view: DecodeLinkView, candidates: list[PushCandidate]) -> None:
-        """The push rules a third-party policy must keep (one clear error otherwise)."""
+    def _shadow_grant_ok(self, grant: PushGrant, view: DecodeLinkView, candidates: list[PushCandidate]) -> bool:
+        """The push rules a third-party policy must keep: a grant that breaks one is logged (one
+        clear error naming the rule) and dropped; shadow work never fails the engine."""
         cand = next((c for c in candidates if c.job == grant.job), None)
         bs = self.block_size
         problem = None
@@ -401,8 +381,14 @@ class DecodePushMixin(ConnectorLoads):
                 or grant.num_tokens > view.num_free_tokens or grant.num_tokens > cand.num_pushable_tokens:
             problem = (f"push of {grant.num_tokens} tokens (whole blocks of {bs}, at most push_tokens "
                        f"{self.shadow_pd.push_tokens}, free {view.num_free_tokens}, pushable {cand.num_pushable_tokens})")
-        if problem is not None:
-            raise AssertionError(f"push policy {type(self.shadow_push_policy).__name__}: {problem}")
+        if problem is None:
+            return True
+        level = logging.DEBUG if self._shadow_policy_warned else logging.ERROR  # once, then quietly
+        self._shadow_policy_warned = True
+        logger.log(level, "push policy %s on %s: %s; push dropped", type(self.shadow_push_policy).__name__,
+                   self.shadow_config.instance_id, problem)
+        self.shadow_push_stats.num_dropped_push_tokens += max(0, grant.num_tokens)
+        return False
 
     def _shadow_start_push(self, out: SchedulerOutput, offer: _Offer, grant: PushGrant, now_s: float) -> None:
         """An asynchronous connector load of exactly the grant's tokens into shadow-class blocks."""

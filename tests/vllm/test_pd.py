@@ -190,3 +190,24 @@ def test_the_prefill_scheduler_runs_in_a_real_cpu_engine_with_a_producer_connect
     (call,) = llm.generate([{"prompt_token_ids": [*prompt, *range(20, 40)]}], routed, use_tqdm=False)
     assert call.num_cached_tokens == 288
     engines.stop(llm)
+
+
+def test_a_push_policy_that_breaks_the_rules_is_logged_and_dropped_not_obeyed(caplog) -> None:
+    from shadowcore.pd import PushGrant
+
+    fabric, p, d = _pair(push_tokens=128)
+
+    class Greedy:  # ignores push_tokens and the block size
+        def pull(self, link, candidates):
+            c = candidates[0]
+            return PushGrant(c.job, c.num_decode_held_tokens, c.num_pushable_tokens - 1)
+
+    d.scheduler.shadow_push_policy = Greedy()
+    prompt = _tokens(330, 10)
+    p.add_request("sh", prompt, 1, extra_args=ShadowTag(TagKind.SHADOW, "s", "m", 0, 0.9).to_extra_args())
+    p.loop.run()
+    _offer(d, p, "sh", prompt)
+    d.loop.run()
+    assert not [r for r in fabric.reads if r.is_push]
+    assert d.scheduler.shadow_push_stats.num_pushes == 0
+    assert "push policy Greedy on d: push of 319 tokens" in caplog.text

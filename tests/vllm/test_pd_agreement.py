@@ -41,14 +41,33 @@ DECODE_LATENCY = LinearLatencyModel(overhead_s=0.004, prefill_s_per_token=5e-5, 
 
 
 def test_p_shadow_and_d_push_decisions_agree_where_the_engines_see_the_same_inputs() -> None:
-    sim, vrun, sim_rec, vllm_rec, push_rec = pd_compare.run_both(SCENARIO, decode_latency=DECODE_LATENCY)
+    sim_rec = agreement.PlanRecorder(lambda i: [j for j in sim.runtime.manager.jobs() if j.instance_id == i])
+    push_rec = None
+
+    def wrap(policy, clock):
+        nonlocal push_rec
+        push_rec = agreement.PushRecorder(policy, clock)
+        return push_rec
+
+    sim = pd_compare.sim_run(SCENARIO, observers=(sim_rec,), decode_latency=DECODE_LATENCY, push_wrapper=wrap,
+                             run=False)
+    sim.run()
+    vllm_rec = None
+
+    def observe(vrun):
+        nonlocal vllm_rec
+        vllm_rec = agreement.PlanRecorder(
+            lambda i: [e.job for e in vrun.cluster.by_id[i].scheduler.shadow_jobs.entries()])
+        return vllm_rec
+
+    vrun = pd_compare.virtual_run(sim, decode_latency=DECODE_LATENCY, observer=observe)
     n_min = sim.runtime.hooks[f"{MODELS[0]}/p0"].slack.n_min
     lines = []
     plans, pushes = [], []
     for m in MODELS:
         a = agreement.compare_steps(f"{m}/p0", sim_rec.steps[f"{m}/p0"], vllm_rec.steps[f"{m}/p0"], n_min)
         d = f"{m}/d0"
-        p = pd_compare.compare_pushes(d, push_rec.decisions.get(d, []),
+        p = agreement.compare_pushes(d, push_rec.decisions.get(d, []),
                                       vrun.fabric.engines[d].scheduler.shadow_push_decisions)
         plans.append(a)
         pushes.append(p)

@@ -5,11 +5,10 @@
 the same policy, the same workload (the simulator's, played again), the same
 pools, budgets, SLOs and H100 roofline latency per model.
 
-:func:`run_both` returns both runs with their records: the P engines' planned
-steps (:class:`shadowcore.testing.agreement.PlanRecorder`) and every question
-to the push policy on each D (:class:`PushRecorder` on the simulator's
-fabric, ``scheduler.shadow_push_decisions`` on vLLM's);
-:func:`compare_pushes` matches push decisions by their inputs;
+:func:`sim_run` and :func:`virtual_run` build and run the two (the caller may
+attach recorders: the agreement harness's ``PlanRecorder`` on P hooks and
+``PushRecorder`` on the simulator's push policy; vLLM's D schedulers record
+their push decisions themselves, ``scheduler.shadow_push_decisions``);
 :func:`summary` gives the transfer figures of the simulator's P/D finding
 side by side. Used by ``tests/vllm/test_pd_agreement.py`` and
 ``benchmarks/vllm_pd.py``.
@@ -18,65 +17,16 @@ side by side. Used by ``tests/vllm/test_pd_agreement.py`` and
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
-from shadow_vllm.pd import DecodeShadowScheduler, PrefillShadowScheduler, PushDecision
+from shadow_vllm.pd import DecodeShadowScheduler, PrefillShadowScheduler
 from shadow_vllm.virtual.config import VirtualEngineConfig
 from shadow_vllm.virtual.feeder import TaggedShadowFeeder
 from shadow_vllm.virtual.pd import PDVirtualRun
 from shadowcore.config import PluginRef, ShadowConfig
-from shadowcore.testing import agreement
-
-
-@attrs.define(eq=False)
-class PushRecorder:
-    """Wraps the simulator fabric's push policy: records each question and answer."""
-
-    policy: Any
-    loop: Any
-    decisions: dict[str, list[PushDecision]] = attrs.Factory(dict)
-
-    def pull(self, link: Any, candidates: Sequence[Any]) -> Any:
-        grant = self.policy.pull(link, candidates)
-        cands = tuple(sorted((c.job.session_id, c.job.target_model, c.num_prefill_held_tokens,
-                              c.num_decode_held_tokens, round(c.switch_probability, 12)) for c in candidates))
-        g = None if grant is None else (grant.job.session_id, grant.job.target_model, grant.start_token,
-                                        grant.num_tokens)
-        self.decisions.setdefault(link.decode_instance_id, []).append(PushDecision(
-            link.decode_instance_id, self.loop.now_s, link.link_busy, link.num_free_tokens, cands, g))
-        return grant
-
-
-@attrs.frozen
-class PushAgreement:
-    decode_id: str
-    num_decisions: tuple[int, int]  # (simulator, vLLM)
-    num_grants: tuple[int, int]
-    num_matched: int  # vLLM decisions whose inputs the simulator also saw
-    num_matched_with_grants: int
-    mismatches: tuple[tuple[PushDecision, PushDecision], ...]  # same inputs, different grant
-    num_same_grant_sequence: int  # leading grants identical in both (job, start, tokens)
-
-
-def compare_pushes(decode_id: str, sim: Sequence[PushDecision], vllm: Sequence[PushDecision]) -> PushAgreement:
-    by_inputs: dict[tuple, PushDecision] = {}
-    for d in sim:
-        by_inputs.setdefault(d.inputs, d)
-    matched = [(by_inputs[d.inputs], d) for d in vllm if d.inputs in by_inputs]
-    sim_grants = [d.grant for d in sim if d.grant is not None]
-    vllm_grants = [d.grant for d in vllm if d.grant is not None]
-    lead = 0
-    for a, b in zip(sim_grants, vllm_grants, strict=False):
-        if a != b:
-            break
-        lead += 1
-    return PushAgreement(
-        decode_id, (len(sim), len(vllm)), (len(sim_grants), len(vllm_grants)), len(matched),
-        sum(1 for a, b in matched if a.grant or b.grant), tuple((a, b) for a, b in matched if a.grant != b.grant),
-        lead)
 
 
 def _pd_run_cls(decode_latency: Any) -> type:
@@ -98,26 +48,37 @@ def _pd_run_cls(decode_latency: Any) -> type:
     return _PDRun
 
 
-def run_both(scenario: dict, policy: str = "harvest-slo", record: bool = True, decode_latency: Any = None,
-             charge_tokens: bool = True, **policy_args: Any) -> tuple:
-    """(sim run, vLLM virtual run, sim P recorder, vLLM P recorder, sim push recorder), both run.
+def sim_run(scenario: dict, policy: str = "harvest-slo", observers: tuple = (), decode_latency: Any = None,
+            push_wrapper: Callable[[Any, Callable[[], float]], Any] | None = None, run: bool = True,
+            **policy_args: Any) -> Any:
+    """The simulator's ``PDRun`` of ``scenario`` (its fields, ``pd`` included), run (unless ``run``
+    is false: then the caller runs it, e.g. once its observers can reach the run).
 
-    ``decode_latency``: the latency model of every D instance in both runs (default: the model's
-    roofline, as P). The agreement test gives D a model whose step time does not depend on
-    context: vLLM's D recomputes the last prompt token after a remote prefill (context one
-    shorter than the simulator's first D decode, which computes P's first token), and with a
-    context-dependent model that one-token shift moves every later call by microseconds.
-    ``charge_tokens``: the fake link charges a read by its tokens, as the simulator charges a
-    transfer (False: by whole blocks, as ``NixlConnector`` moves them)."""
+    ``decode_latency``: the latency model of every D instance (default: the model's, as P). The
+    agreement test gives D (in both runs) a model whose step time does not depend on context:
+    vLLM's D recomputes the last prompt token after a remote prefill (context one shorter than the
+    simulator's first D decode, which computes P's first token), and with a context-dependent
+    model that one-token shift moves every later call by microseconds. ``push_wrapper(policy,
+    clock)`` replaces the fabric's push policy (a recorder)."""
     from shadow_sim.simulator import SimScenario
 
     sc = SimScenario.from_dict(scenario)
-    shadow = ShadowConfig(PluginRef(policy, policy_args))
-    sim_rec = agreement.PlanRecorder(lambda i: [j for j in sim.runtime.manager.jobs() if j.instance_id == i])
-    sim = _pd_run_cls(decode_latency)(sc, shadow, (sim_rec,) if record else ())
-    push_rec = PushRecorder(sim.fabric.push_policy, sim.loop)
-    sim.fabric.push_policy = push_rec
-    sim.run()
+    sim = _pd_run_cls(decode_latency)(sc, ShadowConfig(PluginRef(policy, policy_args)), observers)
+    if push_wrapper is not None:
+        sim.fabric.push_policy = push_wrapper(sim.fabric.push_policy, lambda: sim.loop.now_s)
+    if run:
+        sim.run()
+    return sim
+
+
+def virtual_run(sim: Any, decode_latency: Any = None, charge_tokens: bool = True,
+                observer: Callable[[PDVirtualRun], Any] | None = None) -> PDVirtualRun:
+    """The same workload (``sim.workload``), policy, pools, budgets, SLOs and latency models (D's:
+    ``decode_latency`` as in :func:`sim_run`) on vLLM's P/D schedulers in virtual time, run.
+    ``charge_tokens``: the fake link charges a read by its tokens, as the simulator charges a
+    transfer (False: by whole blocks, as ``NixlConnector`` moves them). ``observer(vrun)``, when
+    given, is added to every P engine's hook before the run."""
+    sc, shadow = sim.scenario, sim.shadow
     configs, latency = {}, {}
     for m in sc.models:
         inst = sim.cluster.by_model[m][0]
@@ -138,12 +99,12 @@ def run_both(scenario: dict, policy: str = "harvest-slo", record: bool = True, d
     vrun = PDVirtualRun(sc, shadow, sc.pd, latency, configs, PrefillShadowScheduler, DecodeShadowScheduler,
                         TaggedShadowFeeder(), workload=sim.workload, kv_bytes_per_block=bytes_per_block,
                         decode_latency=decode_latency, charge_tokens=charge_tokens)
-    vllm_rec = agreement.PlanRecorder(
-        lambda i: [e.job for e in vrun.cluster.by_id[i].scheduler.shadow_jobs.entries()])
-    for engine in vrun.cluster.by_id.values():
-        engine.scheduler.shadow_hook.observers.add(vllm_rec)
+    if observer is not None:
+        obs = observer(vrun)
+        for engine in vrun.cluster.by_id.values():
+            engine.scheduler.shadow_hook.observers.add(obs)
     vrun.run()
-    return sim, vrun, sim_rec, vllm_rec, push_rec
+    return vrun
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -178,4 +139,4 @@ def summary(sim: Any, vrun: PDVirtualRun, warmup_s: float = 0.0) -> dict[str, di
     }
 
 
-__all__ = ["PushAgreement", "PushRecorder", "compare_pushes", "run_both", "summary"]
+__all__ = ["sim_run", "summary", "virtual_run"]
