@@ -59,7 +59,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from shadow_vllm.virtual.request_level import RequestLevelFeeder  # the request-level baseline (Appendix D.1)
 
 from shadowcore.config import PluginRef, parse_ref
 from shadowcore.errors import ConfigError
@@ -124,6 +123,8 @@ def run_arm(args: argparse.Namespace, seed: int, latency: dict[str, Any], arm: s
             block_size=sc.block_size, num_blocks=sc.num_blocks + 1, max_num_batched_tokens=sc.token_budget,
             max_num_seqs=256, scheduling_policy="priority" if arm == "request-level" else "fcfs",
             additional_config=extra, **host_tier(args, m, sc.num_blocks, sc.block_size))
+    from shadow_vllm.effects import RequestLevelFeeder
+
     feeder = virtual.TaggedShadowFeeder(wake=True) if shadow else RequestLevelFeeder() if arm == "request-level" \
         else None
     run = virtual.VirtualScenarioRun(sc, config, latency, engine_config,

@@ -166,7 +166,7 @@ class _OpenStep(NamedTuple):
     end_of_schedule_s: float
     predicted_s: float  # a skipped step's only under async scheduling (else measured)
     results: tuple[ChunkResult, ...]
-    decode_only: bool | None  # None: planned by the hook; else skipped (_fastpath.can_skip)
+    skipped: tuple[bool, bool] | None  # None: planned by the hook; else skipped (_fastpath.can_skip): (decode_only, routed)
 
 
 class _Port:
@@ -212,7 +212,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
                                             lambda: self.shadow_clock(), lazy=True)  # attached by the first shadow
         self.shadow_jobs = EngineJobs(config.instance_id, self.block_size)
         self._shadow_by_request = self.shadow_jobs.by_request  # truthy while a shadow request exists
-        slack = runtime.policy.slack.build(np.random.default_rng(runtime.rng.integers(2**63)))
+        slack = self._shadow_build_slack(runtime, config, np.random.default_rng(runtime.rng.integers(2**63)))
         if self._shadow_no_cache:
             slack = NoShadowController()
         self.shadow_hook = EngineHook(config.instance_id, self.shadow_jobs, slack, config.build_latency(),
@@ -227,6 +227,9 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         self.shadow_metrics = EngineMetrics.from_env(config.instance_id, self.block_size)  # vLLM's /metrics
         self.shadow_parked: dict[str, Request] = {}  # shadow requests outside vLLM's queues
         self.shadow_to_finish: dict[str, tuple[RequestStatus, str]] = {}
+        #: A KV connector's ``kv_transfer_params`` of shadows this step ends (P/D: the handle a decode
+        #: engine reads the shadow's KV with), put in their outputs.
+        self.shadow_kv_params: dict[str, dict] = {}
         self.shadow_routed: set[str] = set()
         self.shadow_running: set[str] = set()  # shadow requests admitted in the current step
         self.shadow_arrival_s: dict[str, float] = {}
@@ -235,7 +238,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         self._shadow_iteration = 0
         self._shadow_step: _OpenStep | None = None
         #: A step of the quiet path (below) not yet reported: (output, end of schedule, predicted s, decode-only)
-        self._shadow_skipped: tuple[Any, float, float, bool] | None = None
+        self._shadow_skipped: tuple[Any, float, float, tuple[bool, bool]] | None = None
         self._shadow_defer_meta = False  # during super().schedule() of a step that may admit shadow chunks
         self._shadow_deferred_meta: tuple[Any, Any] | None = None  # (connector, its block state) until built
         self._shadow_observers = self.shadow_hook.observers.observers  # the list can_skip reads (may grow)
@@ -251,6 +254,11 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
             logger.warning("policy %r has a host tier, which on vLLM needs a KV offloading connector "
                            "(--kv-offloading-size, OffloadingConnector); this engine has none, so shadows "
                            "use the device tier only (see docs/vllm.md: host tier)", runtime.policy.name)
+
+    def _shadow_build_slack(self, runtime: Any, config: EngineShadowConfig, rng: np.random.Generator) -> Any:
+        """This engine's slack controller: the policy's ``slack`` (a P/D prefill engine,
+        :class:`shadow_vllm.pd.PrefillShadowScheduler`, builds its ``prefill_slack``)."""
+        return runtime.policy.slack.build(rng)
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -321,6 +329,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         rid = request.request_id
+        was_shadow = rid in self.shadow_jobs
         self.shadow_jobs.close(rid)
         self.shadow_parked.pop(rid, None)
         self.shadow_to_finish.pop(rid, None)
@@ -331,6 +340,8 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         self._shadow_awaiting_first.discard(rid)
         self._shadow_chunk_end.pop(rid, None)
         freed = super()._free_request(request, *args, **kwargs)
+        if was_shadow and isinstance(freed, tuple) and freed and freed[0] is not None:
+            self.shadow_kv_params[rid] = freed[0]  # a P/D connector's handle, for the shadow's output
         if not self._shadow_quiet:
             self._shadow_quiet = self._shadow_quiet_now()
         return freed
@@ -354,8 +365,8 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
                 self._shadow_close_skipped(measured=False)
             out = super().schedule(*args, **kwargs)
             self._shadow_iteration += 1
-            predicted_s, decode_only = self._shadow_skip_shape(out)
-            self._shadow_skipped = (out, self.shadow_clock(), predicted_s, decode_only)
+            predicted_s, skipped = self._shadow_skip_shape(out)
+            self._shadow_skipped = (out, self.shadow_clock(), predicted_s, skipped)
             return out
         return self._shadow_schedule(*args, **kwargs)
 
@@ -379,23 +390,27 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
             if self._shadow_deferred_meta is not None:
                 self._shadow_build_connector_meta(out)
 
-    def _shadow_skip_shape(self, out: SchedulerOutput) -> tuple[float, bool]:
-        """(predicted duration, decode-only) of a step the hook skips. Under async
+    def _shadow_skip_shape(self, out: SchedulerOutput) -> tuple[float, tuple[bool, bool]]:
+        """(predicted duration, (decode-only, routed)) of a step the hook skips. Under async
         scheduling the step is reported at the next ``schedule()``, when its
         requests have moved on, so its duration is predicted from its batch now;
-        otherwise it is measured (0.0 here) and only the decode-only test is needed."""
+        otherwise it is measured (0.0 here) and only the decode-only test is needed
+        (and, for a decode-only step, whether it carries a routed call: the credit's)."""
         if self._shadow_async:
             shape = self._shadow_batch_shape(out)
-            return self.shadow_hook.latency.predict_s(shape), shape.is_decode_only
-        return 0.0, self._shadow_decode_only(out)
+            predicted_s, decode_only = self.shadow_hook.latency.predict_s(shape), shape.is_decode_only
+        else:
+            predicted_s, decode_only = 0.0, self._shadow_decode_only(out)
+        scheduled = out.num_scheduled_tokens
+        return predicted_s, (decode_only, decode_only and any(rid in scheduled for rid in self.shadow_routed))
 
     def _shadow_plan_step(self, out: SchedulerOutput, now_s: float) -> SchedulerOutput:
         """Plan (or skip) the step vLLM has scheduled as ``out`` and admit the plan's chunks into it."""
         iteration = self._shadow_iteration
         self._shadow_iteration = iteration + 1
         if not self._shadow_by_request and _fastpath.can_skip(self.shadow_hook):
-            predicted_s, decode_only = self._shadow_skip_shape(out)
-            self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), predicted_s, (), decode_only)
+            predicted_s, skipped = self._shadow_skip_shape(out)
+            self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), predicted_s, (), skipped)
             return out
         snapshot = self._shadow_snapshot(out, now_s, iteration)
         plan = self.shadow_hook.begin_step(snapshot)
@@ -412,7 +427,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         skipped = self._shadow_skipped
         if skipped is not None and skipped[0] is scheduler_output:  # _shadow_close_skipped(measured=True), inline
             self._shadow_skipped = None
-            _fastpath.skip_step(self.shadow_hook, max(0.0, self.shadow_clock() - skipped[1]), skipped[3])
+            _fastpath.skip_step(self.shadow_hook, max(0.0, self.shadow_clock() - skipped[1]), *skipped[3])
         else:
             step = self._shadow_step
             if step is not None and step.output is scheduler_output:
@@ -431,6 +446,8 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
             self._shadow_record_first_tokens(scheduler_output.num_scheduled_tokens)
         if self._shadow_by_request or self.shadow_to_finish:
             self._shadow_finish(outputs)
+        if self.shadow_kv_params:  # those vLLM's own path finished carry them in vLLM's outputs
+            self.shadow_kv_params.clear()
         if not self._shadow_quiet:
             self._shadow_quiet = self._shadow_quiet_now()
         if self.shadow_metrics is not None:
@@ -470,18 +487,18 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
 
     def _shadow_close_skipped(self, measured: bool) -> None:
         """Report the quiet path's open step (``skip_step``), measured or predicted as ``_shadow_close_step``."""
-        _, end_of_schedule_s, predicted_s, decode_only = self._shadow_skipped
+        _, end_of_schedule_s, predicted_s, skipped = self._shadow_skipped
         self._shadow_skipped = None
         duration_s = self.shadow_clock() - end_of_schedule_s if measured else predicted_s
-        _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), decode_only)
+        _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), *skipped)
 
     def _shadow_close_step(self, measured: bool) -> None:
         step = self._shadow_step
         assert step is not None
         self._shadow_step = None
         duration_s = self.shadow_clock() - step.end_of_schedule_s if measured else step.predicted_s
-        if step.decode_only is not None:
-            _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), step.decode_only)
+        if step.skipped is not None:
+            _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), *step.skipped)
             return
         self.shadow_hook.end_step(StepOutcome(self.shadow_config.instance_id, step.iteration,
                                               max(0.0, duration_s), step.results))
@@ -622,6 +639,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
                 eco.outputs.append(EngineCoreOutput(
                     request_id=rid, new_token_ids=[], finish_reason=finished.get_finished_reason(),
                     stop_reason=reason, events=finished.take_events(), trace_headers=finished.trace_headers,
+                    kv_transfer_params=self.shadow_kv_params.pop(rid, None),
                 ))
 
 

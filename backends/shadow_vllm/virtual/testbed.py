@@ -11,7 +11,7 @@ times the PUBLISHED per-instance capacities (Appendix D.1: 12.8, 11.0, 3.8,
 
 * ``no-shadow``: vLLM's stock ``Scheduler``, no shadow requests;
 * ``request-level``: the paper's prototype (Appendix D.1,
-  :class:`~shadow_vllm.virtual.request_level.RequestLevelFeeder`), stock
+  :class:`~shadow_vllm.effects.RequestLevelFeeder`), stock
   scheduler with priority scheduling: what the paper's testbed numbers measure;
 * engine-level policies (default ``harvest-slo``): :class:`~shadow_vllm.scheduler.ShadowScheduler`
   with the router side's jobs as tagged shadow requests.
@@ -145,8 +145,8 @@ def _engine_configs(sim: Any, ex: Any, arm: str, shadow: ShadowConfig | None) ->
 def run_arm(sim: Any, ex: Any, arm: str, policy: PluginRef | None, seed: int) -> Any:
     """One arm in vLLM virtual time over ``sim``'s workload; the run, finished."""
     from shadow_vllm import virtual
+    from shadow_vllm.effects import RequestLevelFeeder
     from shadow_vllm.scheduler import ShadowScheduler
-    from shadow_vllm.virtual.request_level import RequestLevelFeeder
 
     engine_level = policy is not None
     shadow = ShadowConfig(policy if engine_level else PluginRef(BASELINE), seed=seed)
