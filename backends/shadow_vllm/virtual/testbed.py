@@ -366,11 +366,17 @@ def _load(path: Any) -> dict[str, dict[str, float]]:
 
 
 def load_points(paths: Sequence[Any]) -> dict[tuple[str, float], dict[str, dict[str, float]]]:
-    """Seed means from point files (:func:`point_name`) of one or more runs, by (pair, rho)."""
-    by_point: dict[tuple[str, float], list[dict[str, dict[str, float]]]] = {}
-    for path in paths:
+    """Seed means from point files (:func:`point_name`) of one or more runs, by (pair, rho). The
+    runs must share their settings but the arms (each metric is against its own seed's no-shadow)."""
+    by_seed: dict[tuple[str, float, int], dict[str, dict[str, float]]] = {}
+    for path in paths:  # one (pair, rho, seed) from several runs: the arms of all, the first run's where both have one
         head = json.loads(path.read_text())
-        by_point.setdefault((head["pair"], float(head["rho"])), []).append(_load(path))
+        arms = by_seed.setdefault((head["pair"], float(head["rho"]), int(head["seed"])), {})
+        for arm, metrics in _load(path).items():
+            arms.setdefault(arm, metrics)
+    by_point: dict[tuple[str, float], list[dict[str, dict[str, float]]]] = {}
+    for (pair, rho, _seed), arms in sorted(by_seed.items()):
+        by_point.setdefault((pair, rho), []).append(arms)
     out = {}
     for key, runs in by_point.items():  # an arm's mean is over the runs (seeds) that have it
         arms = list(dict.fromkeys(a for r in runs for a in r))
