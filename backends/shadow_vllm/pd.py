@@ -102,7 +102,7 @@ from shadow_vllm.vllm_internals import (
     SchedulerOutput,
 )
 from shadowcore.errors import ConfigError
-from shadowcore.pd import DecodeLinkView, PushCandidate, PushDecision, PushGrant
+from shadowcore.pd import DecodeLinkView, PushCandidate, PushDecision, PushGrant, backing_off
 from shadowcore.pipeline import build_runtime
 from shadowcore.types import JobKey
 from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_tag
@@ -336,10 +336,8 @@ class DecodePushMixin(ConnectorLoads):
             if offer.request.request_id in self.shadow_to_finish:
                 continue
             d_held = int(self.kv_cache_manager.get_computed_blocks(offer.request)[1])
-            pushed = self._shadow_pushed.get(key)
-            if pushed is not None and pushed[0] == offer.tag.epoch and d_held < pushed[1] \
-                    and now_s - pushed[2] < cold_age_s:  # anti-churn (the simulator's fabric's rule)
-                self.shadow_push_stats.num_backoffs += 1
+            if backing_off(self._shadow_pushed.get(key), offer.tag.epoch, d_held, now_s, cold_age_s):
+                self.shadow_push_stats.num_backoffs += 1  # anti-churn (the core's rule, as the simulator's fabric)
                 continue
             if offer.num_prefill_tokens > d_held:
                 out.append(PushCandidate(key, offer.num_prefill_tokens, d_held, offer.tag.switch_probability))
