@@ -251,9 +251,10 @@ class DecodePushMixin(ConnectorLoads):
             return
         key = JobKey(tag.session_id, tag.target_model)
         old = self.shadow_offers.get(key)
-        if old is not None:
+        if old is not None:  # ends saying what D holds of it (the gateway records that)
+            held = int(self.kv_cache_manager.get_computed_blocks(old.request)[1])
             self._shadow_end(old.request.request_id, RequestStatus.FINISHED_ABORTED,
-                             ShadowStop(ShadowEnd.SUPERSEDED).to_stop_reason())
+                             ShadowStop(ShadowEnd.SUPERSEDED, held).to_stop_reason())
         remote = offer.get("remote_num_tokens") or request.num_prompt_tokens
         num_prefill = min(int(remote), request.num_prompt_tokens) // self.block_size * self.block_size
         self.shadow_offers[key] = _Offer(request, tag, dict(offer), num_prefill)
