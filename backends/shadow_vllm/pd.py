@@ -105,7 +105,7 @@ from shadowcore.errors import ConfigError
 from shadowcore.pd import DecodeLinkView, PushCandidate, PushDecision, PushGrant, backing_off
 from shadowcore.pipeline import build_runtime
 from shadowcore.types import JobKey
-from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_tag
+from shadowcore.wire import PREFILL_KV_PARAMS, ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_tag
 
 __all__ = [
     "PREFILL_KV_PARAMS", "AsyncDecodeShadowScheduler", "AsyncPrefillShadowScheduler", "DecodePushMixin",
@@ -114,12 +114,6 @@ __all__ = [
 
 logger = logging.getLogger("shadow_vllm.scheduler")
 
-#: ``kv_transfer_params`` of a request to a P engine (vLLM's protocol: compute the prompt and keep
-#: its KV for a remote decode).
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-    "remote_host": None, "remote_port": None,
-}
 
 
 def _pd_config(config: EngineShadowConfig, role: str) -> PDEngineConfig:
