@@ -1,5 +1,5 @@
-"""The decode deadlines of an engine's lazy decode cohort: the sign of Eq. 1's
-minimum slack over its members without a view per member (engine-private).
+"""The decode deadlines of an engine's lazy decode cohort: Eq. 1's minimum
+slack over its members without a view per member (engine-private).
 
 A member ``r`` decoding at cohort clock ``t`` has ``g = num_generated + t -
 lazy_base`` tokens out (its stored counters lag the clock), so its slack
@@ -9,16 +9,18 @@ for the deadline ``D_r = f_r + c g = key_r + c t``, ``key_r = f_r + c
 by the same ``c`` per tick, so a heap on ``key`` keeps the deadline order while
 the clock runs and changes only when a member joins.
 
-Invariant (``tests/sim/test_speed_equivalence*.py`` pin it): :meth:`all_positive`
-equals ``all(decode_slack_s(view) > 0)`` over the live members' views, bit for
-bit: members whose real deadline is more than ``EPS_S`` past ``now`` have a
-float slack > 0 (rounding is ~1e-11 s here); every member nearer is checked with
-the exact float expression of :func:`shadowcore.slack.decode_slack_s`.
+Invariant (``tests/sim/test_speed_equivalence*.py`` pin it): :meth:`min_slack_s`
+equals ``min(decode_slack_s(view))`` over the live members' views, bit for
+bit: a member whose real deadline is more than ``EPS_S`` past the earliest has
+a float slack above the earliest's (rounding is ~1e-11 s here); every member
+nearer is evaluated with the exact float expression of
+:func:`shadowcore.slack.decode_slack_s`.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 
 import attrs
 
@@ -39,16 +41,19 @@ class DecodeDeadlines:
         key = req.first_token_s + c * (req.num_generated - req.lazy_base)
         heapq.heappush(self.heaps.setdefault(req.tpot_slo_s, []), (key, req.run_seq, req))
 
-    def all_positive(self, now_s: float, clock: int) -> bool:
-        """Every live member's Eq. 1 slack at ``now_s`` (cohort clock ``clock``) is > 0."""
-        margin = self.margin
+    def min_slack_s(self, now_s: float, clock: int) -> float:
+        """The smallest Eq. 1 slack at ``now_s`` (cohort clock ``clock``) among
+        live members, exactly as :func:`shadowcore.slack.decode_slack_s` of
+        their views gives it; ``inf`` with none. Per TPOT SLO only members
+        whose deadline is within ``EPS_S`` of the earliest are evaluated."""
+        best = math.inf
         for tpot, heap in self.heaps.items():
             while heap and heap[0][2].finish_s is not None:
                 heapq.heappop(heap)
-            c = (1.0 - margin) * tpot
-            limit = now_s - c * clock + EPS_S
-            if not heap or heap[0][0] > limit:
+            if not heap:
                 continue
+            c = (1.0 - self.margin) * tpot
+            limit = heap[0][0] + EPS_S
             stack = [0]
             n = len(heap)
             while stack:  # the entries with key <= limit: a heap's subtree below a larger key has none
@@ -57,10 +62,9 @@ class DecodeDeadlines:
                 if key > limit:
                     continue
                 if req.finish_s is None:
-                    g = req.num_generated + clock - req.lazy_base
-                    if not c * g - (now_s - req.first_token_s) > 0:  # decode_slack_s's expression
-                        return False
+                    s = c * (req.num_generated + clock - req.lazy_base) - (now_s - req.first_token_s)
+                    best = min(best, s)
                 for j in (2 * i + 1, 2 * i + 2):
                     if j < n:
                         stack.append(j)
-        return True
+        return best

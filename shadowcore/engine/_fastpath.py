@@ -11,11 +11,11 @@ vLLM backend's scheduler), as SimPy keeps its scheduling internals off ``Environ
   :func:`plans_nothing` say when ``begin_step`` would plan no grant and change no state but
   what :func:`skip_step` does; the engine then reports the iteration through
   :func:`skip_step` instead of building a snapshot.
-* Planning from the batch aggregates: :func:`empty_plan_reason` says, from a
-  :class:`BatchSummary` (the requests outside the engine's decode aggregate as views, the
-  aggregate's slack sign), when ``begin_step`` would plan no grant and which reason it
-  would count; the engine then counts it (:func:`count_empty_plan`), builds no snapshot,
-  and reports the iteration through :func:`skip_step`.
+* Planning from the batch aggregates: :func:`empty_plan_reason` says, from a snapshot with
+  a :class:`~shadowcore.types.DecodeAggregate` (views only for the requests outside the
+  engine's decode aggregate), when ``begin_step`` would plan no grant and which reason it
+  would count; the engine then counts it (:func:`count_empty_plan`), builds no full
+  snapshot, and reports the iteration through :func:`skip_step`.
 * Running an event's follow-ups inline: :class:`InlineEventLoop`.
 
 Invariants (``tests/sim/test_speed_equivalence*.py`` pin them: the results with the fast
@@ -27,8 +27,9 @@ paths are bit-identical to those without):
   grants do exactly what its entry's ``observe_skipped`` does, and ``budget`` has no side
   effect.
 * A step is skipped only with no observer (it would miss a plan) and no planned step open.
-* :func:`empty_plan_reason` answers only for those types, and only when ``begin_step`` would
-  call no latency model beyond the base and refresh no job: otherwise ``None`` (plan it).
+* :func:`empty_plan_reason` answers only for the types in ``_BUDGET_ON_AGGREGATE`` (their
+  own ``budget`` and the hook's own ``_size`` on the aggregate snapshot: one owner per
+  rule), after the same job refresh ``begin_step`` does; otherwise ``None``.
 * The inline loop moves its clock and counts events exactly as ``run`` would have popped
   them: never past a queued event, never while ``run`` has a bound or a stop condition.
 """
@@ -43,7 +44,7 @@ import attrs
 
 from shadowcore.events import EventLoop
 from shadowcore.hook import _ZERO_BUDGET, EngineHook
-from shadowcore.latency import LatencyModel
+from shadowcore.latency import LatencyModel, PrefillChunk
 from shadowcore.slack import (
     EagerController,
     HarvestController,
@@ -51,11 +52,8 @@ from shadowcore.slack import (
     PrefillInstanceController,
     SlackController,
     SloSlackController,
-    decode_slack_s,
-    prefill_slack_s,
-    remaining_prefill_s,
 )
-from shadowcore.types import BudgetReason, Phase, RequestView
+from shadowcore.types import Phase, StepSnapshot
 
 
 def _earn_decode_credit(slack: SlackController, duration_s: float, decode_only: bool) -> None:
@@ -157,93 +155,60 @@ def skip_step(hook: EngineHook, duration_s: float, decode_only: bool) -> None:
         kind.observe_skipped(hook.slack, duration_s, decode_only)
 
 
-@attrs.frozen
-class BatchSummary:
-    """What the hook would see in a snapshot, with the engine's decode
-    aggregate in place of its per-request views: ``views`` are the batch's
-    requests outside the aggregate (batch order); ``aggregate_slack_positive(margin)``
-    says whether every aggregated decode's Eq. 1 slack (:func:`decode_slack_s`
-    at ``now_s``) is > 0. The other fields are the snapshot's."""
-
-    now_s: float
-    num_waiting: int
-    admission_blocked: bool
-    tpot_slo_s: float
-    num_free_token_budget: int
-    num_shadow_room_tokens: int
-    is_idle: bool
-    has_routed: bool  # anywhere in the batch
-    views: tuple[RequestView, ...]
-    aggregate_slack_positive: Callable[[float], bool]
+#: Controller types whose ``budget`` reads of a snapshot only what an aggregate snapshot
+#: (:class:`~shadowcore.types.DecodeAggregate`) answers, and changes nothing.
+_BUDGET_ON_AGGREGATE = (SloSlackController, HarvestController, EagerController, PrefillInstanceController)
 
 
-def _slack_positive(s: BatchSummary, latency: LatencyModel, margin: float, chunk_tokens: int) -> bool:
-    """``min_batch_slack_s(snapshot) > 0``: every request's slack, the aggregate's by its sign."""
-    for r in s.views:
-        if r.phase is Phase.DECODE:
-            v = decode_slack_s(r, s.now_s, margin)
-        else:
-            v = prefill_slack_s(r, s.now_s, margin, remaining_prefill_s(r, latency, chunk_tokens))
-        if not v > 0:
-            return False
-    return s.aggregate_slack_positive(margin)
-
-
-def _budget_sign(slack: SlackController, s: BatchSummary, latency: LatencyModel) -> tuple[bool, BudgetReason] | None:
-    """(``budget(snapshot).budget_s > 0``, its reason) for the exact types whose
-    ``budget`` this restates; None for any other."""
-    kind = type(slack)
-    if kind is EagerController:
-        return True, BudgetReason.EAGER
-    if kind not in (SloSlackController, HarvestController, PrefillInstanceController):
+def empty_plan_reason(hook: EngineHook, snapshot: StepSnapshot) -> str | None:
+    """The reason ``hook.begin_step`` would count for the iteration
+    ``snapshot`` stands for (its decode aggregate in place of those views),
+    when it would plan no grant and change no state but that count, the job
+    refresh it does first, and what :func:`skip_step` does (``commit``/``observe``
+    of an empty plan); None when it might grant, or the controller is not of a
+    type in ``_BUDGET_ON_AGGREGATE`` (then build the full snapshot and plan:
+    its refresh then finds nothing to do). The same steps as ``begin_step``, on
+    the controller's own ``budget``: a zero budget counts its reason; a positive
+    one refreshes the jobs (``EngineHook._refreshed_jobs``), with none pending
+    counts ``no_jobs``; pending jobs for which the hook's own ``_size`` grants
+    nothing (timed from the aggregates by ``predict_batch_s``, bit-identical;
+    without it only when ``EngineHook._grant_range`` leaves no range, which
+    needs no latency lookup) count ``EngineHook._empty_reason``."""
+    if _may_skip(hook) is None or type(hook.slack) not in _BUDGET_ON_AGGREGATE:
         return None
-    if s.num_waiting > 0:
-        return False, BudgetReason.WAITING
-    if s.admission_blocked:
-        return False, BudgetReason.BLOCKED
-    if kind is PrefillInstanceController:  # max(0, min(max_iteration_s > 0, slack)) > 0
-        return _slack_positive(s, latency, slack.margin, slack.chunk_tokens), BudgetReason.PREFILL_SLACK
-    if s.is_idle:
-        return slack.beta * s.tpot_slo_s > 0, BudgetReason.IDLE
-    if kind is HarvestController:  # max(0, min(balance, cap > 0)) > 0
-        return slack.credit.balance_s > 0, BudgetReason.CREDIT
-    if s.has_routed:
-        return slack.credit.balance_s > 0, BudgetReason.ROUTED_CREDIT
-    return _slack_positive(s, latency, slack.margin, slack.chunk_tokens), BudgetReason.SLO_SLACK
-
-
-def empty_plan_reason(hook: EngineHook, summary: BatchSummary) -> str | None:
-    """The reason ``hook.begin_step`` would count for the snapshot ``summary``
-    stands for, when it would plan no grant and change no state but that
-    count and what :func:`skip_step` does (``commit``/``observe`` of an empty
-    plan); None when it might grant, refresh a job, or is not a type restated
-    here (then build the snapshot and plan). The same steps as ``begin_step``:
-    a zero budget counts its reason; a positive one with no pending job counts
-    ``no_jobs``; pending jobs that need no refresh and miss fewer whole-block
-    tokens than ``n_min`` (or none) make ``_size`` return nothing before any
-    latency lookup, counting ``EngineHook._empty_reason``."""
-    if _may_skip(hook) is None:
-        return None
-    sign = _budget_sign(hook.slack, summary, hook.latency)
-    if sign is None:
-        return None
-    positive, reason = sign
-    if not positive:
-        return _ZERO_BUDGET.get(reason, "zero_budget")
-    jobs = hook.manager.pending_jobs(hook.instance_id)
+    budget = hook.slack.budget(snapshot, hook.latency)
+    if not budget.budget_s > 0:
+        return _ZERO_BUDGET.get(budget.reason, "zero_budget")
+    jobs = hook._refreshed_jobs()  # as begin_step does next (then, with nothing left to refresh, again)
     if not jobs:
         return "no_jobs"
-    evictions = hook.port.eviction_count()
-    missing = 0
-    for pending in jobs:
-        if pending.validated_at != evictions or pending.epoch != pending.history.epoch:
-            return None  # begin_step would refresh it
-        missing += pending.num_missing_tokens
-    block = hook.port.block_size
-    n = missing // block * block
-    if n == 0 or n < hook.slack.n_min:
-        return hook._empty_reason(min(summary.num_free_token_budget, summary.num_shadow_room_tokens))
-    return None
+    limit = min(snapshot.num_free_token_budget, snapshot.num_shadow_room_tokens)
+    upper, smallest = hook._grant_range(jobs, limit)
+    if upper <= 0 or smallest > upper:
+        return hook._empty_reason(limit)
+    predict_with = _aggregate_predictor(snapshot, hook.latency)
+    if predict_with is None:
+        return None
+    grants, _ = hook._size(jobs, predict_with, predict_with(()), budget, limit)  # pure: the hook sizes it again
+    return None if grants else hook._empty_reason(limit)
+
+
+def _aggregate_predictor(snapshot: StepSnapshot, latency: LatencyModel) -> Callable[[tuple], float] | None:
+    """``chunks -> latency.predict_s(snapshot.batch_shape.with_prefills(chunks))`` of the
+    full snapshot, from the views and the decode aggregate (``predict_batch_s``,
+    bit-identical), or None when the model cannot tell from aggregates."""
+    fast = getattr(latency, "predict_batch_s", None)
+    agg = snapshot.aggregate
+    if fast is None or agg is None:
+        return None
+    prefills = tuple(PrefillChunk(r.num_scheduled_tokens, r.num_context_tokens) for r in snapshot.batch
+                     if r.phase is Phase.PREFILL and r.num_scheduled_tokens > 0)
+    decodes = [r.num_context_tokens for r in snapshot.batch if r.phase is Phase.DECODE]
+    nd, total = agg.num_decodes + len(decodes), agg.total_context + sum(decodes)
+    longest = max(agg.max_context, *decodes) if decodes else agg.max_context
+    if fast(prefills, nd, total, longest) is None:
+        return None
+    return lambda chunks: fast(prefills + tuple(chunks), nd, total, longest)
 
 
 def count_empty_plan(hook: EngineHook, why: str) -> None:

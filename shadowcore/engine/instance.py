@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
 import heapq
 import math
 from collections import deque
@@ -63,7 +62,16 @@ from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClass, KVClassManager
 from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
-from shadowcore.types import ChunkResult, Phase, RequestKind, RequestView, StepOutcome, StepPlan, StepSnapshot
+from shadowcore.types import (
+    ChunkResult,
+    DecodeAggregate,
+    Phase,
+    RequestKind,
+    RequestView,
+    StepOutcome,
+    StepPlan,
+    StepSnapshot,
+)
 
 
 @attrs.define(eq=False)
@@ -183,6 +191,7 @@ class EngineInstance:
     _deadlines: DecodeDeadlines | None = None
     _agg: tuple | None = None  # the aggregate iteration in flight: (entries, results, duration, decode_only)
     num_agg_iterations: int = 0  # iterations scheduled from the aggregates (a diagnostic)
+    num_agg_snapshots: int = 0  # of which planned on a full snapshot (views of every request; a diagnostic)
     steady_runs: bool = True  # run_steady may take runs of plain ticks (off: one round trip per iteration)
     num_steady_ticks: int = 0  # iteration ends taken by run_steady (a diagnostic)
 
@@ -338,7 +347,7 @@ class EngineInstance:
                 self._steady = False
                 return
             total += c
-            if c > longest:
+            if c > longest:  # noqa: PLR1730 (faster than max)
                 longest = c
             if c + 2 > req.num_blocks * bs:
                 due.append(req)
@@ -358,10 +367,10 @@ class EngineInstance:
             if skip and req in skip:
                 continue
             c, seq = req.num_computed_tokens, req.run_seq
-            longest.append((clock - c, seq, req))
             if not _lazy_eligible(req):
                 eager.append(req)
                 continue
+            longest.append((clock - c, seq, req))
             req.lazy_base = clock
             finish.append((clock + req.num_output_tokens - req.num_generated, seq, req))
             if req not in due:
@@ -504,25 +513,27 @@ class EngineInstance:
             t = self.latency.predict_s(BatchShape(prefills, ctx))
         return t
 
-    def _summary(self, now_s: float, entries: list, blocked: bool, used: int, room: int) -> _fastpath.BatchSummary:
-        """The snapshot as empty_plan_reason reads it: views of the eager
-        decodes and the entries, the cohort by its deadlines."""
+    def _summary(self, now_s: float, entries: list, blocked: bool, used: int, room: int) -> StepSnapshot:
+        """The snapshot with the cohort as a DecodeAggregate: views of the
+        eager decodes and the entries only (for empty_plan_reason)."""
+        eager = self._eager
+        members = len(self.running) - len(self._prefilling) - len(eager)
+        total = self._ctx_total - sum(r.num_computed_tokens for r in eager)
         with _validation(self.validate_values):
-            views = tuple([r.view(1) for r in self._eager] + [r.view(n) for r, n in entries])
-        routed = any(v.kind is RequestKind.ROUTED for v in views)
-        return _fastpath.BatchSummary(
-            now_s, len(self.waiting), blocked, self.tpot_slo_s, max(0, self.limits.token_budget - used), room,
-            False, routed, views, functools.partial(self._cohort_slack_positive, now_s))
+            return StepSnapshot(
+                self.instance_id, self.iteration, now_s, [r.view(1) for r in eager] + [r.view(n) for r, n in entries],
+                len(self.waiting), blocked, self.tpot_slo_s, max(0, self.limits.token_budget - used), room,
+                DecodeAggregate(members, total, self._cohort_max(), self._cohort_min_slack_s))
 
-    def _cohort_slack_positive(self, now_s: float, margin: float) -> bool:
-        """Every cohort member's Eq. 1 slack at ``now_s`` is > 0 (DecodeDeadlines)."""
+    def _cohort_min_slack_s(self, now_s: float, margin: float) -> float:
+        """The smallest Eq. 1 slack at ``now_s`` among the cohort's members (DecodeDeadlines)."""
         d = self._deadlines
         if d is None or d.margin != margin:
             d = self._deadlines = DecodeDeadlines(margin)
             for req in self.running:
                 if req.lazy_base >= 0:
                     d.add(req)
-        return d.all_positive(now_s, self.num_fast_iterations)
+        return d.min_slack_s(now_s, self.num_fast_iterations)
 
     def _start_agg_planned(self, now_s: float, entries: list, blocked: bool, used: int, room: int) -> float:
         """The hook may grant: the slow path's snapshot and plan, on the
@@ -544,6 +555,7 @@ class EngineInstance:
         self.last_batch_tokens = used + sum(c.num_new_tokens for c in chunks)
         self._agg = (entries, results, duration, None)
         self.num_agg_iterations += 1
+        self.num_agg_snapshots += 1
         self.busy = True
         return now_s + duration
 
@@ -586,11 +598,11 @@ class EngineInstance:
         """A request that now decodes joins the decode set (cohort or eager)."""
         bs, c, seq = self.kv.block_size, req.num_computed_tokens, req.run_seq
         self._ctx_total += c
-        if c > self._ctx_max:
+        if c > self._ctx_max:  # noqa: PLR1730 (faster than max)
             self._ctx_max = c
-        heapq.heappush(self._longest, (clock - c, seq, req))
         due = c + 2 > req.num_blocks * bs
         if _lazy_eligible(req):
+            heapq.heappush(self._longest, (clock - c, seq, req))
             req.lazy_base = clock
             heapq.heappush(self._lazy_finish, (clock + req.num_output_tokens - req.num_generated, seq, req))
             if not due:
@@ -817,7 +829,7 @@ class EngineInstance:
         done = []
         while finish and finish[0][0] == clock:
             done.append(heapq.heappop(finish)[2])
-        i, eager, due = 0, [], self._due
+        i, eager, due, eager_max = 0, [], self._due, 0
         for req in self._eager:
             while i < len(done) and done[i].run_seq < req.run_seq:
                 total -= self._finish_lazy(done[i], clock, now_s)
@@ -826,7 +838,10 @@ class EngineInstance:
                 total -= req.num_computed_tokens
                 continue
             eager.append(req)
-            if req.num_computed_tokens + 2 > req.num_blocks * bs:
+            c = req.num_computed_tokens
+            if c > eager_max:  # noqa: PLR1730 (faster than max)
+                eager_max = c
+            if c + 2 > req.num_blocks * bs:
                 due.append(req)
         for req in done[i:]:
             total -= self._finish_lazy(req, clock, now_s)
@@ -838,10 +853,14 @@ class EngineInstance:
                 due.append(req)
         if len(due) > 1:
             due.sort(key=_run_seq)
+        self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
+
+    def _cohort_max(self) -> int:
+        """The longest context among the cohort's members (0 with none)."""
         top = self._longest
         while top and top[0][2].finish_s is not None:
             heapq.heappop(top)
-        self._ctx_total, self._ctx_max = total, (clock - top[0][0] if top else 0)
+        return self.num_fast_iterations - top[0][0] if top else 0
 
     def _finish_lazy(self, req: EngineRequest, clock: int, now_s: float) -> int:
         """Bring a finishing cohort member up to date and finish it; its context."""

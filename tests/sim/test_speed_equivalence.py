@@ -127,6 +127,8 @@ def run_case(name: str, lazy_decodes: bool = True, diagnostics: dict | None = No
     if diagnostics is not None:
         diagnostics["fast"] = sum(i.num_fast_iterations for i in run.cluster.by_id.values())
         diagnostics["lazy_finishes"] = sum(i.num_lazy_finishes for i in run.cluster.by_id.values())
+        diagnostics["agg"] = sum(i.num_agg_iterations for i in run.cluster.by_id.values())
+        diagnostics["planned"] = sum(sum(h.step_counts.values()) for h in run.runtime.hooks.values())
     instances = {
         i.instance_id: [i.num_iterations_run, i.iteration, i.busy_s, i.num_shadow_tokens, i.num_preemptions,
                         i.num_rejected, i.kv.eviction_count, i.kv.num_free_blocks, i.kv.num_cached_blocks,
@@ -198,15 +200,17 @@ def test_cases_exercise_what_they_claim(golden: dict) -> None:
     assert golden["sim-no-shadow"]["summary"]["shadow_tokens"] == 0
 
 
-@pytest.mark.parametrize("name", ["fake-harvest-slo-host", "sim-pd-harvest-slo"])
+@pytest.mark.parametrize("name", ["fake-harvest-slo-host", "fake-harvest-tight-kv", "fake-no-shadow",
+                                  "sim-harvest-slo-host", "sim-pd-harvest-slo"])
 def test_lazy_cohort_runs_and_changes_nothing(name: str) -> None:
-    """The lazy decode cohort carries most steady iterations' finishes, and
-    the per-request path (``lazy_decodes=False``) gives the same results."""
+    """The lazy decode cohort carries most steady iterations' finishes and
+    most mixed iterations (scheduled from the aggregates), and the
+    per-request path (``lazy_decodes=False``) gives the same results."""
     diag: dict = {}
     lazy = _normalise(run_case(name, diagnostics=diag))
-    assert diag["fast"] > 1000 and diag["lazy_finishes"] > 50, diag
+    assert diag["fast"] > 1000 and diag["lazy_finishes"] > 50 and diag["agg"] > 300, diag
     eager = _normalise(run_case(name, lazy_decodes=False, diagnostics=diag))
-    assert diag["lazy_finishes"] == 0
+    assert diag["lazy_finishes"] == 0 and diag["agg"] == 0
     for key in lazy:
         if key != "num_events":
             assert _same(lazy[key], eager[key]), key
