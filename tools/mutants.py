@@ -136,7 +136,7 @@ MUTATIONS: dict[str, tuple] = {
     # request that starts decoding reserves its next block; an empty plan counts the reason begin_step would
     "deadline-eps": ("tests/sim/test_speed_equivalence_latency.py", "test_deadline_heap_gives_the_exact_minimum_slack",
                      "shadowcore/engine/_deadlines.py", "EPS_S = 1e-6", "EPS_S = 0.0"),
-    "join-due": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and tight",
+    "join-due": ("tests/sim/test_speed_equivalence.py", "test_kv_reservations_identical_every_iteration",
                  "shadowcore/engine/instance.py", "        due = c + 2 > req.num_blocks * bs\n",
                  "        due = False\n"),
     "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",

@@ -34,11 +34,15 @@ finish, no request waiting, no grant possible before the next event) are taken
 in one call (``EngineInstance.run_steady``): every iteration still happens,
 with the same durations, busy time, clock values, credit and KV reservations.
 
-Between two steady decode iterations, a running normal request's
-``num_computed_tokens``, ``num_generated`` and history count may lag (the lazy
-decode cohort, ``EngineInstance.lazy_decodes``); they are exact whenever the
-request finishes, whenever the instance runs a slow iteration, and after
-``EngineInstance.sync_requests()``.
+While the lazy decode cohort lives (``EngineInstance.lazy_decodes``), a
+decoding normal request's ``num_computed_tokens``, ``num_generated`` and
+history count may lag; they are exact whenever the request finishes, whenever
+the instance runs a per-request (slow) iteration or builds a full snapshot for
+its hook, and after ``EngineInstance.sync_requests()``. Mixed iterations
+(prefill chunks, admissions) keep the cohort and are scheduled from its
+aggregates (``EngineInstance._start_agg``): their per-request work is for the
+requests outside it, so their cost does not grow with the decode batch; their
+results equal the per-request path's (``tests/sim/test_speed_equivalence.py``).
 
 Determinism: callers drive instances from one
 :class:`shadowcore.events.EventLoop`; nothing here reads a clock or an RNG.

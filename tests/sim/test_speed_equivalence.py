@@ -40,6 +40,7 @@ from shadow_sim.disagg import PDRun
 from shadow_sim.simulator import SimRun, SimScenario
 
 from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.engine.instance import EngineInstance
 from shadowcore.engine.scenario import FakeRun, FakeScenario
 
 GOLDEN = Path(__file__).parent / "golden" / "speed_equivalence.json"
@@ -214,6 +215,44 @@ def test_lazy_cohort_runs_and_changes_nothing(name: str) -> None:
     for key in lazy:
         if key != "num_events":
             assert _same(lazy[key], eager[key]), key
+
+
+@attrs.define(eq=False)
+class _Traced(EngineInstance):
+    """Records its KV pool's free blocks and its running requests' reserved
+    blocks after every iteration (no steady runs: it overrides end_step)."""
+
+    trace: list = attrs.Factory(list)
+
+    def end_step(self, now_s: float) -> None:
+        super().end_step(now_s)
+        self.trace.append((self.iteration, self.kv.num_free_blocks, sum(r.num_blocks for r in self.running)))
+
+
+def _kv_trace(name: str, lazy_decodes: bool) -> tuple[dict, int]:
+    _, fields, policy, args = CASES[name]
+
+    @attrs.define(eq=False)
+    class TracedRun(FakeRun):
+        def build_instance(self, instance_id, model, kv_policy):
+            i = super().build_instance(instance_id, model, kv_policy)
+            return _Traced(i.instance_id, i.model, i.kv, i.latency, i.tpot_slo_s, i.limits)
+
+    run = TracedRun(FakeScenario.from_dict(fields), ShadowConfig(PluginRef(policy, args), seed=11))
+    for inst in run.cluster.by_id.values():
+        inst.lazy_decodes = lazy_decodes
+    run.run()
+    insts = run.cluster.by_id.values()
+    return {i.instance_id: i.trace for i in insts}, sum(i.num_agg_iterations for i in insts)
+
+
+def test_kv_reservations_identical_every_iteration() -> None:
+    """Iteration by iteration (not only at the end), the aggregate path
+    reserves the same blocks as the per-request path, under KV pressure."""
+    lazy, agg = _kv_trace("fake-harvest-tight-kv", True)
+    eager, none = _kv_trace("fake-harvest-tight-kv", False)
+    assert agg > 1000 and none == 0
+    assert lazy == eager
 
 
 def test_same_seed_same_result() -> None:
