@@ -52,7 +52,6 @@ Run from the project root in the vLLM venv (one to two and a half minutes per se
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -81,39 +80,6 @@ def build_scenario(args: argparse.Namespace, seed: int) -> Any:
 
 
 ARMS = ("no shadow", "engine-level", "request-level")
-
-
-class RequestLevelFeeder:
-    """The request-level baseline on a :class:`~shadow_vllm.virtual.VirtualScenarioRun`
-    (its ``shadow_feeder``, called after every router-side event): completed
-    calls go to the other models' instances through a ``RequestLevelShadower``."""
-
-    def __init__(self) -> None:
-        self.shadower: Any = None
-        self._num_calls_seen = 0
-        self._num_requests_seen: dict[str, int] = {}  # per instance: requests already looked at (in added order)
-
-    def __call__(self, run: Any) -> None:
-        from shadow_gateway.request_level import Destination, RequestLevelShadower
-        from shadow_vllm.backend import virtual_submitter
-
-        engines = run.cluster.by_id
-        if self.shadower is None:
-            self.shadower = RequestLevelShadower(virtual_submitter(engines, lambda: self.shadower),
-                                                 lambda i: len(engines[i].scheduler.waiting))
-        for instance, engine in engines.items():  # calls seen on an instance drop that session's pending shadow
-            seen = self._num_requests_seen.get(instance, 0)
-            for rid in itertools.islice(engine.requests, seen, None):  # only those added since the last call
-                if "#" in rid and not rid.startswith("shadow-"):
-                    self.shadower.on_call_arrival(rid.split("#")[0], instance)
-            self._num_requests_seen[instance] = len(engine.requests)
-        for call in run.calls[self._num_calls_seen:]:
-            handle = run.cluster.by_model[call.model][0].requests[f"{call.session_id}#{call.call_index}"]
-            others = [Destination(engine.name, model) for model, engines_of in run.cluster.by_model.items()
-                      if model != call.model for engine in engines_of]
-            self.shadower.on_call_complete(call.session_id, handle.prompt_token_ids, handle.output_token_ids, others)
-        self._num_calls_seen = len(run.calls)
-        self.shadower.pump()
 
 
 def host_tier(args: argparse.Namespace, model: str, num_blocks: int, block_size: int) -> dict[str, Any]:
@@ -157,6 +123,8 @@ def run_arm(args: argparse.Namespace, seed: int, latency: dict[str, Any], arm: s
             block_size=sc.block_size, num_blocks=sc.num_blocks + 1, max_num_batched_tokens=sc.token_budget,
             max_num_seqs=256, scheduling_policy="priority" if arm == "request-level" else "fcfs",
             additional_config=extra, **host_tier(args, m, sc.num_blocks, sc.block_size))
+    from shadow_vllm.effects import RequestLevelFeeder
+
     feeder = virtual.TaggedShadowFeeder(wake=True) if shadow else RequestLevelFeeder() if arm == "request-level" \
         else None
     run = virtual.VirtualScenarioRun(sc, config, latency, engine_config,

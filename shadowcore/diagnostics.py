@@ -70,7 +70,8 @@ def _decodes(tpot_slo_s: float, routed: bool) -> tuple[RequestView, ...]:
 def _budgets(controller: SlackController, latency: LatencyModel, tpot_slo_s: float
              ) -> list[tuple[str, BatchShape, SlackBudget]]:
     """The copy's budgets on an idle, a decode-only and a routed iteration,
-    after 20 decode-only iterations of 1 s each (any credit has accrued)."""
+    after 20 decode-only iterations of 1 s each that carry a routed call (any
+    credit has accrued, under either reading of its accrual)."""
     probe = copy.deepcopy(controller)
     now = 1000 * tpot_slo_s
     big = 1 << 20
@@ -78,14 +79,14 @@ def _budgets(controller: SlackController, latency: LatencyModel, tpot_slo_s: flo
     def snap(i: int, batch: tuple[RequestView, ...]) -> StepSnapshot:
         return StepSnapshot("probe", i, now, batch, 0, False, tpot_slo_s, big, big)
 
-    busy = _decodes(tpot_slo_s, routed=False)
+    busy, routed = _decodes(tpot_slo_s, routed=False), _decodes(tpot_slo_s, routed=True)
     for i in range(20):
-        s = snap(i, busy)
+        s = snap(i, routed)
         plan = StepPlan("probe", i, probe.budget(s, latency), (), 0.0, 0.0, normal_priority=probe.normal_priority)
         probe.commit(s, plan)
         probe.observe(s, plan, StepOutcome("probe", i, 1.0))
     out = []
-    for name, batch in (("idle", ()), ("decode-only", busy), ("routed", _decodes(tpot_slo_s, routed=True))):
+    for name, batch in (("idle", ()), ("decode-only", busy), ("routed", routed)):
         s = snap(100, batch)
         out.append((name, s.batch_shape, probe.budget(s, latency)))
     return out

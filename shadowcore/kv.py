@@ -121,6 +121,27 @@ class KVClassPolicy:
             return itertools.chain.from_iterable(zip(idle[cls], repeat(cls)) for cls in _SHADOW_FIRST)
         return self._class_victims(idle, shadow_requester, now_s, protect)
 
+    def victim_runs(self, idle: Mapping[KVClass, Mapping[_B, float]], requester: KVClass, num: int,
+                    now_s: float | None = None, protect: Container[_B] = ()) -> list[tuple[KVClass, list[_B]]]:
+        """The first ``num`` of :meth:`victims` (fewer when there are not that
+        many), as runs of one class in eviction order: what an allocation that
+        needs ``num`` blocks evicts, class by class. Exactly
+        ``groupby(islice(victims(...), num))``; the common case (shadow-first,
+        a normal requester, nothing protected: each class's release order from
+        its head) slices the idle maps directly."""
+        if self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect:
+            runs = []
+            for cls in _SHADOW_FIRST:
+                if num <= 0:
+                    break
+                head = list(itertools.islice(idle[cls], num))
+                if head:
+                    runs.append((cls, head))
+                    num -= len(head)
+            return runs
+        chosen = itertools.islice(self.victims(idle, requester, now_s, protect), num)
+        return [(cls, [block for block, _ in run]) for cls, run in itertools.groupby(chosen, itemgetter(1))]
+
     def _class_victims(self, idle: Mapping[KVClass, Mapping[_B, float]], shadow_requester: bool, now_s: float,
                        protect: Container[_B]) -> Iterator[tuple[_B, KVClass]]:
         for cls in _SHADOW_FIRST:
@@ -563,12 +584,12 @@ class KVClassManager:
 
     def _evict(self, num: int, requester: KVClass, now_s: float, protect: set[int]) -> None:
         """Evict the first ``num`` of the policy's victims for ``requester``
-        (:meth:`KVClassPolicy.victims`), in that order."""
-        victims = list(itertools.islice(self.policy.victims(self._idle, requester, now_s, protect), num))
-        if len(victims) < num:
+        (:meth:`KVClassPolicy.victim_runs`), in that order."""
+        runs = self.policy.victim_runs(self._idle, requester, num, now_s, protect)
+        if sum(len(run) for _, run in runs) < num:
             raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
-        for cls, run in itertools.groupby(victims, itemgetter(1)):  # in order (the host tier keeps its own LRU)
-            self._evict_blocks([h for h, _ in run], cls)
+        for cls, run in runs:  # in order (the host tier keeps its own LRU)
+            self._evict_blocks(run, cls)
 
     def _evict_blocks(self, victims: list[int], cls: KVClass) -> None:
         """Drop idle blocks of one class from the device, in order (to the host tier if any)."""

@@ -10,15 +10,20 @@ Invariants:
 * No budget while the waiting queue is non-empty or an admission was blocked
   (except Eager, which is the normal-priority path by definition).
 * An idle instance gets ``beta * T``; a busy one never more than ``beta * T``.
-* With routed-step protection, the predicted time added to iterations that
-  carry a routed call never exceeds ``delta`` times the measured duration of
-  the decode-only iterations seen so far: the credit is debited by the
-  predicted stretch when a plan is committed and credited on decode-only
-  iterations.
+* With routed-step protection (the paper's delta guarantee), the predicted
+  time added to iterations that carry a routed call never exceeds ``delta``
+  times the measured duration of the decode-only iterations *that carried a
+  routed call* seen so far: the credit is debited by the predicted stretch
+  when a plan is committed and credited only on decode-only iterations of the
+  kind it pays for (:class:`CreditAccrual`). ``credit_accrual="all-decode"``
+  is the other reading of Algorithm 1 (credit from every decode-only
+  iteration), kept as a named option; it bounds the stretch by ``delta`` of
+  the instance's whole decode-only time instead (``docs/architecture.md``).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from abc import ABC, abstractmethod
 
@@ -122,23 +127,60 @@ def _gate(snapshot: StepSnapshot) -> SlackBudget | None:
     return None
 
 
+class CreditAccrual(enum.Enum):
+    """Which decode-only iterations earn routed-step credit: the two readings
+    of §3.2's "a small credit that accrues at delta times the duration of
+    memory-bound, decode-only iterations"."""
+
+    #: Only decode-only iterations that carry a routed call, the iterations
+    #: the credit pays for: the time added to routed iterations is then at
+    #: most ``delta`` of their own decode-only time over the run ("the
+    #: long-run slowdown of routed calls is therefore at most delta"). The default.
+    ROUTED = "routed"
+    #: Every decode-only iteration (this project's reading before issue 16):
+    #: routed iterations may be stretched by up to ``delta`` of the instance's
+    #: whole decode-only time, more than ``delta`` of their own. Harvest, whose
+    #: credit pays for every busy iteration, accrues so by definition.
+    ALL_DECODE = "all-decode"
+
+
+def _accrual(value: CreditAccrual | str) -> CreditAccrual:
+    try:
+        return CreditAccrual(value)
+    except ValueError:
+        names = ", ".join(repr(a.value) for a in CreditAccrual)
+        raise ValueError(f"credit_accrual must be one of {names}, not {value!r}") from None
+
+
 @attrs.define(on_setattr=attrs.setters.NO_OP)  # delta validated at construction; the balance mutates per step
 class CreditAccount:
     """Routed-step protection: credit accrues at ``delta`` times the duration
-    of decode-only iterations and is debited by the predicted stretch of the
-    iterations it pays for."""
+    of decode-only iterations without shadow work (under ``accrual=ROUTED``
+    only those carrying a routed call) and is debited by the predicted stretch
+    of the iterations it pays for.
+
+    Invariant: ``spent_s <= earned_s = delta * (measured duration of the
+    iterations :meth:`accrues` admitted)``, up to one iteration's budget
+    (the balance never goes below zero by more than rounding: a budget is at
+    most the balance)."""
 
     delta: float = attrs.field(validator=non_negative)
+    accrual: CreditAccrual = attrs.field(default=CreditAccrual.ROUTED, converter=_accrual)
     balance_s: float = 0.0
     earned_s: float = 0.0
     spent_s: float = 0.0
 
+    def accrues(self, decode_only: bool, routed: bool) -> bool:
+        """Whether an iteration without shadow work earns credit."""
+        return decode_only and (routed or self.accrual is CreditAccrual.ALL_DECODE)
+
     def earn(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:
-        if snapshot.batch_shape.is_decode_only and outcome.num_shadow_tokens == 0 and not plan.grants:
+        if (outcome.num_shadow_tokens == 0 and not plan.grants
+                and self.accrues(snapshot.batch_shape.is_decode_only, snapshot.has_routed)):
             self.earn_s(outcome.duration_s)
 
     def earn_s(self, duration_s: float) -> None:
-        """Credit one decode-only iteration without shadow work of ``duration_s``."""
+        """Credit one iteration :meth:`accrues` admitted, of ``duration_s``."""
         gain = self.delta * duration_s
         self.balance_s += gain
         self.earned_s += gain
@@ -152,17 +194,22 @@ class CreditAccount:
 
 @attrs.define
 class SloSlackController(SlackController):
-    """Harvest-SLO: Algorithm 1 exactly (defaults are the paper's)."""
+    """Harvest-SLO: Algorithm 1 exactly (defaults are the paper's).
+
+    ``credit_accrual`` says which decode-only iterations earn the routed-step
+    credit (:class:`CreditAccrual`): ``"routed"`` (default, the paper's delta
+    guarantee) or ``"all-decode"`` (the other reading)."""
 
     beta: float = attrs.field(default=0.5, validator=positive)
     delta: float = attrs.field(default=0.025, validator=non_negative)
     n_min: int = attrs.field(default=256, validator=non_negative_int)
     margin: float = attrs.field(default=0.1, validator=fraction_closed_open)
     chunk_tokens: int = attrs.field(default=2048, validator=positive)
+    credit_accrual: CreditAccrual = attrs.field(default=CreditAccrual.ROUTED, converter=_accrual)
     credit: CreditAccount = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.credit = CreditAccount(self.delta)
+        self.credit = CreditAccount(self.delta, self.credit_accrual)
 
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
         gated = _gate(snapshot)
@@ -195,8 +242,8 @@ class HarvestController(SlackController):
     n_min: int = attrs.field(default=256, validator=non_negative_int)
     credit: CreditAccount = attrs.field(init=False)
 
-    def __attrs_post_init__(self) -> None:
-        self.credit = CreditAccount(self.delta)
+    def __attrs_post_init__(self) -> None:  # the credit pays for every busy iteration: every decode-only one earns
+        self.credit = CreditAccount(self.delta, CreditAccrual.ALL_DECODE)
 
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
         gated = _gate(snapshot)

@@ -15,6 +15,7 @@ from shadowcore.job import SessionHistory, ShadowJob
 from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
 from shadowcore.slack import (
     CreditAccount,
+    CreditAccrual,
     EagerController,
     HarvestController,
     SloSlackController,
@@ -152,12 +153,17 @@ def test_line5_routed_call_spends_credit_earned_on_decode_only_iterations():
     plan = run(hook, snap(routed))
     assert plan.budget == SlackBudget(0.0, BudgetReason.ROUTED_CREDIT, bounds_stretch=True)
     assert plan.grants == ()
-    # that iteration was decode-only without shadow: it earned delta * 4 ms; a decode-only iteration
-    # (no shadow room, so no shadow) of 1 s earns delta * 1 s = 0.025 s
+    # that iteration was decode-only without shadow and carried a routed call: it earned delta * 4 ms.
+    # A decode-only iteration of normal traffic alone earns nothing (the delta guarantee's denominator is
+    # the routed iterations' own decode-only time); a routed one (no shadow room, so no shadow) of 1 s
+    # earns delta * 1 s = 0.025 s
     run(hook, snap([decode("d", now=2.0, since_first=0.0)], now=2.0, room=0, iteration=1), duration=1.0)
+    assert hook.slack.credit.balance_s == pytest.approx(0.025 * 0.004)
+    both = [*routed, decode("d", now=2.5, since_first=0.0)]
+    run(hook, snap(both, now=2.5, room=0, iteration=2), duration=1.0)
     earned = 0.025 * 0.004 + 0.025 * 1.0
     assert hook.slack.credit.balance_s == pytest.approx(earned)
-    plan = run(hook, snap(routed, now=3.0, iteration=2))
+    plan = run(hook, snap(routed, now=3.0, iteration=3))
     # budget min(credit, beta T) = 0.02 bounds the stretch: 6e-5 n <= 0.02 -> n <= 333 -> 320
     assert plan.budget == SlackBudget(0.02, BudgetReason.ROUTED_CREDIT, bounds_stretch=True)
     assert plan.num_shadow_tokens == 320
@@ -215,10 +221,12 @@ def _plan(budget: SlackBudget, grants=(), base=0.004, predicted=0.004) -> StepPl
 GRANT = ShadowGrant(JobKey("s", "B"), 0, 0, 16, 0.5)
 
 
-def test_credit_accrues_on_decode_only_iterations_only():
-    c = CreditAccount(0.1)
-    decode_only = snap([decode("d", now=1.0, since_first=0.0)])
-    mixed = snap([decode("d", now=1.0, since_first=0.0), prefill("p", arrival=0.9, scheduled=64, remaining=0)])
+@pytest.mark.parametrize("accrual", [CreditAccrual.ROUTED, CreditAccrual.ALL_DECODE])
+def test_credit_accrues_on_decode_only_iterations_only(accrual):
+    c = CreditAccount(0.1, accrual)
+    routed = decode("r", now=1.0, since_first=0.0, kind=RequestKind.ROUTED)
+    decode_only = snap([decode("d", now=1.0, since_first=0.0), routed])
+    mixed = snap([routed, prefill("p", arrival=0.9, scheduled=64, remaining=0)])
     none = _plan(SlackBudget(0.0, BudgetReason.SLO_SLACK))
     c.earn(decode_only, none, StepOutcome("i0", 0, 0.05))
     assert (c.balance_s, c.earned_s) == (pytest.approx(0.005), pytest.approx(0.005))
@@ -227,6 +235,16 @@ def test_credit_accrues_on_decode_only_iterations_only():
     c.earn(decode_only, _plan(SlackBudget(1.0, BudgetReason.SLO_SLACK), [GRANT]), StepOutcome("i0", 0, 0.05))
     c.earn(decode_only, none, StepOutcome("i0", 0, 0.05, [ChunkResult(GRANT, 16)]))  # shadow computed
     assert c.balance_s == pytest.approx(0.005)
+    c.earn(snap([decode("d", now=1.0, since_first=0.0)]), none, StepOutcome("i0", 0, 0.05))  # normal traffic only
+    assert c.balance_s == pytest.approx(0.005 if accrual is CreditAccrual.ROUTED else 0.01)
+
+
+def test_credit_accrual_reading_is_named_and_checked():
+    assert SloSlackController().credit.accrual is CreditAccrual.ROUTED  # the paper's delta guarantee by default
+    assert SloSlackController(credit_accrual="all-decode").credit.accrual is CreditAccrual.ALL_DECODE
+    assert HarvestController().credit.accrual is CreditAccrual.ALL_DECODE  # it pays for every busy iteration
+    with pytest.raises(ValueError, match="credit_accrual must be one of 'routed', 'all-decode', not 'routd'"):
+        SloSlackController(credit_accrual="routd")
 
 
 def test_credit_is_spent_by_predicted_stretch_of_credit_budgets():

@@ -4,6 +4,8 @@ counts cold blocks incrementally; this pins it to the definition.)"""
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -67,3 +69,26 @@ def test_eviction_takes_a_released_chain_tail_first() -> None:
     assert kv.allocate("other", [], 3, KVClass.NORMAL, 2.0) is not None  # 2 free + 1 evicted
     assert kv.match_prefix(chain).num_device_blocks == 3
     assert not kv.is_cached(14)
+
+
+idle_maps = st.lists(st.tuples(st.booleans(), st.floats(0.0, 20.0, allow_nan=False)), max_size=24)
+
+
+@settings(max_examples=300, deadline=None)
+@given(entries=idle_maps, order=st.sampled_from(["shadow-first", "lru"]),
+       requester=st.sampled_from([KVClass.NORMAL, KVClass.SHADOW]), num=st.integers(0, 30),
+       protect=st.sets(st.integers(0, 23), max_size=6), now_s=st.floats(0.0, 30.0, allow_nan=False))
+@example(entries=[(False, 0.0), (True, 1.0)], order="lru", requester=KVClass.NORMAL, num=1, protect=set(), now_s=0.0)
+def test_victim_runs_are_the_first_victims_grouped_by_class(entries, order, requester, num, protect, now_s) -> None:
+    """``victim_runs`` (the manager's eviction path, with its fast case) is
+    exactly the first ``num`` of ``victims`` (the one victim rule), cut into
+    runs of one class, in order."""
+    idle = {KVClass.SHADOW: {}, KVClass.NORMAL: {}}
+    for block, (shadow, since) in enumerate(sorted(entries, key=lambda e: e[1])):  # release order: oldest first
+        idle[KVClass.SHADOW if shadow else KVClass.NORMAL][block] = since
+    policy = KVClassPolicy(cold_age_s=1.0, eviction_order=order)
+    expected = list(itertools.islice(policy.victims(idle, requester, now_s, protect), num))
+    runs = policy.victim_runs(idle, requester, num, now_s, protect)
+    assert [(block, cls) for cls, run in runs for block in run] == expected
+    assert all(run for _, run in runs)
+    assert all(a[0] is not b[0] for a, b in zip(runs, runs[1:]))  # maximal runs

@@ -41,8 +41,11 @@ MUTATIONS: dict[str, tuple] = {
     "idle": (UNIT, "test_idle_shadow_iterations_within_beta_T", "shadowcore/slack.py",
              "return SlackBudget(cap, BudgetReason.IDLE)", "return SlackBudget(2 * cap, BudgetReason.IDLE)", 2),
     "credit-earn": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
-                    "if snapshot.batch_shape.is_decode_only and outcome.num_shadow_tokens == 0 and not plan.grants:",
-                    "if outcome.num_shadow_tokens == 0 and not plan.grants:"),
+                    "and self.accrues(snapshot.batch_shape.is_decode_only, snapshot.has_routed)):",
+                    "and self.accrues(True, snapshot.has_routed)):"),
+    "credit-denominator": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
+                           "return decode_only and (routed or self.accrual is CreditAccrual.ALL_DECODE)",
+                           "return decode_only"),  # the old reading: every decode-only iteration earns
     "credit-spend": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
                      "self.balance_s -= cost", "pass"),
     "cap": (UNIT, "test_shadow_kv_never_exceeds_cap", "shadowcore/kv.py",
@@ -122,6 +125,10 @@ MUTATIONS: dict[str, tuple] = {
                    "if blocks.pop(h)[4]:  # it was counted cold\n                    pass\n",
                    "self._num_cold_idle -= sum(map(_is_cold, map(blocks.pop, victims)))",
                    "deque(map(blocks.pop, victims), 0)"),
+    "victim-runs": ("tests/test_kv_room.py", "test_victim_runs_are_the_first_victims_grouped_by_class",
+                    "shadowcore/kv.py",
+                    'if self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect:',
+                    "if requester is KVClass.NORMAL and not protect:"),
     "contract-last": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
                       "            elif seen_shadow:\n", "            elif False:\n"),
     "contract-grant": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
@@ -181,6 +188,13 @@ MUTATIONS: dict[str, tuple] = {
                        "        pool.close()  # runs in flight are abandoned\n"),
     "ci-skips": ("tests/test_shared_traces.py", "test_absent_traces_fail_under_ci", "tests/conftest.py",
                  'if os.environ.get("CI") == "true":', "if False:"),
+    # prefix sharing in normal traffic: an engine block is named by the chain of trace hashes up to the trace
+    # block it ends in (not the trace block it starts in), and past the hashed tokens a request's blocks are its own
+    "prefix-chain": ("tests/test_prefix_sharing.py", "test_prefix_blocks_are_shared_exactly_where_the_hash_lists_agree",
+                     "shadowcore/workloads/prefix.py", "m = ((i + 1) * block_size - 1) // T", "m = (i * block_size) // T"),
+    "prefix-reuse": ("tests/test_prefix_sharing.py", "test_simulator_normal_hit_rate_matches_the_trace_reuse_exactly",
+                     "shadowcore/engine/run.py", "history = PrefixHistory.for_prompt(request_id, num_prompt_tokens, prefix)",
+                     "history = SessionHistory(request_id)\n            history.append(num_prompt_tokens)"),
 }
 
 

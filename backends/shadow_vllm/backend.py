@@ -83,6 +83,7 @@ class VirtualBackend:
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else math.nan,
             "shadow_tokens": float(sum(e.scheduler.shadow_stats.num_shadow_tokens for e in engines)),
             "normal_requests": float(len(run.normal)),
+            "normal_hit_rate": run.normal_hit_rate,
         }
         return ScenarioResult(run.runtime.policy.name, calls, metrics)
 

@@ -166,7 +166,7 @@ class _OpenStep(NamedTuple):
     end_of_schedule_s: float
     predicted_s: float  # a skipped step's only under async scheduling (else measured)
     results: tuple[ChunkResult, ...]
-    decode_only: bool | None  # None: planned by the hook; else skipped (_fastpath.can_skip)
+    skipped: tuple[bool, bool] | None  # None: planned by the hook; else skipped (_fastpath.can_skip): (decode_only, routed)
 
 
 class _Port:
@@ -235,7 +235,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         self._shadow_iteration = 0
         self._shadow_step: _OpenStep | None = None
         #: A step of the quiet path (below) not yet reported: (output, end of schedule, predicted s, decode-only)
-        self._shadow_skipped: tuple[Any, float, float, bool] | None = None
+        self._shadow_skipped: tuple[Any, float, float, tuple[bool, bool]] | None = None
         self._shadow_defer_meta = False  # during super().schedule() of a step that may admit shadow chunks
         self._shadow_deferred_meta: tuple[Any, Any] | None = None  # (connector, its block state) until built
         self._shadow_observers = self.shadow_hook.observers.observers  # the list can_skip reads (may grow)
@@ -354,8 +354,8 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
                 self._shadow_close_skipped(measured=False)
             out = super().schedule(*args, **kwargs)
             self._shadow_iteration += 1
-            predicted_s, decode_only = self._shadow_skip_shape(out)
-            self._shadow_skipped = (out, self.shadow_clock(), predicted_s, decode_only)
+            predicted_s, skipped = self._shadow_skip_shape(out)
+            self._shadow_skipped = (out, self.shadow_clock(), predicted_s, skipped)
             return out
         return self._shadow_schedule(*args, **kwargs)
 
@@ -379,23 +379,27 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
             if self._shadow_deferred_meta is not None:
                 self._shadow_build_connector_meta(out)
 
-    def _shadow_skip_shape(self, out: SchedulerOutput) -> tuple[float, bool]:
-        """(predicted duration, decode-only) of a step the hook skips. Under async
+    def _shadow_skip_shape(self, out: SchedulerOutput) -> tuple[float, tuple[bool, bool]]:
+        """(predicted duration, (decode-only, routed)) of a step the hook skips. Under async
         scheduling the step is reported at the next ``schedule()``, when its
         requests have moved on, so its duration is predicted from its batch now;
-        otherwise it is measured (0.0 here) and only the decode-only test is needed."""
+        otherwise it is measured (0.0 here) and only the decode-only test is needed
+        (and, for a decode-only step, whether it carries a routed call: the credit's)."""
         if self._shadow_async:
             shape = self._shadow_batch_shape(out)
-            return self.shadow_hook.latency.predict_s(shape), shape.is_decode_only
-        return 0.0, self._shadow_decode_only(out)
+            predicted_s, decode_only = self.shadow_hook.latency.predict_s(shape), shape.is_decode_only
+        else:
+            predicted_s, decode_only = 0.0, self._shadow_decode_only(out)
+        scheduled = out.num_scheduled_tokens
+        return predicted_s, (decode_only, decode_only and any(rid in scheduled for rid in self.shadow_routed))
 
     def _shadow_plan_step(self, out: SchedulerOutput, now_s: float) -> SchedulerOutput:
         """Plan (or skip) the step vLLM has scheduled as ``out`` and admit the plan's chunks into it."""
         iteration = self._shadow_iteration
         self._shadow_iteration = iteration + 1
         if not self._shadow_by_request and _fastpath.can_skip(self.shadow_hook):
-            predicted_s, decode_only = self._shadow_skip_shape(out)
-            self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), predicted_s, (), decode_only)
+            predicted_s, skipped = self._shadow_skip_shape(out)
+            self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), predicted_s, (), skipped)
             return out
         snapshot = self._shadow_snapshot(out, now_s, iteration)
         plan = self.shadow_hook.begin_step(snapshot)
@@ -412,7 +416,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         skipped = self._shadow_skipped
         if skipped is not None and skipped[0] is scheduler_output:  # _shadow_close_skipped(measured=True), inline
             self._shadow_skipped = None
-            _fastpath.skip_step(self.shadow_hook, max(0.0, self.shadow_clock() - skipped[1]), skipped[3])
+            _fastpath.skip_step(self.shadow_hook, max(0.0, self.shadow_clock() - skipped[1]), *skipped[3])
         else:
             step = self._shadow_step
             if step is not None and step.output is scheduler_output:
@@ -470,18 +474,18 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
 
     def _shadow_close_skipped(self, measured: bool) -> None:
         """Report the quiet path's open step (``skip_step``), measured or predicted as ``_shadow_close_step``."""
-        _, end_of_schedule_s, predicted_s, decode_only = self._shadow_skipped
+        _, end_of_schedule_s, predicted_s, skipped = self._shadow_skipped
         self._shadow_skipped = None
         duration_s = self.shadow_clock() - end_of_schedule_s if measured else predicted_s
-        _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), decode_only)
+        _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), *skipped)
 
     def _shadow_close_step(self, measured: bool) -> None:
         step = self._shadow_step
         assert step is not None
         self._shadow_step = None
         duration_s = self.shadow_clock() - step.end_of_schedule_s if measured else step.predicted_s
-        if step.decode_only is not None:
-            _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), step.decode_only)
+        if step.skipped is not None:
+            _fastpath.skip_step(self.shadow_hook, max(0.0, duration_s), *step.skipped)
             return
         self.shadow_hook.end_step(StepOutcome(self.shadow_config.instance_id, step.iteration,
                                               max(0.0, duration_s), step.results))

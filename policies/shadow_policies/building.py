@@ -122,11 +122,17 @@ def targeting_from(top_k: int | None, gate: float | None) -> Targeting:
     return AllOthers()
 
 
-def slo_slack(beta: float, delta: float, n_min: int, margin: float, chunk_tokens: int) -> Component:
+def slo_slack(beta: float, delta: float, n_min: int, margin: float, chunk_tokens: int,
+              credit_accrual: str = "routed") -> Component:
     """The recipe of Harvest-SLO's :class:`~shadowcore.slack.SloSlackController`
-    (Algorithm 1 with the Eq. 1 SLO margin)."""
-    return Component(SloSlackController, {"beta": beta, "delta": delta, "n_min": n_min, "margin": margin,
-                                          "chunk_tokens": chunk_tokens})
+    (Algorithm 1 with the Eq. 1 SLO margin). ``credit_accrual``: which
+    decode-only iterations earn the routed-step credit
+    (:class:`~shadowcore.slack.CreditAccrual`; ``"routed"``, the paper's delta
+    guarantee, is the controller's default and is then left out of the args)."""
+    args = {"beta": beta, "delta": delta, "n_min": n_min, "margin": margin, "chunk_tokens": chunk_tokens}
+    if credit_accrual != "routed":
+        args["credit_accrual"] = credit_accrual
+    return Component(SloSlackController, args)
 
 
 def prefill_slack_for(slack: Component) -> Component | None:

@@ -1,7 +1,9 @@
 """Table 2 of the paper: No Shadow, Host Tier, Harvest, Harvest-SLO,
 Harvest-SLO+Host, Predictive, Dedicated, Eager, Oracle, Oracle+Host.
 
-Defaults are the paper's: beta=0.5, delta=0.1 (Harvest) / 0.025 (Harvest-SLO),
+Defaults are the paper's: beta=0.5, delta=0.1 (Harvest) / 0.025 (Harvest-SLO;
+its credit accrues on decode-only iterations that carry a routed call, the
+paper's delta guarantee; ``credit_accrual="all-decode"`` is the other reading),
 n_min=256 tokens, shadow cap 25% of the KV pool, cold age 5 s, host tier
 32 GB per GPU at 25 GB/s, Predictive gate 0.25. Every function accepts the
 same KV and targeting keywords so that sweeps can vary them uniformly:
@@ -40,18 +42,21 @@ def harvest(beta: float = 0.5, delta: float = 0.1, n_min: int = 256, top_k: int 
 
 @user_args
 def harvest_slo(beta: float = 0.5, delta: float = 0.025, n_min: int = 256, margin: float = 0.1,
-                chunk_tokens: int = 2048, top_k: int | None = None, gate: float | None = None, **kv) -> PolicySpec:
+                chunk_tokens: int = 2048, top_k: int | None = None, gate: float | None = None,
+                credit_accrual: str = "routed", **kv) -> PolicySpec:
     return policy_spec("harvest-slo", "Shadow jobs under the SLO-slack controller.",
-                       slo_slack(beta, delta, n_min, margin, chunk_tokens), targeting=targeting_from(top_k, gate),
+                       slo_slack(beta, delta, n_min, margin, chunk_tokens, credit_accrual),
+                       targeting=targeting_from(top_k, gate),
                        **kv)
 
 
 @user_args
 def harvest_slo_host(beta: float = 0.5, delta: float = 0.025, n_min: int = 256, margin: float = 0.1,
                      chunk_tokens: int = 2048, top_k: int | None = None, gate: float | None = None,
-                     **kv) -> PolicySpec:
+                     credit_accrual: str = "routed", **kv) -> PolicySpec:
     return policy_spec("harvest-slo-host", "Harvest-SLO with the host tier (the complete design).",
-                       slo_slack(beta, delta, n_min, margin, chunk_tokens), targeting=targeting_from(top_k, gate),
+                       slo_slack(beta, delta, n_min, margin, chunk_tokens, credit_accrual),
+                       targeting=targeting_from(top_k, gate),
                        host=True, **kv)
 
 

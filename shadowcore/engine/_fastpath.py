@@ -56,9 +56,9 @@ from shadowcore.slack import (
 from shadowcore.types import Phase, StepSnapshot
 
 
-def _earn_decode_credit(slack: SlackController, duration_s: float, decode_only: bool) -> None:
+def _earn_decode_credit(slack: SlackController, duration_s: float, decode_only: bool, routed: bool) -> None:
     """A credit controller's ``commit`` + ``observe`` of a plan without grants."""
-    if decode_only:
+    if slack.credit.accrues(decode_only, routed):
         slack.credit.earn_s(duration_s)
 
 
@@ -67,7 +67,7 @@ class _Skippable:
     #: ``budget`` is always zero (no shadow work ever): the type's own ``never_grants``.
     never_grants: bool = False
     #: What a skipped iteration does to the controller (None: nothing).
-    observe_skipped: Callable[[SlackController, float, bool], None] | None = None
+    observe_skipped: Callable[[SlackController, float, bool, bool], None] | None = None
 
 
 #: Controller types whose steps may be skipped, by exact type.
@@ -138,21 +138,23 @@ def plans_nothing(hook: EngineHook) -> bool:
     return kind is not None and kind.never_grants
 
 
-def skip_accounting(hook: EngineHook) -> Callable[[float, bool], None] | None:
+def skip_accounting(hook: EngineHook) -> Callable[[float, bool, bool], None] | None:
     """:func:`skip_step` for this hook as one callable ``(duration_s,
-    decode_only)``, or None when it does nothing (an engine may then leave
+    decode_only, routed)``, or None when it does nothing (an engine may then leave
     the calls out). Only for a hook whose steps may be skipped."""
     kind = _SKIPPABLE[type(hook.slack)]
     return None if kind.observe_skipped is None else functools.partial(kind.observe_skipped, hook.slack)
 
 
-def skip_step(hook: EngineHook, duration_s: float, decode_only: bool) -> None:
+def skip_step(hook: EngineHook, duration_s: float, decode_only: bool, routed: bool) -> None:
     """An iteration :func:`can_skip` allowed ran for ``duration_s``: the
     controller's accounting for it (``commit`` + ``observe`` of a plan without
-    grants); no plan, no outcome, no observer call."""
+    grants); no plan, no outcome, no observer call. ``decode_only`` and
+    ``routed`` are its snapshot's ``batch_shape.is_decode_only`` and
+    ``has_routed`` (the routed-step credit accrues by both)."""
     kind = _SKIPPABLE[type(hook.slack)]
     if kind.observe_skipped is not None:
-        kind.observe_skipped(hook.slack, duration_s, decode_only)
+        kind.observe_skipped(hook.slack, duration_s, decode_only, routed)
 
 
 #: Controller types whose ``budget`` reads of a snapshot only what an aggregate snapshot

@@ -34,12 +34,13 @@ import attrs
 
 from shadowcore.engine.kinds import CALL, NORMAL
 from shadowcore.engine.records import CallRecord
-from shadowcore.engine.workload import SessionPlan, Workload
+from shadowcore.engine.workload import NormalRequest, SessionPlan, Workload
 from shadowcore.errors import ConfigError
 from shadowcore.events import EventLoop
 from shadowcore.job import SessionHistory
 from shadowcore.manager import ShadowManager
 from shadowcore.types import CallArrival, CallPlacement
+from shadowcore.workloads.prefix import PromptPrefix
 
 
 @attrs.frozen
@@ -75,8 +76,12 @@ class ServingPort(Protocol):
         """Start a routed call whose prompt is ``history`` on ``placement.instance_id``."""
 
     def start_normal(self, request_id: str, instance_id: str, num_prompt_tokens: int,
-                     num_output_tokens: int) -> None:
-        """Start a normal request (a fresh prompt) on ``instance_id``; its outcome is the port's to keep."""
+                     num_output_tokens: int, prefix: PromptPrefix | None = None) -> None:
+        """Start a normal request on ``instance_id``; its outcome is the port's to keep.
+        The prompt is fresh, or its leading tokens are named by ``prefix``
+        (:mod:`shadowcore.workloads.prefix`: equal hashes, equal tokens). The
+        driver passes ``prefix`` only when a request has one, so a port that
+        never replays prefixes may leave the parameter out."""
 
     def settle(self) -> None:
         """After a router-side event: wake idle engines (and feed shadow work)."""
@@ -113,12 +118,15 @@ class SessionDriver:
         for s in workload.sessions:
             self.loop.at(s.arrival_s, CALL, lambda t, s=s: self._call(s, 0))
         for r in workload.normal:
-            self.loop.at(r.arrival_s, NORMAL, lambda t, r=r: self._normal(r.instance_id, r.num_prompt_tokens,
-                                                                          r.num_output_tokens))
+            self.loop.at(r.arrival_s, NORMAL, lambda t, r=r: self._normal(r))
 
-    def _normal(self, instance_id: str, prompt: int, output: int) -> None:
+    def _normal(self, r: NormalRequest) -> None:
         self._num_normal += 1
-        self.port.start_normal(f"n{self._num_normal}:{instance_id}", instance_id, prompt, output)
+        rid = f"n{self._num_normal}:{r.instance_id}"
+        if r.prefix is None:
+            self.port.start_normal(rid, r.instance_id, r.num_prompt_tokens, r.num_output_tokens)
+        else:
+            self.port.start_normal(rid, r.instance_id, r.num_prompt_tokens, r.num_output_tokens, prefix=r.prefix)
 
     def _call(self, s: SessionPlan, index: int) -> None:
         call = s.calls[index]

@@ -133,6 +133,9 @@ class EngineRequest:
         )
 
 
+_ROUTED = RequestKind.ROUTED
+
+
 def append_output_to_history(req: EngineRequest, now_s: float) -> None:
     """An ``on_token`` callback: the request's own history grows with its
     output (normal traffic). Engines recognise it and inline it."""
@@ -193,11 +196,12 @@ class EngineInstance:
     # requests not decoding, in running order; the cohort's decode deadlines (built on first use).
     _prefilling: list = attrs.Factory(list)
     _deadlines: DecodeDeadlines | None = None
-    _agg: tuple | None = None  # the aggregate iteration in flight: (entries, results, duration, decode_only)
+    _agg: tuple | None = None  # the aggregate iteration in flight: (entries, results, duration, skipped)
     num_agg_iterations: int = 0  # iterations scheduled from the aggregates (a diagnostic)
     num_agg_snapshots: int = 0  # of which planned on a full snapshot (views of every request; a diagnostic)
     steady_runs: bool = True  # run_steady may take runs of plain ticks (off: one round trip per iteration)
     num_steady_ticks: int = 0  # iteration ends taken by run_steady (a diagnostic)
+    _num_routed: int = 0  # routed calls among the running requests (a steady iteration's has_routed)
 
     def energy_j(self, wall_s: float) -> float:
         """GPU energy over ``wall_s``: idle power throughout, busy power while iterating."""
@@ -267,7 +271,7 @@ class EngineInstance:
         order), and the hook hears of the iteration through ``_fastpath.skip_step``."""
         if not batch:
             if self.hook is not None:
-                _fastpath.skip_step(self.hook, 0.0, False)
+                _fastpath.skip_step(self.hook, 0.0, False, False)
             self.iteration += 1
             return None
         reload_s = 0.0
@@ -281,7 +285,8 @@ class EngineInstance:
                 prefills.append(PrefillChunk(n, r.num_computed_tokens))
         duration = self.latency.predict_s(BatchShape(prefills, decodes)) + reload_s
         self.last_batch_tokens = sum(n for _, n in batch)
-        self._step = (batch, [], duration, bool(decodes) and not prefills)
+        decode_only = bool(decodes) and not prefills
+        self._step = (batch, [], duration, (decode_only, decode_only and any(r.kind is _ROUTED for r, _ in batch)))
         self.busy = True
         return now_s + duration
 
@@ -292,7 +297,7 @@ class EngineInstance:
         if self._step is None:
             self._end_steady(now_s)
             return
-        batch, results, duration, decode_only = self._step  # decode_only: None when the hook planned it
+        batch, results, duration, skipped = self._step  # skipped: None when the hook planned it, else (decode_only, routed)
         self._step = None
         self.busy = False
         self.busy_s += duration
@@ -302,10 +307,10 @@ class EngineInstance:
                 self.kv.release(_shadow_owner(r.grant), now_s)
                 self.num_shadow_tokens += r.num_computed_tokens
         if self.hook is not None:
-            if decode_only is None:
+            if skipped is None:
                 self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
             else:
-                _fastpath.skip_step(self.hook, duration, decode_only)
+                _fastpath.skip_step(self.hook, duration, *skipped)
         self.iteration += 1
         for req, n in batch:
             if req in self.running:  # not preempted meanwhile
@@ -372,7 +377,7 @@ class EngineInstance:
                 continue
             c, seq = req.num_computed_tokens, req.run_seq
             if not _lazy_eligible(req):
-                eager.append(req)
+                eager.append(req)  # routed calls stay eager: run_steady's ticks then carry none
                 continue
             longest.append((clock - c, seq, req))
             req.lazy_base = clock
@@ -463,7 +468,10 @@ class EngineInstance:
             reload_s += r.pending_reload_s
             r.pending_reload_s = 0.0
         duration = self._predict_agg(prefills, nd, dctx) + reload_s
-        self._agg = (entries, [], duration, bool(nd or dctx) and not prefills)
+        decode_only = bool(nd or dctx) and not prefills
+        routed = decode_only and (any(r.kind is _ROUTED for r in self._eager)  # routed decodes are all eager
+                                  or any(r.kind is _ROUTED for r, _ in entries))
+        self._agg = (entries, [], duration, (decode_only, routed))
         self.last_batch_tokens = used
         self.num_agg_iterations += 1
         self.busy = True
@@ -566,7 +574,7 @@ class EngineInstance:
     def _end_agg(self, now_s: float) -> None:
         """End an aggregate iteration: as end_step, the decodes by the cohort
         clock and _advance_cohort, then the entries in batch order."""
-        entries, results, duration, decode_only = self._agg
+        entries, results, duration, skipped = self._agg  # skipped: None when planned, else (decode_only, routed)
         self._agg = None
         self.busy = False
         self.busy_s += duration
@@ -576,10 +584,10 @@ class EngineInstance:
                 self.kv.release(_shadow_owner(r.grant), now_s)
                 self.num_shadow_tokens += r.num_computed_tokens
         if self.hook is not None:
-            if decode_only is None:
+            if skipped is None:
                 self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
             else:
-                _fastpath.skip_step(self.hook, duration, decode_only)
+                _fastpath.skip_step(self.hook, duration, *skipped)
         self.iteration += 1
         self.num_fast_iterations += 1
         self._advance_cohort(now_s)
@@ -678,7 +686,7 @@ class EngineInstance:
         self.num_iterations_run += 1
         self.num_fast_iterations += 1
         if self.hook is not None:
-            _fastpath.skip_step(self.hook, duration, True)
+            _fastpath.skip_step(self.hook, duration, True, self._num_routed > 0)  # the batch: every running request
         self.iteration += 1
         if self._cohort:
             self._advance_cohort(now_s)
@@ -749,7 +757,7 @@ class EngineInstance:
                 clock, last = c, t
                 num += 1
                 if skip is not None:
-                    skip(d, True)
+                    skip(d, True, False)  # no routed call: those are eager (on_token is theirs), the cohort is all
                 total += nd
                 longest += 1
                 d = predict(nd, total, longest)  # the next iteration (start_step); may raise, as start_step would
@@ -908,6 +916,7 @@ class EngineInstance:
                 return True
             self.waiting.popleft()
             self.running.append(req)
+            self._num_routed += req.kind is _ROUTED
             req.run_seq = self._num_admitted
             self._num_admitted += 1
             n = min(budget, req.num_tokens - req.num_computed_tokens)
@@ -930,6 +939,7 @@ class EngineInstance:
 
     def _preempt(self, req: EngineRequest, now_s: float, batch: list) -> None:
         self.running.remove(req)
+        self._num_routed -= req.kind is _ROUTED
         batch[:] = [(r, n) for r, n in batch if r is not req]
         self.kv.release(req.owner_id, now_s)
         req.num_computed_tokens = 0
@@ -986,6 +996,7 @@ class EngineInstance:
     def _finish(self, req: EngineRequest, now_s: float) -> None:
         req.finish_s = now_s
         self.running.remove(req)
+        self._num_routed -= req.kind is _ROUTED
         # Cache the full blocks whose KV was computed, as vLLM does: the last sampled token's KV never is,
         # so (num_tokens - 1) // block_size blocks.
         num_full = (req.num_tokens - 1) // self.kv.block_size

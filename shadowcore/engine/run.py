@@ -13,7 +13,10 @@ the scenario's seed), so every policy sees identical sessions and normal
 requests; the policy's randomness comes from the :class:`ShadowConfig` seed
 through the composition root. A normal request meets its SLO when its TTFT is
 within ``max(slo.ttft_s, 5 x its isolated prefill)`` and its TPOT within the
-instance's TPOT SLO; a rejected one is counted and is a miss.
+instance's TPOT SLO; a rejected one is counted and is a miss. A normal request
+with a :class:`~shadowcore.workloads.prefix.PromptPrefix` shares its leading
+blocks with equal prefixes (``normal_hit_rate``: cached / prompt tokens of the
+measured normal requests).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from shadowcore.latency import chunked_prefill_s
 from shadowcore.pipeline import ShadowRuntime, build_runtime
 from shadowcore.policy import PolicySpec, load_policy
 from shadowcore.types import CallPlacement, RequestKind
+from shadowcore.workloads.prefix import PrefixHistory, PromptPrefix
 
 
 @attrs.define(eq=False)
@@ -65,6 +69,8 @@ class ScenarioRun:
     runtime: ShadowRuntime = attrs.field(init=False)
     driver: SessionDriver = attrs.field(init=False)
     normal: list[tuple[float, bool]] = attrs.field(init=False, factory=list)  # (arrival, met SLO)
+    #: (arrival, prompt tokens, cached prompt tokens) of every finished normal request (0 cached if rejected)
+    normal_tokens: list[tuple[float, int, int]] = attrs.field(init=False, factory=list)
     rejected_normal: list[str] = attrs.field(init=False, factory=list)  # longer than a whole KV pool
     _dedicated: set[str] = attrs.field(init=False, factory=set)
 
@@ -162,10 +168,13 @@ class ScenarioRun:
         self._enqueue(inst, req)
 
     def start_normal(self, request_id: str, instance_id: str, num_prompt_tokens: int,
-                     num_output_tokens: int) -> None:
+                     num_output_tokens: int, prefix: PromptPrefix | None = None) -> None:
         inst = self.cluster.by_id[instance_id]
-        history = SessionHistory(request_id)
-        history.append(num_prompt_tokens)
+        if prefix is None:
+            history = SessionHistory(request_id)
+            history.append(num_prompt_tokens)
+        else:  # its leading blocks are named by the trace's hashes: shared with equal prefixes
+            history = PrefixHistory.for_prompt(request_id, num_prompt_tokens, prefix)
         req = EngineRequest(request_id, RequestKind.NORMAL, history, num_prompt_tokens, num_output_tokens,
                             self.loop.now_s, inst.tpot_slo_s * 40, inst.tpot_slo_s,
                             on_token=append_output_to_history, on_finish=self._normal_done)
@@ -181,6 +190,7 @@ class ScenarioRun:
         self.cluster.kick(inst)
 
     def _normal_done(self, req: EngineRequest, now_s: float) -> None:
+        self.normal_tokens.append((req.arrival_s, req.num_prompt_tokens, req.num_cached_tokens or 0))
         if req.rejected:  # counted, and a miss: nothing is dropped silently
             self.rejected_normal.append(req.request_id)
             self.normal.append((req.arrival_s, False))
@@ -195,6 +205,8 @@ class ScenarioRun:
         measured = [c for c in self.calls if c.arrival_s >= sc.warmup_s]
         switch = [c for c in measured if c.is_switch]
         normal = [met for arrival, met in self.normal if arrival >= sc.warmup_s]
+        normal_prompt = sum(p for arrival, p, _ in self.normal_tokens if arrival >= sc.warmup_s)
+        normal_cached = sum(c for arrival, _, c in self.normal_tokens if arrival >= sc.warmup_s)
         insts = list(self.cluster.by_id.values())
         shadow_tokens = sum(i.num_shadow_tokens for i in insts)
         used = sum(i.kv.num_shadow_blocks_used * i.kv.block_size for i in insts)
@@ -207,6 +219,7 @@ class ScenarioRun:
             "hit_rate": hit_rate(measured),
             "switch_hit_rate": hit_rate(switch),
             "normal_slo_attainment": mean(1.0 if m else 0.0 for m in normal),
+            "normal_hit_rate": normal_cached / normal_prompt if normal_prompt else float("nan"),
             "shadow_tokens": float(shadow_tokens),
             "shadow_tokens_used": float(used),
             "rejected_requests": float(len(self.driver.rejected) + len(self.rejected_normal)),

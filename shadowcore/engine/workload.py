@@ -38,6 +38,7 @@ import numpy as np
 from shadowcore._validators import non_negative, non_negative_int, positive, positive_int, probability
 from shadowcore.config import SloConfig, build_attrs
 from shadowcore.errors import ConfigError
+from shadowcore.workloads.prefix import PromptPrefix
 
 
 def _tuple(v: Iterable) -> tuple:
@@ -114,15 +115,24 @@ def session(session_id: str, arrival_s: float, models: Sequence[str], inputs: Se
         PlannedCall(m, i, o, g, c) for m, i, o, g, c in zip(models, inputs, outputs, gaps, compact)))
 
 
+def _optional_prefix(_inst: Any, attribute: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, PromptPrefix):
+        raise ConfigError(attribute.name, value, "must be a PromptPrefix or None")
+
+
 @attrs.frozen
 class NormalRequest:
-    """One normal (non-agent) request: ``num_prompt_tokens`` of fresh prompt
-    arriving at ``instance_id`` at ``arrival_s``, ``num_output_tokens`` long."""
+    """One normal (non-agent) request: ``num_prompt_tokens`` of prompt
+    arriving at ``instance_id`` at ``arrival_s``, ``num_output_tokens`` long.
+    The prompt is fresh, or with ``prefix`` (a trace's block hashes,
+    :mod:`shadowcore.workloads.prefix`) its leading tokens are shared with
+    every request of equal leading hashes."""
 
     instance_id: str
     arrival_s: float = attrs.field(validator=_finite_non_negative)
     num_prompt_tokens: int = attrs.field(validator=positive_int)
     num_output_tokens: int = attrs.field(validator=positive_int)
+    prefix: PromptPrefix | None = attrs.field(default=None, validator=_optional_prefix)
 
 
 def _unique_sessions(_inst: Any, _attribute: Any, value: tuple[SessionPlan, ...]) -> None:
@@ -239,9 +249,11 @@ def draw_normal(sc: ScenarioSpec, instance_index: int, rate_per_s: float | None 
         out.append((t, _lognormal(rng, sc.normal_prompt_median), _lognormal(rng, sc.normal_output_median)))
 
 
-def normal_requests(streams: Iterable[tuple[str, Iterable[tuple[float, int, int]]]]) -> tuple[NormalRequest, ...]:
-    """(instance id, its (arrival, prompt, output) list) streams as one tuple, stream after stream."""
-    return tuple(NormalRequest(inst, t, p, o) for inst, arrivals in streams for t, p, o in arrivals)
+def normal_requests(streams: Iterable[tuple[str, Iterable[tuple]]]) -> tuple[NormalRequest, ...]:
+    """(instance id, its (arrival, prompt, output) list) streams as one tuple,
+    stream after stream; an entry may carry a fourth item, its
+    :class:`~shadowcore.workloads.prefix.PromptPrefix` (or None)."""
+    return tuple(NormalRequest(inst, *entry) for inst, arrivals in streams for entry in arrivals)
 
 
 def draw_workload(sc: ScenarioSpec, serving: Sequence[str] | None = None, normal_rate_per_s: float | None = None,

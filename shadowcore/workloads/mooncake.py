@@ -3,7 +3,9 @@
 ``output_length``, ``hash_ids``.
 
 Invariants: records stay in file order (a decreasing timestamp is an error);
-``hash_ids`` are kept as they are, not checked against the prompt length.
+``hash_ids`` are kept as they are, not checked against the prompt length. They
+are what normal traffic shares: :func:`shadowcore.workloads.prefix.trace_prefix`
+turns them into a request's prompt prefix (equal leading ids, shared KV).
 """
 
 from __future__ import annotations

@@ -70,7 +70,9 @@ class TraceRequest:
 
     ``arrival_s`` is seconds from the start of the trace (its first request for a
     loaded trace, the window start for a window). ``hash_ids`` are the prefix-block
-    ids of formats that carry them (Mooncake), ``model`` and ``session_id`` are empty
+    ids of formats that carry them (Mooncake), one per ``hash_block_tokens`` prompt
+    tokens (equal leading ids: a shared prefix; see
+    :mod:`shadowcore.workloads.prefix`), ``model`` and ``session_id`` are empty
     where the format has none, and ``num_cached_tokens`` (<= ``num_prompt_tokens``)
     is the prompt prefix the original system served from cache (Copilot)."""
 
@@ -81,6 +83,7 @@ class TraceRequest:
     model: str = attrs.field(default="", validator=_string)
     session_id: str = attrs.field(default="", validator=_string)
     num_cached_tokens: int = attrs.field(default=0, validator=_v.non_negative_int)
+    hash_block_tokens: int = attrs.field(default=MOONCAKE_BLOCK_TOKENS, validator=_v.positive_int)
 
     def __attrs_post_init__(self) -> None:
         if self.num_cached_tokens > self.num_prompt_tokens:
@@ -176,20 +179,21 @@ class Trace:
         return Trace(f"{self.name}*{rate_factor:g}", reqs, span_s=span)
 
     def capped(self, max_prompt: int | None = None, max_output: int | None = None, *,
-               hash_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> tuple[Trace, int]:
+               hash_block_tokens: int | None = None) -> tuple[Trace, int]:
         """Cap token counts, for models with a smaller context or output limit.
 
         Returns ``(trace, n_capped)``: the new trace and how many requests had their
         prompt or output count lowered. Capping is never silent: the caller gets the
         count and should report it. A capped prompt also caps ``num_cached_tokens``
         to the new prompt length and keeps only the ``hash_ids`` blocks that still
-        hold prompt tokens (``ceil(max_prompt / hash_block_tokens)``). ``None`` leaves
+        hold prompt tokens (``ceil(max_prompt / hash_block_tokens)``; default: each
+        request's own ``hash_block_tokens``). ``None`` leaves
         that count uncapped. Requests are never dropped."""
         for field, cap in (("max_prompt", max_prompt), ("max_output", max_output)):
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
                 raise ConfigError(field, cap, "must be an integer >= 1 or None")
-        if isinstance(hash_block_tokens, bool) or not isinstance(hash_block_tokens, int) \
-                or hash_block_tokens < 1:
+        if hash_block_tokens is not None and (isinstance(hash_block_tokens, bool)
+                                              or not isinstance(hash_block_tokens, int) or hash_block_tokens < 1):
             raise ConfigError("hash_block_tokens", hash_block_tokens, "must be an integer >= 1")
         out: list[TraceRequest] = []
         n_capped = 0
@@ -205,7 +209,8 @@ class Trace:
                 assert max_prompt is not None
                 changes["num_prompt_tokens"] = max_prompt
                 changes["num_cached_tokens"] = min(r.num_cached_tokens, max_prompt)
-                changes["hash_ids"] = r.hash_ids[:-(-max_prompt // hash_block_tokens)]
+                block = r.hash_block_tokens if hash_block_tokens is None else hash_block_tokens
+                changes["hash_ids"] = r.hash_ids[:-(-max_prompt // block)]
             if output_cut:
                 changes["num_output_tokens"] = max_output
             out.append(attrs.evolve(r, **changes))

@@ -20,6 +20,12 @@ prefix hit covers at most ``num_tokens - 1`` tokens in whole blocks (vLLM's
 The summaries now pin every metric the runs report, the experiment metrics
 included.
 
+Regenerated again, deliberately (issue 16): Harvest-SLO's routed-step credit
+accrues only on decode-only iterations that carry a routed call (the paper's
+delta guarantee; ``shadowcore.slack.CreditAccrual``). The three
+harvest-slo-host cases moved (``fake-``, ``sim-``, ``experiment-``); every
+other case is unchanged.
+
 Regenerate (only for a deliberate semantic change, stated in the commit)::
 
     python tests/sim/test_speed_equivalence.py --regenerate

@@ -133,13 +133,17 @@ def test_skippable_only_by_exact_type() -> None:
     assert not any(hasattr(SlackController, n) for n in ("skippable", "observe_skipped"))
 
 
-def test_credit_of_skipped_steps_matches_observed_steps() -> None:
-    a, b = SloSlackController(), SloSlackController()
+@pytest.mark.parametrize("accrual", ["routed", "all-decode"])
+def test_credit_of_skipped_steps_matches_observed_steps(accrual: str) -> None:
+    a, b = SloSlackController(credit_accrual=accrual), SloSlackController(credit_accrual=accrual)
     for d in (0.0123, 0.0456, 1e-3, 0.1):
         skip = _fastpath.skippable(a).observe_skipped
-        skip(a, d, True)
-        skip(a, d, False)  # not decode-only: no credit
+        skip(a, d, True, True)
+        skip(a, d, False, True)  # not decode-only: no credit
+        skip(a, d, True, False)  # no routed call: credit only under "all-decode"
         b.credit.earn_s(d)
+        if accrual == "all-decode":
+            b.credit.earn_s(d)
     assert (a.credit.balance_s, a.credit.earned_s) == (b.credit.balance_s, b.credit.earned_s) != (0.0, 0.0)
 
 

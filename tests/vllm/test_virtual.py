@@ -139,8 +139,9 @@ def test_no_shadow_fast_path_decides_as_the_planned_path(policy: str) -> None:
         snapshots = []
         build = scheduler._shadow_snapshot
         scheduler._shadow_snapshot = lambda *a: snapshots.append(a) or build(*a)
-        for k in range(6):
-            eng.add_request_at(0.002 * k, f"n{k}", [10 + k] * (40 + 30 * k), 24)
+        for k in range(6):  # two routed calls, shorter: decode-only steps with and without one (the credit's)
+            routed = {"extra_args": ShadowTag(TagKind.ROUTED, f"s{k}").to_extra_args()} if k < 2 else {}
+            eng.add_request_at(0.002 * k, f"n{k}", [10 + k] * (40 + 30 * k), 12 if k < 2 else 24, **routed)
         eng.loop.run()
         phase1 = (len(eng.steps), len(snapshots), counter.num_plans, scheduler.shadow_hook.slack.credit.balance_s)
         eng.add_request("shadow", [7 + i % 300 for i in range(900)], 1,
@@ -172,6 +173,8 @@ def test_no_shadow_fast_path_under_preemption() -> None:
     from shadow_vllm.engine_config import engine_args
     from shadow_vllm.scheduler import ShadowScheduler
 
+    from shadowcore.wire import ShadowTag, TagKind
+
     def run(observed: bool):
         extra = engine_args("harvest-slo", slo={"ttft_s": 1.0, "tpot_s": 0.05})["additional_config"]
         config = virtual.VirtualEngineConfig(num_blocks=16, max_num_batched_tokens=512, additional_config=extra)
@@ -179,7 +182,8 @@ def test_no_shadow_fast_path_under_preemption() -> None:
         if observed:
             eng.scheduler.shadow_hook.observers.add(_CountPlans())
         for k in range(3):  # distinct prompts: a preempted request's blocks get evicted, so it recomputes
-            eng.add_request(f"r{k}", [(k * 131 + i * 17) % 400 + 5 for i in range(90)], 60)
+            eng.add_request(f"r{k}", [(k * 131 + i * 17) % 400 + 5 for i in range(90)], 60,
+                            extra_args=ShadowTag(TagKind.ROUTED, f"s{k}").to_extra_args())  # routed: they earn
         eng.loop.run()
         credit = eng.scheduler.shadow_hook.slack.credit
         return [(s.start_s, s.num_tokens, s.preempted) for s in eng.steps], (credit.balance_s, credit.earned_s)

@@ -118,9 +118,9 @@ def _recording_skips(closes: list):
     """The engines' skip_step (a private fast path), recording each skipped step's duration."""
     original = _fastpath.skip_step
 
-    def recording(hook, duration_s: float, decode_only: bool) -> None:
+    def recording(hook, duration_s: float, decode_only: bool, routed: bool) -> None:
         closes.append(("skip", duration_s))
-        original(hook, duration_s, decode_only)
+        original(hook, duration_s, decode_only, routed)
 
     with mock.patch.object(_fastpath, "skip_step", recording):
         yield
@@ -155,8 +155,9 @@ def _run(policy: str, observed: bool):
     scheduler.shadow_hook = _RecordingHook(hook, closes)
 
     with _recording_skips(closes):
-        for k in range(6):  # a decode-heavy phase without shadows
-            driver.add(f"n{k}", [10 + k] * (40 + 30 * k), 24)
+        for k in range(6):  # a decode-heavy phase without shadows; two shorter routed calls (credit: Harvest-SLO's)
+            routed = ShadowTag(TagKind.ROUTED, f"s{k}").to_extra_args() if k < 2 else None
+            driver.add(f"n{k}", [10 + k] * (40 + 30 * k), 12 if k < 2 else 24, routed)
         driver.run()
         phase1 = (list(driver.steps), counter.num_plans, hook.slack.credit.balance_s, hook.slack.credit.earned_s)
         driver.add("shadow", [7 + i % 300 for i in range(900)], 1,

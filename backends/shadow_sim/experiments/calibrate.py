@@ -2,12 +2,16 @@
 per instance at which at least 90% of requests meet both SLOs
 (TTFT <= max(1 s, 5x isolated prefill), TPOT <= max(25 ms, 5x batch-1 decode)).
 
-Method: one instance of the model serves Poisson normal traffic (lengths from
-the experiment's source, a fixed probe seed) for ``warmup_s + measure_s``; the
-attainment is over requests arriving after the warm-up, and the run drains. The
-rate doubles from ``start_per_s`` until a probe misses the target, then bisects
-between the last passing and the first failing rate until they are within
-``rel_tol``. The result records both: ``capacity_per_s`` passed, and
+Method: one instance of the model serves normal traffic with the arrival
+process the run will use (:func:`probe_arrivals`): Poisson (lengths from the
+experiment's source, a fixed probe seed) for ``warmup_s + measure_s``, or, for a
+trace replay, the trace's PEAK window time-scaled to the probed rate and
+replayed (tiled) for ``warmup_s`` plus at least one whole pass of the window, so
+a bursty trace is provisioned for its bursts (issue 14 item 5). Requests carry
+their trace prefixes when the run's do. The attainment is over requests arriving
+after the warm-up, and the run drains. The rate doubles from ``start_per_s``
+until a probe misses the target, then bisects between the last passing and
+the first failing rate until they are within ``rel_tol``. The result records both: ``capacity_per_s`` passed, and
 ``fail_per_s`` (at most ``rel_tol`` above it) missed, on the same probe seed.
 
 Results are cached under ``$SHADOWPREFILL_CACHE/capacity`` (default
@@ -16,7 +20,12 @@ device, TP, latency kind and the latency tables' input key -- for Vidur the
 sha256 of the profiles and training settings that names its table cache, for the
 roofline the model and device specs --, SLOs, engine limits, length source and,
 for a trace file, its content hash, probe settings, a method version), so a
-repeated experiment does not re-probe.
+repeated experiment does not re-probe; a replayed or prefix-sharing source adds
+its arrival process to the key (Poisson keys without prefixes are unchanged).
+
+Promise (:func:`promise`): the attainment the calibration predicts for the run,
+measured the same way at the run's own rate (``rho`` x capacity, the run's
+window), next to which the run reports what it got.
 
 Shipped capacities: :data:`SHIPPED` (``capacity_shipped.json`` next to this
 module) holds results of this very calibration for the models of the embedded
@@ -41,7 +50,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from shadow_sim.experiments.normal import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, poisson
+from shadow_sim.experiments.normal import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
 from shadow_sim.experiments.spec import SIMULATE_DEFAULT, Experiment, NormalOnlyRun
 from shadow_sim.hardware import get_device
 from shadow_sim.latency import latency_model, resolve_profile, vidur_available
@@ -52,7 +61,7 @@ from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
 
 TARGET = 0.9
-METHOD_VERSION = 2  # 2: the key includes the latency tables' input key
+METHOD_VERSION = 2  # 2: the key includes the latency tables' input key (a replay adds "arrivals")
 SHIPPED = Path(__file__).with_name("capacity_shipped.json")
 
 
@@ -120,19 +129,84 @@ def _key(ex: Experiment, model: str, settings: ProbeSettings) -> str:
     profile = resolve_profile(sc.latency_profile)
     if not profile.is_identity:  # absent otherwise: the keys of uncalibrated runs (and shipped capacities) stay
         fields["latency_profile"] = profile.to_dict()
+    if ex.normal.kind == "trace":  # calibrated by replaying the peak window (absent for Poisson: keys stay)
+        fields["arrivals"] = "replay-peak"
+    if ex.normal.shares_prefixes:
+        fields["prefix_sharing"] = True
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def attainment(ex: Experiment, model: str, rate_per_s: float, settings: ProbeSettings = ProbeSettings()) -> float:
-    """Share of normal requests after the warm-up meeting both SLOs at ``rate_per_s``."""
-    sc = SimScenario.from_dict({**_probe_scenario(ex, model), "duration_s": settings.warmup_s + settings.measure_s,
-                                "warmup_s": settings.warmup_s})
-    rng = np.random.default_rng([settings.seed, 2, 0])
-    arrivals = poisson(rng, rate_per_s, settings.warmup_s + settings.measure_s, ex.normal.lengths)
+def probe_arrivals(ex: Experiment, rate_per_s: float, settings: ProbeSettings = ProbeSettings(),
+                   window: str = "peak") -> tuple[list[tuple], float]:
+    """The probe's normal traffic at ``rate_per_s`` (the PEAK window's rate) and its
+    length: the run's own arrival process (``ex.normal``) on one instance, the
+    probe seed for Poisson; a replay lasts ``warmup_s`` plus at least one pass of
+    the scaled window. ``window`` other than peak: that window at its load."""
+    normal = ex.normal
+    measure = settings.measure_s
+    if normal.kind == "trace":
+        measure = max(measure, normal.peak_window_requests() / rate_per_s)  # one whole pass of the window
+    end = settings.warmup_s + measure
+    return normal.peak_arrivals(rate_per_s, end, settings.seed, 0, 1, window=window), end
+
+
+def attainment(ex: Experiment, model: str, rate_per_s: float, settings: ProbeSettings = ProbeSettings(),
+               window: str = "peak") -> float:
+    """Share of normal requests after the warm-up meeting both SLOs at ``rate_per_s``
+    (:func:`probe_arrivals`)."""
+    arrivals, end = probe_arrivals(ex, rate_per_s, settings, window)
+    sc = SimScenario.from_dict({**_probe_scenario(ex, model), "duration_s": end, "warmup_s": settings.warmup_s})
     run = NormalOnlyRun(sc, ShadowConfig(PluginRef("no-shadow")), arrivals=arrivals)
     run.run()
     met = [ok for arrival, ok in run.normal if arrival >= settings.warmup_s]
     return float(np.mean(met)) if met else 1.0
+
+
+@attrs.frozen
+class Promise:
+    """The normal SLO attainment calibration promises a run: per model, the
+    probe's attainment at the run's rate (``rho`` x capacity) and window, and
+    their mean weighted by each model's normal request rate."""
+
+    arrivals: str  # "poisson" or "replay-peak"
+    rho: float
+    window: str
+    per_model: dict[str, float]
+    attainment: float
+
+    def line(self, got: dict[str, float], width: int = 120) -> str:
+        """The promise and what each policy got, in lines of at most ``width`` characters."""
+        import textwrap
+
+        how = "peak window replayed, time-scaled" if self.arrivals == "replay-peak" else "Poisson arrivals"
+        head = f"normal SLO promised by calibration: {self.attainment:.1%} ({how}; rho {self.rho:g}, {self.window})"
+        cells = ", ".join(f"{p} {a:.1%}" for p, a in got.items())
+        return "\n".join([head, *textwrap.wrap(f"normal SLO got: {cells}", width, subsequent_indent="  ",
+                                                break_on_hyphens=False)])
+
+
+def promise(ex: Experiment, capacity: dict[str, float], window: str = "peak",
+            settings: ProbeSettings = ProbeSettings(), *, use_cache: bool = True) -> Promise:
+    """What calibration promises the run of ``ex`` at ``capacity`` (see
+    :class:`Promise`); cached beside the capacities."""
+    per_model = {}
+    for model in ex.models:
+        rate = ex.normal.rho * capacity[model]
+        key = hashlib.sha256(f"{_key(ex, model, settings)}:{rate!r}:{window}".encode()).hexdigest()[:20]
+        path = cache_dir() / f"promise-{key}.json"
+        if use_cache and path.exists():
+            per_model[model] = float(json.loads(path.read_text())["attainment"])
+            continue
+        per_model[model] = attainment(ex, model, rate, settings, window)
+        if use_cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"model": model, "rate_per_s": rate, "window": window,
+                                        "attainment": per_model[model]}))
+    weights = {m: capacity[m] for m in ex.models}  # the same instances per model: requests ~ capacity
+    total = sum(weights.values())
+    overall = sum(per_model[m] * weights[m] for m in ex.models) / total if total else float("nan")
+    kind = "replay-peak" if ex.normal.kind == "trace" else "poisson"
+    return Promise(kind, ex.normal.rho, window, per_model, overall)
 
 
 def _capacity(data: dict) -> Capacity:

@@ -37,8 +37,9 @@ from shadow_sim.experiments.metrics import Call, RunRecord
 from shadow_sim.experiments.runner import Task, run_task, with_progress
 from shadowcore.errors import ConfigError
 
-#: Bumped when a part file's layout or a task's meaning changes.
-PART_VERSION = 1
+#: Bumped when a part file's layout or a task's meaning changes (2: Harvest-SLO's credit
+#: accrues only on routed iterations, issue 16, so older parts of those policies are stale).
+PART_VERSION = 2
 _CALL_FIELDS = tuple(f.name for f in attrs.fields(Call))
 _RUN_FIELDS = ("policy", "seed", "window", "normal_prompt_tokens", "shadow_tokens", "shadow_tokens_used",
                "energy_j", "energy_per_good_request_j", "makespan_s")

@@ -17,6 +17,9 @@ Definitions:
   price_out * output`` with :data:`PRICES` (USD per million tokens);
 * normal SLO attainment: share of normal requests arriving in the measured
   window that met both SLOs (a change is in percentage points);
+* normal hit rate: cached prompt tokens / prompt tokens of the normal requests
+  arriving in the measured window (prefix sharing of a trace with block hashes;
+  0 for fresh prompts);
 * energy per good request: GPU energy of the run / (completed routed calls +
   normal requests that met their SLO);
 * shadow tokens used (ONE definition, the engine's): tokens of shadow-computed
@@ -162,6 +165,7 @@ def run_metrics(run: RunRecord, keys: set[tuple[str, int]]) -> dict[str, float]:
         "switch_hit_rate": _ratio(switch),
         "token_cost_usd": float(sum(call_cost(c) for c in calls)),
         "normal_slo_attainment": _mean(1.0 if m else 0.0 for m in run.normal_met),
+        "normal_hit_rate": float(run.summary.get("normal_hit_rate", math.nan)),
         "energy_per_good_request_j": run.energy_per_good_request_j,
         "shadow_tokens": run.shadow_tokens,
         "shadow_tokens_used": run.shadow_tokens_used,

@@ -33,6 +33,13 @@ cap), because the small models' windows are short. The caps are never silent:
 under the table and store them in ``summary.json``. The embedded tables are
 statistics of already-capped traces: other caps are an error there.
 
+Prefix sharing (``prefix_sharing``, default on): a trace file whose requests
+carry prefix-block hashes (Mooncake's ``hash_ids``) gives each normal request
+its :class:`~shadowcore.workloads.prefix.PromptPrefix`, replayed or drawn by
+Poisson alike, so requests with equal leading hashes share cached KV (and
+compete with shadow KV for blocks); ``normal_hit_rate`` reports it. Off, or for
+a source without hashes, every prompt is fresh (as before).
+
 Invariants: arrivals are deterministic for (seed, instance index); no request is
 dropped, and none is clamped beyond the caps above, which are reported.
 """
@@ -48,6 +55,7 @@ import numpy as np
 
 from shadowcore._validators import positive
 from shadowcore.errors import ConfigError
+from shadowcore.workloads.prefix import PromptPrefix, trace_prefix
 from shadowcore.workloads.traces import Trace, load_trace
 
 MAX_PROMPT_TOKENS = 8192
@@ -84,6 +92,11 @@ def _check_window(_instance: object, attribute: attrs.Attribute, value: str) -> 
         raise ConfigError(attribute.name, value, f"unknown window (valid: {', '.join(WINDOWS)})")
 
 
+def _check_bool(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(attribute.name, value, "must be true or false")
+
+
 def _check_kind(_instance: object, attribute: attrs.Attribute, value: str) -> None:
     if value not in ("poisson", "trace"):
         raise ConfigError(attribute.name, value, "unknown normal-traffic kind (valid: poisson, trace)")
@@ -101,6 +114,11 @@ def _load(path: str) -> Trace:
 def _capped(path: str, max_prompt: int | None = MAX_PROMPT_TOKENS,
             max_output: int | None = MAX_OUTPUT_TOKENS) -> tuple[Trace, int]:
     return _load(path).capped(max_prompt, max_output)
+
+
+@functools.lru_cache(maxsize=8)
+def _has_prefixes(path: str) -> bool:
+    return any(r.hash_ids for r in _load(path).requests)
 
 
 def _optional_cap(_instance: object, attribute: attrs.Attribute, value: int | None) -> None:
@@ -170,16 +188,26 @@ class LengthSource:
     def is_file(self) -> bool:
         return self.source not in _QUANTILES
 
-    def draw(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """``n`` (prompt, output) lengths as int64 arrays, each >= 1."""
+    def draw(self, rng: np.random.Generator, n: int, *, prefixes: bool = False,
+             ) -> tuple[np.ndarray, np.ndarray] | tuple[np.ndarray, np.ndarray, list[PromptPrefix | None]]:
+        """``n`` (prompt, output) lengths as int64 arrays, each >= 1; with
+        ``prefixes`` (a trace file), also each drawn request's prefix (the same
+        draws: the lengths do not change)."""
         if self.is_file:
             reqs = self.capped().requests
             idx = rng.integers(len(reqs), size=n)
             p = np.fromiter((reqs[i].num_prompt_tokens for i in idx), np.int64, n)
             o = np.fromiter((reqs[i].num_output_tokens for i in idx), np.int64, n)
+            if prefixes:
+                return np.maximum(p, 1), np.maximum(o, 1), [trace_prefix(reqs[i]) for i in idx]
             return np.maximum(p, 1), np.maximum(o, 1)
         qp, qo = _QUANTILES[self.source]
         return _interp(qp, rng.random(n)), _interp(qo, rng.random(n))
+
+    @property
+    def has_prefixes(self) -> bool:
+        """The trace file's requests carry prefix-block hashes (an embedded table: never)."""
+        return self.is_file and _has_prefixes(self.source)
 
     def relative_load(self, window: str) -> float:
         """The window's request rate relative to the peak window."""
@@ -205,6 +233,8 @@ class NormalTraffic:
     window: str = attrs.field(default="peak", validator=_check_window)
     max_prompt_tokens: int | None = attrs.field(default=MAX_PROMPT_TOKENS, validator=_optional_cap)
     max_output_tokens: int | None = attrs.field(default=MAX_OUTPUT_TOKENS, validator=_optional_cap)
+    #: Requests of a trace with prefix-block hashes share their prefixes (module docstring).
+    prefix_sharing: bool = attrs.field(default=True, validator=_check_bool)
 
     def __attrs_post_init__(self) -> None:
         lengths = self.lengths
@@ -215,6 +245,11 @@ class NormalTraffic:
     def lengths(self) -> LengthSource:
         return LengthSource(self.source, self.max_prompt_tokens, self.max_output_tokens)
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether the requests carry prefixes: sharing on and a source with hashes."""
+        return self.prefix_sharing and self.lengths.has_prefixes
+
     def cap_report(self) -> CapReport | None:
         """What the caps shortened in the trace file (None: an embedded table)."""
         if not self.lengths.is_file:
@@ -222,18 +257,34 @@ class NormalTraffic:
         return cap_report(self.source, self.max_prompt_tokens, self.max_output_tokens)
 
     def arrivals(self, capacity_per_s: float, end_s: float, seed: int, instance_index: int,
-                 num_instances: int) -> list[tuple[float, int, int]]:
-        """(arrival_s, prompt, output) of one instance over ``[0, end_s)``."""
+                 num_instances: int) -> list[tuple]:
+        """(arrival_s, prompt, output) of one instance over ``[0, end_s)``, with
+        a fourth item, the request's prefix, when :attr:`shares_prefixes`."""
+        return self.peak_arrivals(self.rho * capacity_per_s, end_s, seed, instance_index, num_instances)
+
+    def peak_arrivals(self, peak_rate_per_s: float, end_s: float, seed: int, instance_index: int,
+                      num_instances: int, window: str | None = None) -> list[tuple]:
+        """:meth:`arrivals` with the peak window's rate given (not ``rho`` x
+        capacity) and optionally another ``window``: what calibration probes."""
+        window = self.window if window is None else window
         rng = np.random.default_rng([seed, 2, instance_index])
-        peak_rate = self.rho * capacity_per_s
-        if self.kind == "poisson":
-            return poisson(rng, peak_rate * self.lengths.relative_load(self.window), end_s, self.lengths)
-        return replay(self.source, self.window, peak_rate, end_s, instance_index, num_instances,
-                      self.max_prompt_tokens, self.max_output_tokens)
+        share = self.shares_prefixes
+        if self.kind == "poisson":  # the peak window's load is 1 (a trace shorter than a window has no other)
+            load = 1.0 if window == "peak" else self.lengths.relative_load(window)
+            return poisson(rng, peak_rate_per_s * load, end_s, self.lengths, prefixes=share)
+        return replay(self.source, window, peak_rate_per_s, end_s, instance_index, num_instances,
+                      self.max_prompt_tokens, self.max_output_tokens, prefixes=share)
+
+    def peak_window_requests(self) -> int:
+        """Requests in the replayed trace's peak window (a replay's one pass of it)."""
+        trace, _ = _capped(self.source, self.max_prompt_tokens, self.max_output_tokens)
+        return len(trace.windows(min(REPLAY_WINDOW_S, trace.duration_s), 30.0)["peak"])
 
 
 def poisson(rng: np.random.Generator, rate_per_s: float, end_s: float,
-            lengths: LengthSource) -> list[tuple[float, int, int]]:
+            lengths: LengthSource, *, prefixes: bool = False) -> list[tuple]:
+    """Poisson arrivals over ``[0, end_s)`` with lengths from ``lengths``: (arrival,
+    prompt, output), and with ``prefixes`` each drawn trace request's prefix too."""
     if rate_per_s <= 0:
         return []
     n_guess = int(rate_per_s * end_s + 6 * math.sqrt(rate_per_s * end_s) + 16)
@@ -241,13 +292,18 @@ def poisson(rng: np.random.Generator, rate_per_s: float, end_s: float,
     while times[-1] < end_s:  # the guess is 6 sigma over the mean: practically never taken
         times = np.concatenate([times, times[-1] + np.cumsum(rng.exponential(1.0 / rate_per_s, n_guess))])
     times = times[times < end_s]
+    if prefixes:
+        p, o, pre = lengths.draw(rng, len(times), prefixes=True)
+        return [(float(t), int(a), int(b), x) for t, a, b, x in zip(times, p, o, pre)]
     p, o = lengths.draw(rng, len(times))
     return [(float(t), int(a), int(b)) for t, a, b in zip(times, p, o)]
 
 
 def replay(path: str, window: str, peak_rate_per_s: float, end_s: float, instance_index: int,
            num_instances: int, max_prompt: int | None = MAX_PROMPT_TOKENS,
-           max_output: int | None = MAX_OUTPUT_TOKENS) -> list[tuple[float, int, int]]:
+           max_output: int | None = MAX_OUTPUT_TOKENS, *, prefixes: bool = False) -> list[tuple]:
+    """The trace's ``window`` replayed as in the module docstring: (arrival,
+    prompt, output), and with ``prefixes`` each request's prefix too."""
     trace, _ = _capped(path, max_prompt, max_output)
     windows = trace.windows(min(REPLAY_WINDOW_S, trace.duration_s), 30.0)
     factor = peak_rate_per_s / windows["peak"].rate_per_s
@@ -257,13 +313,14 @@ def replay(path: str, window: str, peak_rate_per_s: float, end_s: float, instanc
         return []
     times = w.arrivals_s
     offset = span * instance_index / max(1, num_instances)
-    out: list[tuple[float, int, int]] = []
+    out: list[tuple] = []
     start = -offset
     while start < end_s:
         for t, r in zip(times, w.requests):
             at = start + float(t)
             if 0.0 <= at < end_s:
-                out.append((at, r.num_prompt_tokens, r.num_output_tokens))
+                out.append((at, r.num_prompt_tokens, r.num_output_tokens, trace_prefix(r)) if prefixes
+                           else (at, r.num_prompt_tokens, r.num_output_tokens))
         start += span
     out.sort(key=lambda x: x[0])
     return out

@@ -10,7 +10,8 @@ A folder holds:
 * ``summary.json``: ``{"source", "comparisons": {label: {...}}, "notices"}``
   where each comparison is :func:`~shadow_sim.experiments.runner.summary_json`
   (baseline, oracle, number of runs, per policy and metric ``{"mean", "se"}``,
-  steps by budget reason, silent policies);
+  steps by budget reason, silent policies, and ``normal_slo_promise``: what
+  calibration promised the normal traffic beside what each policy got);
 * ``table.txt``: the table with every column and its legend;
 * ``cdf_switch_ttft.png``, ``cdf_switch_latency.png``: empirical CDFs of the
   measured switch calls' TTFT and latency, one line per policy (one panel

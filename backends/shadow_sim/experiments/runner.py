@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
-from shadow_sim.experiments.calibrate import ProbeSettings, capacities
+from shadow_sim.experiments.calibrate import ProbeSettings, capacities, promise
 from shadow_sim.experiments.metrics import Call, RunRecord, aggregate, compare_runs, mean_se
 from shadow_sim.experiments.spec import Experiment, ExperimentRun
 from shadowcore.config import PluginRef, ShadowConfig, policy_label
@@ -60,7 +61,10 @@ def run_task(task: Task) -> RunRecord:
         for c in result.calls
     )
     normal_met = tuple(met for arrival, met in run.normal if ex.warmup_s <= arrival < ex.end_s)
-    m = result.metrics
+    measured_normal = [(p, c) for arrival, p, c in run.normal_tokens if ex.warmup_s <= arrival < ex.end_s]
+    prompt = sum(p for p, _ in measured_normal)
+    m = {**result.metrics,  # the measured window's normal prefix hits (the run's summary counts from warmup on)
+         "normal_hit_rate": sum(c for _, c in measured_normal) / prompt if prompt else math.nan}
     return RunRecord(
         task.name, task.seed, task.window, calls, measured, normal_met,
         sum(r.num_prompt_tokens for r in workload.normal), m["shadow_tokens"], m["shadow_tokens_used"], m["energy_j"],
@@ -147,6 +151,8 @@ class Comparison:
     steps: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict)
     silent: tuple[str, ...] = ()
     notices: tuple[str, ...] = ()
+    #: What calibration promised the normal traffic, beside what it got (:func:`with_promise`); None: not asked.
+    promise: Mapping[str, Any] | None = None
 
 
 def _can_shadow(ref: PluginRef) -> bool:
@@ -205,7 +211,27 @@ def run_comparison_records(ex: Experiment, policies: Sequence[PluginRef | str], 
     caps = {m: c.capacity_per_s for m, c in capacities(ex, settings, progress=progress).items()}
     tasks = tasks_for(ex, refs, seeds, windows, caps, label)
     records = with_progress(tasks, jobs, progress)
-    return compare(records, tasks)[label], tasks, records
+    return with_promise(compare(records, tasks)[label], ex, caps, windows, settings), tasks, records
+
+
+def with_promise(c: Comparison, ex: Experiment, capacity: Mapping[str, float], windows: Sequence[str],
+                 settings: ProbeSettings = DEFAULT_PROBE) -> Comparison:
+    """``c`` with the normal SLO attainment calibration promised (the probe at the
+    run's rate, arrival process and window: :func:`~shadow_sim.experiments.calibrate.promise`,
+    the mean over ``windows``) next to what each policy got (its mean over runs).
+    Unchanged when a model has no capacity (nothing was calibrated)."""
+    if any(m not in capacity for m in ex.models):
+        return c
+    promises = [promise(ex, dict(capacity), w, settings) for w in windows]
+    got = {p: c.summary[p]["normal_slo_attainment"][0] for p in c.policies}
+    value = {
+        "arrivals": promises[0].arrivals, "rho": ex.normal.rho, "windows": list(windows),
+        "per_model": {m: float(np.mean([pr.per_model[m] for pr in promises])) for m in ex.models},
+        "promised": float(np.mean([pr.attainment for pr in promises])), "got": got,
+        "line": attrs.evolve(promises[0], window="/".join(windows),
+                             attainment=float(np.mean([pr.attainment for pr in promises]))).line(got),
+    }
+    return attrs.evolve(c, promise=value)
 
 
 Executor = Callable[..., list[RunRecord]]  # (tasks, on_done) -> records in task order
@@ -253,6 +279,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("token_cost_red", "cost red", "pct"),
     ("normal_slo_attainment", "normal SLO", "pct"),
     ("normal_slo_pp", "SLO (pp)", "pp"),
+    ("normal_hit_rate", "normal hit", "pct"),
     ("energy_inc", "energy/good", "pct"),
     ("shadow_unused_share", "unused shadow", "pct"),
     ("prefill_tput_inc", "prefill tput", "pct"),
@@ -282,6 +309,7 @@ LEGEND: dict[str, str] = {
     "token_cost_red": "reduction of the routed token cost (cached input at 10%) against {base}",
     "normal_slo_attainment": "share of normal requests that met both SLOs",
     "normal_slo_pp": "change of the normal requests' SLO attainment against {base}, percentage points",
+    "normal_hit_rate": "cached prompt tokens / prompt tokens of the measured normal requests (prefix sharing)",
     "energy_inc": "change of GPU energy per good request against {base}",
     "shadow_unused_share": "share of shadow tokens whose KV no switch call used (extra hits over {base})",
     "prefill_tput_inc": "change of prefill tokens/s (routed uncached + normal + shadow) against {base}",
@@ -352,9 +380,23 @@ def format_table(c: Comparison, columns: Sequence[tuple[str, str, str]] | None =
         note.append(f"{SILENT_MARK} planned no shadow token in any run although it can shadow "
                     f"({', '.join(c.silent)}): see the warnings above")
     note += oracle_notes(c)
+    note += normal_hit_notes(c, [key for key, _, _ in columns])
+    if c.promise is not None:
+        note.append(c.promise["line"])
     if left_out:
         note.append(f"left out to fit {TABLE_WIDTH} columns: {', '.join(left_out)} (--wide shows every column)")
     return "\n".join(aligned(header, rows) + note + legend(columns, c.baseline, c.oracle))
+
+
+def normal_hit_notes(c: Comparison, shown: Sequence[str] = ()) -> list[str]:
+    """One line with every policy's normal-traffic prefix hit rate, when some
+    run's normal requests hit cached prefixes (a trace with block hashes) and
+    the table has no such column."""
+    rates = {p: c.summary[p].get("normal_hit_rate", (math.nan, math.nan)) for p in c.policies}
+    if "normal_hit_rate" in shown or not any(m > 0 for m, _ in rates.values()):
+        return []
+    cells = ", ".join(f"{p} {_cell(m, se, 'pct')}" for p, (m, se) in rates.items())
+    return [f"normal-traffic prefix hit rate (cached / prompt tokens of measured normal requests): {cells}"]
 
 
 def oracle_notes(c: Comparison, metric: str = "switch_latency_red") -> list[str]:
@@ -384,4 +426,5 @@ def summary_json(c: Comparison) -> dict[str, Any]:
         "label": c.label, "baseline": c.baseline, "oracle": c.oracle, "runs": len(c.per_run),
         "policies": {p: {k: {"mean": v[0], "se": v[1]} for k, v in m.items()} for p, m in c.summary.items()},
         "steps": {p: dict(m) for p, m in c.steps.items()}, "silent": list(c.silent), "notices": list(c.notices),
+        **({"normal_slo_promise": {k: v for k, v in c.promise.items() if k != "line"}} if c.promise else {}),
     }

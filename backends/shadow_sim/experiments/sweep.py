@@ -34,6 +34,7 @@ from shadow_sim.experiments.runner import (
     format_table,
     run_comparison_records,
     tasks_for,
+    with_promise,
 )
 from shadow_sim.experiments.spec import PAIRS, SIMULATE_DEFAULT, Experiment, get_pair
 from shadowcore.cli import HelpFormatter, add_policy_options, describe, load_scenario, policies_from_args
@@ -106,6 +107,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--normal-trace", help="replay this trace file as normal traffic (Azure, BurstGPT, ...)")
     p.add_argument("--max-prompt", type=_cap, help="cap of normal-trace prompts (default 8192; 'none': no cap)")
     p.add_argument("--max-output", type=_cap, help="cap of normal-trace outputs (default 1024; 'none': no cap)")
+    p.add_argument("--no-prefix-sharing", action="store_true",
+                   help="replay a normal trace's prompts fresh, ignoring its prefix-block hashes (Mooncake hash_ids)")
     p.add_argument("--sessions", help="replay this session-trace file instead of the preset (shadowprefill sessions)")
     p.add_argument("--router", metavar="NAME[:JSON]",
                    help="re-route the --sessions file: markov, accuracy-per-cost or a plugin (default: replay)")
@@ -143,6 +146,8 @@ def experiment_from_args(args: argparse.Namespace) -> dict[str, Any]:
         normal["rho"] = args.rho
     if args.normal_trace:
         normal.update(kind="trace", source=args.normal_trace)
+    if getattr(args, "no_prefix_sharing", False):
+        normal["prefix_sharing"] = False
     for flag, key in (("max_prompt", "max_prompt_tokens"), ("max_output", "max_output_tokens")):
         if getattr(args, flag, None) is not None:
             normal[key] = None if getattr(args, flag) == "none" else getattr(args, flag)
@@ -220,6 +225,7 @@ def run_grid_records(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequen
                      ) -> tuple[dict[str, Comparison], list[Task], list[RunRecord]]:
     """:func:`run_grid`, with the tasks and their records (the per-call data)."""
     tasks: list[Task] = []
+    experiments: dict[str, tuple[Experiment, dict[str, float]]] = {}
     for pair in pairs:
         data = {k: v for k, v in base.items() if k not in ("models", "pair")}
         ex = Experiment.from_dict({**data, "models": list(get_pair(pair))})
@@ -231,9 +237,11 @@ def run_grid_records(base: Mapping[str, Any], pairs: Sequence[str], refs: Sequen
         else:
             caps = {m: c.capacity_per_s for m, c in capacities(ex, progress=progress).items()}
         tasks += tasks_for(ex, refs, seeds, windows, caps, pair)
+        experiments[pair] = (ex, caps)
     records = execute_grid(tasks, jobs=jobs, progress=progress, store=store, ray_address=ray_address,
                            max_retries=max_retries)
-    return compare(records, tasks), tasks, records
+    comparisons = {label: with_promise(c, *experiments[label], windows) for label, c in compare(records, tasks).items()}
+    return comparisons, tasks, records
 
 
 _DETAIL = ("Calibration first (cached), then every run in local worker processes (--jobs) or on a Ray cluster "

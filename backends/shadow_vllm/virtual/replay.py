@@ -5,7 +5,10 @@ serving port.
 
 Invariants: same request ids, arrival times, tool gaps and outputs as the
 simulator's run of the same workload; histories carry real token ids (new
-input from :func:`session_tokens`, output as vLLM samples it).
+input from :func:`session_tokens`, output as vLLM samples it); a normal
+request's prompt is fresh ids, its leading tokens from its trace prefix's
+hashes where it has one (:meth:`~shadowcore.workloads.prefix.PromptPrefix.token_ids`),
+so vLLM's own prefix cache finds what the trace shares.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from shadowcore.events import EventLoop
 from shadowcore.latency import LatencyModel
 from shadowcore.pipeline import build_runtime
 from shadowcore.wire import ShadowTag, TagKind
+from shadowcore.workloads.prefix import PromptPrefix
 
 
 def session_tokens(session_id: str, index: int, num_tokens: int, vocab_size: int = 1024) -> list[int]:
@@ -122,11 +126,20 @@ class VirtualScenarioRun:
         )
 
     def start_normal(self, request_id: str, instance_id: str, num_prompt_tokens: int,
-                     num_output_tokens: int) -> None:
+                     num_output_tokens: int, prefix: PromptPrefix | None = None) -> None:
         engine = self.cluster.by_id[instance_id]
         vocab = engine.scheduler.vllm_config.model_config.get_vocab_size()
-        prompt = [hashed_token(request_id, i, vocab) for i in range(num_prompt_tokens)]
+        shared = [] if prefix is None else prefix.token_ids(num_prompt_tokens, vocab)  # equal hashes, equal ids
+        prompt = shared + [hashed_token(request_id, i, vocab) for i in range(len(shared), num_prompt_tokens)]
         self.normal.append(engine.add_request(request_id, prompt, num_output_tokens))
+
+    @property
+    def normal_hit_rate(self) -> float:
+        """Cached prompt tokens / prompt tokens of the normal requests vLLM
+        prefilled (its own prefix cache's hits), NaN for none."""
+        seen = [r for r in self.normal if r.num_cached_tokens is not None]
+        total = sum(len(r.prompt_token_ids) for r in seen)
+        return sum(r.num_cached_tokens for r in seen) / total if total else float("nan")
 
     def settle(self) -> None:
         if self.shadow_feeder is not None:
