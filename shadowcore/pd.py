@@ -85,3 +85,32 @@ class ShadowPushPolicy(PushPolicy):
         if n <= 0:
             return None
         return PushGrant(best.job, best.num_decode_held_tokens, n)
+
+
+@attrs.frozen
+class PushDecision:
+    """One question to a push policy and its answer, in engine-neutral terms (the
+    agreement harness matches them across engines: :mod:`shadowcore.testing.agreement`).
+
+    ``candidates`` are (session, target, prefill held, decode held, switch
+    probability) sorted; ``grant`` is (session, target, start, tokens) or None."""
+
+    decode_id: str
+    now_s: float
+    link_busy: bool
+    num_free_tokens: int
+    candidates: tuple[tuple[str, str, int, int, float], ...]
+    grant: tuple[str, str, int, int] | None
+
+    @property
+    def inputs(self) -> tuple:
+        return (self.link_busy, self.num_free_tokens, self.candidates)
+
+    @classmethod
+    def of(cls, link: DecodeLinkView, candidates: Sequence[PushCandidate], grant: PushGrant | None,
+           now_s: float) -> PushDecision:
+        cands = tuple(sorted((c.job.session_id, c.job.target_model, c.num_prefill_held_tokens,
+                              c.num_decode_held_tokens, round(c.switch_probability, 12)) for c in candidates))
+        g = None if grant is None else (grant.job.session_id, grant.job.target_model, grant.start_token,
+                                        grant.num_tokens)
+        return cls(link.decode_instance_id, now_s, link.link_busy, link.num_free_tokens, cands, g)

@@ -131,6 +131,7 @@ class ShadowEnd(enum.Enum):
     BELOW_N_MIN = "tail-below-n-min"  # the rest is smaller than the policy's n_min: never planned
     NO_SHADOW = "policy-runs-no-shadows"  # the engine's policy runs no shadow work
     REJECTED = "rejected"  # the request cannot be a shadow (the detail says why)
+    PUSHED = "pushed"  # P/D decode engine: the push offer's handle was read (NixlConnector: one read per handle)
 
 
 @attrs.frozen

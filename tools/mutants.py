@@ -170,6 +170,21 @@ MUTATIONS: dict[str, tuple] = {
                     "backends/shadow_gateway/validation.py",
                     "if key in RESERVED_FIELDS or key.startswith(RESERVED_PREFIX):", "if False:",
                     "if isinstance(key, str) and key.startswith(RESERVED_PREFIX):", "if False:"),
+    # P/D pushes: normal transfers first, one push at a time per D; a call's D gets P's kv_transfer_params
+    "push-over-transfer": ("tests/gateway/test_pd.py",
+                           "test_pusher_waits_for_normal_transfers_and_sends_one_push_per_d_at_a_time",
+                           "backends/shadow_gateway/pd.py",
+                           "if dest.num_transfers_inflight or not dest.available", "if not dest.available"),
+    "push-two-at-once": ("tests/gateway/test_pd.py",
+                         "test_pusher_waits_for_normal_transfers_and_sends_one_push_per_d_at_a_time",
+                         "backends/shadow_gateway/pd.py",
+                         "if not queue or dest_id in self.inflight:", "if not queue:"),
+    "push-held-all": ("tests/gateway/test_pd.py", "test_a_push_d_held_only_in_part_records_what_d_says_it_holds",
+                      "backends/shadow_gateway/pd.py", "held = min(stop.num_held_tokens or 0, push.num_tokens)",
+                      "held = push.num_tokens"),
+    "pd-no-handle": ("tests/gateway/test_pd.py",
+                     "test_pd_call_goes_p_then_sticky_d_and_shadows_push_toward_the_other_models_d",
+                     "backends/shadow_gateway/gateway.py", "extra=decode_fields(data))", "extra={})"),
     "nan-json": (MALFORMED, "test_malformed_request_is_a_4xx_naming_the_field", "backends/shadow_gateway/validation.py",
                  "json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)", "json.loads(raw)"),
     # shadow tokens used: a host-tier hit on a shadow block counts (one definition, issue 14 item 7)
@@ -195,6 +210,20 @@ MUTATIONS: dict[str, tuple] = {
     "prefix-reuse": ("tests/test_prefix_sharing.py", "test_simulator_normal_hit_rate_matches_the_trace_reuse_exactly",
                      "shadowcore/engine/run.py", "history = PrefixHistory.for_prompt(request_id, num_prompt_tokens, prefix)",
                      "history = SessionHistory(request_id)\n            history.append(num_prompt_tokens)"),
+    # P/D on vLLM (shadow_vllm.pd): P runs the policy's prefill controller; D pushes only on an idle link,
+    # within the policy's free room; a Nixl handle serves one read
+    "pd-prefill-slack": ("tests/vllm/test_pd_agreement.py", "test_p_shadow_and_d_push_decisions_agree",
+                         "backends/shadow_vllm/pd.py", "        if recipe is None:\n", "        if True:\n"),
+    "pd-link-busy": ("tests/vllm/test_pd.py", "test_no_push_starts_while_a_normal_transfer",
+                     "backends/shadow_vllm/pd.py",
+                     '        """A normal transfer is in flight or waits for D\'s inbound link."""\n',
+                     '        """A normal transfer is in flight or waits for D\'s inbound link."""\n        return False\n'),
+    "pd-room": ("tests/vllm/test_pd_agreement.py", "test_p_shadow_and_d_push_decisions_agree",
+                "backends/shadow_vllm/pd.py",
+                "room = self.shadow_bridge.shadow_room_blocks(now_s) * self.block_size",
+                "room = (self.shadow_bridge.shadow_room_blocks(now_s) - 1) * self.block_size"),
+    "pd-one-read": ("tests/vllm/test_pd.py", "test_decode_pulls_an_offer_in_pushes", "backends/shadow_vllm/pd.py",
+                    "            elif self.shadow_one_read:", "            elif False:"),
 }
 
 

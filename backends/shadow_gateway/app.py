@@ -169,6 +169,9 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
             line.update(session=session_hash(ctx.session_id), switch=ctx.is_switch,
                         prompt_tokens=ctx.num_prompt_tokens, cached_tokens=ctx.num_cached_tokens,
                         shadow=_shadow_outcome(ctx), shadow_tokens_used=ctx.num_shadow_tokens_used)
+            if ctx.decode_instance is not None:  # P/D: instance is D's; prefill and cached tokens are P's
+                line.update(prefill_instance=ctx.instance.id if ctx.instance else None,
+                            decode_cached_tokens=ctx.num_decode_cached_tokens)
         if config.access_log.bodies:
             line["body"] = body
         access_log.info(json.dumps(line, separators=(",", ":"), ensure_ascii=False))
@@ -197,7 +200,7 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
             gw.metrics.calls.labels(model, "plain").inc()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         try:
-            resp, inst = await gw.open_upstream(path, body, model, ctx, headers)
+            resp, inst = await gw.open_routed(path, body, model, ctx, headers)
         except UpstreamFailed as e:
             if ctx is not None:
                 gw.end_routed(ctx, ok=False)
@@ -256,10 +259,14 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = {m: len(gw.cluster.healthy_instances(m)) for m in gw.models}
-        ok = all(healthy.values())
-        return JSONResponse({"status": "ok" if ok else "degraded", "healthy_instances": healthy},
-                            status_code=200)
+        healthy = {m: len(gw.cluster.healthy_instances(m)) for m in gw.models}  # P instances of a P/D model
+        decode = {m: sum(i.available for i in gw.cluster.decode_instances(m)) for m in gw.models
+                  if gw.cluster.is_pd(m)}
+        ok = all(healthy.values()) and all(decode.values())
+        out: dict[str, Any] = {"status": "ok" if ok else "degraded", "healthy_instances": healthy}
+        if decode:
+            out["healthy_decode_instances"] = decode
+        return JSONResponse(out, status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

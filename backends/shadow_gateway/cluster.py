@@ -24,6 +24,11 @@ Invariants:
   byte within ``upstream.first_byte_bound_s``) is treated as unhealthy for
   placement and shadow work until its ejection ends, whatever ``/health``
   says; a passing health check does not end an ejection.
+* P/D models: the core sees only their prefill instances
+  (:meth:`GatewayCluster.instances`), so the manager's sticky instance of a
+  session is its sticky P and shadow jobs go there; the sticky D of a
+  (session, model) is kept here (:meth:`GatewayCluster.decode_for`), chosen
+  once among the available D instances and kept while it stays available.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from array import array
 
 import attrs
 
-from shadow_gateway.config import GatewayConfig, InstanceConfig, ModelConfig, SchedulerKind
+from shadow_gateway.config import GatewayConfig, InstanceConfig, InstanceRole, ModelConfig, SchedulerKind
 from shadowcore.job import SessionHistory, token_array
 
 UNHEALTHY_PENALTY_S = 1e9
@@ -103,6 +108,8 @@ class InstanceState:
     num_failures: int = 0
     num_routed_inflight: int = 0
     num_inflight_uncached_tokens: int = 0
+    #: D instances: routed calls whose KV is on its way from P (sent, no output token back yet).
+    num_transfers_inflight: int = 0
     shadow_blocked_until_s: float = 0.0
     ejected_until_s: float = 0.0  # time.monotonic() before which the instance is ejected (an outlier)
     known: dict[str, KnownPrefix] = attrs.Factory(dict)
@@ -128,6 +135,10 @@ class InstanceState:
     def scheduler(self) -> SchedulerKind:
         return self.config.scheduler
 
+    @property
+    def role(self) -> InstanceRole:
+        return self.config.role
+
 
 @attrs.define(eq=False)
 class GatewayCluster:
@@ -137,11 +148,15 @@ class GatewayCluster:
     unhealthy_after: int = 2
     by_id: dict[str, InstanceState] = attrs.field(init=False, factory=dict)
     _by_model: dict[str, list[str]] = attrs.field(init=False, factory=dict)
+    _decode_by_model: dict[str, list[str]] = attrs.field(init=False, factory=dict)
+    #: (session, model) -> the session's sticky D instance of a P/D model.
+    _sticky_decode: dict[tuple[str, str], str] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.unhealthy_after = self.config.health.unhealthy_after
         for m in self.config.models:
-            self._by_model[m.name] = [i.id for i in m.instances]
+            self._by_model[m.name] = [i.id for i in m.prefill_instances]
+            self._decode_by_model[m.name] = [i.id for i in m.decode_instances]
             for inst in m.instances:
                 self.by_id[inst.id] = InstanceState(inst, m)
             if m.shadow_instance is not None:
@@ -176,6 +191,31 @@ class GatewayCluster:
         """Instances of the model that may take new work (healthy and not ejected)."""
         return [self.by_id[i] for i in self.instances(model) if self.by_id[i].available]
 
+    def decode_instances(self, model: str) -> list[InstanceState]:
+        """Every D instance of a P/D model (empty for a colocated model)."""
+        return [self.by_id[i] for i in self._decode_by_model.get(model, [])]
+
+    def is_pd(self, model: str) -> bool:
+        return bool(self._decode_by_model.get(model))
+
+    def decode_for(self, session_id: str | None, model: str) -> InstanceState:
+        """The sticky D instance of (session, model): kept while available,
+        else (first call, or it went down) the available D instance with the
+        fewest routed calls in flight (the first listed on a tie; any D
+        instance when none is available). ``session_id`` None: no stickiness."""
+        decode = self.decode_instances(model)
+        if not decode:
+            raise KeyError(f"model {model!r} has no decode instances")
+        key = (session_id, model) if session_id is not None else None
+        held = self._sticky_decode.get(key) if key is not None else None
+        if held is not None and self.by_id[held].available:
+            return self.by_id[held]
+        pool = [i for i in decode if i.available] or decode
+        chosen = min(pool, key=lambda i: i.num_routed_inflight)
+        if key is not None:
+            self._sticky_decode[key] = chosen.id
+        return chosen
+
     def eject(self, instance_id: str, for_s: float) -> bool:
         """Take the instance out of placement and shadow work for ``for_s``; True when it was not ejected."""
         inst = self.by_id[instance_id]
@@ -196,6 +236,12 @@ class GatewayCluster:
     def forget_session(self, session_id: str) -> None:
         for inst in self.by_id.values():
             inst.known.pop(session_id, None)
+        for model in self._decode_by_model:
+            self._sticky_decode.pop((session_id, model), None)
+
+    def num_sticky_decode(self) -> int:
+        """Sticky D entries kept (0 once every session ended)."""
+        return len(self._sticky_decode)
 
     def mark(self, instance_id: str, ok: bool) -> bool:
         """Record a health observation; True when the instance changed state."""

@@ -6,7 +6,9 @@ value, and ends with the file and line it came from
 (``(gateway.yaml:12)``) when the value came from a file.
 
 Invariants: a :class:`GatewayConfig` that constructs is complete: every
-model has at least one instance, instance ids are unique across models, the
+model has at least one instance, instance ids are unique across models, a
+P/D model (``prefill_instances`` / ``decode_instances``, or ``role`` per
+instance) has at least one instance of each role and no colocated one, the
 shadow policy loads (``shadow.policy`` is checked by the core's loader), and
 no number is clamped: an out-of-range value is an error.
 
@@ -70,6 +72,22 @@ class SchedulerKind(enum.Enum):
     STOCK = "stock"  # stock vLLM: request-level shadows (Appendix D.1), lowest priority
 
 
+class InstanceRole(enum.Enum):
+    """What an instance does for its model (vLLM's P/D disaggregation, paper §3.5).
+
+    ``both``: a colocated instance (prefill and decode). ``prefill``: a P
+    instance (``kv_transfer_config`` with a producer role): it prefills a
+    routed call's prompt and the session's shadow jobs, and hands the KV to a
+    D instance through its KV connector. ``decode``: a D instance (consumer):
+    it decodes routed calls from the KV a P instance computed, and receives
+    shadow pushes. A model's instances are either all ``both`` or all
+    ``prefill`` / ``decode`` (at least one of each)."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 def _url(_instance: Any, attribute: Any, value: Any) -> None:
     parsed = urlparse(value) if isinstance(value, str) else None
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -86,6 +104,8 @@ class InstanceConfig:
     url: str = attrs.field(validator=_url, converter=lambda u: u.rstrip("/") if isinstance(u, str) else u)
     id: str = ""  # default: "<model>/<index>"
     scheduler: SchedulerKind = attrs.field(default=SchedulerKind.SHADOW, converter=lambda v: _enum(SchedulerKind, v))
+    role: InstanceRole = attrs.field(default=InstanceRole.BOTH,
+                                     converter=lambda v: _enum(InstanceRole, v, "role"))
     #: Name of the environment variable holding this instance's API key (vLLM's
     #: ``--api-key``); default: the model's ``api_key_env``.
     api_key_env: str = attrs.field(default="", validator=_env_name)
@@ -127,6 +147,21 @@ class ModelConfig:
     @property
     def upstream_name(self) -> str:
         return self.served_name or self.name
+
+    @property
+    def is_pd(self) -> bool:
+        """Disaggregated: prefill and decode instances (vLLM's ``kv_transfer_params`` protocol)."""
+        return any(i.role is not InstanceRole.BOTH for i in self.instances)
+
+    @property
+    def prefill_instances(self) -> tuple[InstanceConfig, ...]:
+        """Where prompts (and shadow jobs) are prefilled: the P instances, or every colocated one."""
+        return tuple(i for i in self.instances if i.role is not InstanceRole.DECODE)
+
+    @property
+    def decode_instances(self) -> tuple[InstanceConfig, ...]:
+        """The D instances of a P/D model (empty for a colocated one)."""
+        return tuple(i for i in self.instances if i.role is InstanceRole.DECODE)
 
 
 @attrs.frozen
@@ -190,6 +225,25 @@ class ShadowSubmitConfig:
 
 
 @attrs.frozen
+class PDConfig:
+    """P/D deployments (models with prefill and decode instances).
+
+    A routed call goes to the session's sticky P instance with
+    ``kv_transfer_params: {do_remote_decode: true}`` and one output token, then to its
+    sticky D instance with the ``kv_transfer_params`` P answered (vLLM's
+    disaggregated-serving protocol; connectors that move KV by content, such as
+    ``ExampleConnector``, ignore them). A shadow job runs on the sticky P of a model the
+    router did not choose; each shadow prefix P finished is pushed toward that model's
+    sticky D the same way (a request for the prefix with one output token)."""
+
+    #: Push shadow prefixes to the sticky D instance (off: shadows stay on P).
+    push: bool = attrs.field(default=True, validator=lambda _i, a, v: _bool(a, v))
+    push_timeout_s: float = attrs.field(default=60.0, validator=positive)
+    #: vLLM priority of pushes to ``scheduler: stock`` D instances (lower runs earlier; routed calls use 0).
+    push_priority: int = attrs.field(default=1_000_000, validator=positive_int)
+
+
+@attrs.frozen
 class ApiKey:
     """One client key; the sessions made with it belong to ``tenant`` (keys
     that name the same tenant share its sessions)."""
@@ -232,6 +286,7 @@ class GatewayConfig:
     health: HealthConfig = attrs.Factory(HealthConfig)
     upstream: UpstreamConfig = attrs.Factory(UpstreamConfig)
     shadow_submit: ShadowSubmitConfig = attrs.Factory(ShadowSubmitConfig)
+    pd: PDConfig = attrs.Factory(PDConfig)
     auth: AuthConfig = attrs.Factory(AuthConfig)
     access_log: AccessLogConfig = attrs.Factory(AccessLogConfig)
     host: str = attrs.field(default="127.0.0.1", validator=lambda _i, a, v: check_host(a.name, v))
@@ -297,14 +352,14 @@ def _str(attribute: Any, value: Any) -> None:
         raise ConfigError(attribute.name, value, "must be a string")
 
 
-def _enum(cls: type[enum.Enum], value: Any) -> Any:
+def _enum(cls: type[enum.Enum], value: Any, field: str = "scheduler") -> Any:
     if isinstance(value, cls):
         return value
     try:
         return cls(value)
     except ValueError:
         known = ", ".join(repr(k.value) for k in cls)  # type: ignore[attr-defined]
-        raise ConfigError("scheduler", value, f"must be one of {known}") from None
+        raise ConfigError(field, value, f"must be one of {known}") from None
 
 
 # -- YAML with line numbers ----------------------------------------------------------------
@@ -372,7 +427,7 @@ def parse_config(text: str, source: str = "", environ: Mapping[str, str] | None 
     return from_dict(data, src, environ)
 
 
-KNOWN_SECTIONS = ("models", "router", "shadow", "session", "health", "upstream", "shadow_submit", "listen",
+KNOWN_SECTIONS = ("models", "router", "shadow", "session", "health", "upstream", "shadow_submit", "pd", "listen",
                   "tokenizer_check", "auth", "access_log", "record")
 
 
@@ -405,6 +460,7 @@ def from_dict(data: Any, src: _Source | None = None, environ: Mapping[str, str] 
         "health": _build(HealthConfig, "health", data.get("health", {}), src),
         "upstream": _build(UpstreamConfig, "upstream", data.get("upstream", {}), src),
         "shadow_submit": _build(ShadowSubmitConfig, "shadow_submit", data.get("shadow_submit", {}), src),
+        "pd": _build(PDConfig, "pd", data.get("pd", {}), src),
         "access_log": _build(AccessLogConfig, "access_log", data.get("access_log", {}), src),
         **{k: listen[k] for k in ("host", "port") if k in listen},
         **({"tokenizer_check": data["tokenizer_check"]} if "tokenizer_check" in data else {}),
@@ -550,6 +606,56 @@ def _url_key(url: str) -> str:
     return f"{p.scheme}://{(p.hostname or '').lower()}:{port}{p.path.rstrip('/')}"
 
 
+#: Instance lists of a model and the role each gives its instances.
+ROLE_LISTS = (("instances", None), ("prefill_instances", InstanceRole.PREFILL),
+              ("decode_instances", InstanceRole.DECODE))
+
+
+def _model_instances(field: str, m: Mapping[str, Any], src: _Source, env: Mapping[str, str],
+                     name: str, key_env: str) -> tuple[tuple[InstanceConfig, ...], list[str]]:
+    """All instances of one model (``instances`` and the P/D lists, in that
+    order) and the field path of each; the P/D rules checked, errors naming the field."""
+    given = [k for k, _ in ROLE_LISTS if k in m]
+    if not given:
+        raise src.error(f"{field}.instances", None, "is required: a non-empty list of instances (URLs), or "
+                        "prefill_instances and decode_instances for a P/D deployment")
+    instances: list[InstanceConfig] = []
+    fields: list[str] = []
+    for key, role in ROLE_LISTS:
+        if key not in m:
+            continue
+        raw = m[key]
+        if not isinstance(raw, list) or not raw:
+            raise src.error(f"{field}.{key}", raw, "must be a non-empty list of instances (URLs)")
+        for i, d in enumerate(raw):
+            f = f"{field}.{key}[{i}]"
+            if role is not None and isinstance(d, Mapping) and "role" in d and d["role"] != role.value:
+                raise src.error(f"{f}.role", d["role"], f"an instance of {key} has role {role.value!r}")
+            if role is not None:
+                d = {"url": d} if isinstance(d, str) else {**d, "role": role.value} if isinstance(d, Mapping) else d
+            prefix = {"prefill_instances": "p", "decode_instances": "d"}.get(key, "")
+            inst = _instance(f, d, src, f"{name}/{prefix}{i}", env, key_env)
+            if role is not None:
+                inst = attrs.evolve(inst, role=role)
+            instances.append(inst)
+            fields.append(f)
+    roles = {i.role for i in instances}
+    if len(roles) > 1 and InstanceRole.BOTH in roles:
+        f = fields[next(k for k, i in enumerate(instances) if i.role is InstanceRole.BOTH)]
+        raise src.error(f"{f}.role", "both", "a P/D model's instances are all prefill or decode instances "
+                        "(give role: prefill or role: decode, or list them under prefill_instances / "
+                        "decode_instances)")
+    if roles - {InstanceRole.BOTH}:
+        for need, key in ((InstanceRole.PREFILL, "prefill_instances"), (InstanceRole.DECODE, "decode_instances")):
+            if need not in roles:
+                raise src.error(f"{field}.{key}", None, f"is required: a P/D model needs at least one "
+                                f"{need.value} instance (or an instance with role: {need.value})")
+        if "shadow_instance" in m and m["shadow_instance"] is not None:
+            raise src.error(f"{field}.shadow_instance", m["shadow_instance"], "a P/D model runs its shadow "
+                            "jobs on its prefill instances; a dedicated shadow instance is not supported there")
+    return tuple(instances), fields
+
+
 def _models(data: Any, src: _Source, env: Mapping[str, str]) -> tuple[ModelConfig, ...]:
     if not isinstance(data, Mapping) or not data:
         raise src.error("models", data, "must be a non-empty mapping of model name -> {instances: [...]}")
@@ -558,18 +664,14 @@ def _models(data: Any, src: _Source, env: Mapping[str, str]) -> tuple[ModelConfi
         field = f"models.{name}"
         if not isinstance(m, Mapping):
             raise src.error(field, m, "must be a mapping with instances")
-        raw = m.get("instances")
-        if not isinstance(raw, list) or not raw:
-            raise src.error(f"{field}.instances", raw, "must be a non-empty list of instances (URLs)")
         key_env = m.get("api_key_env", "")
         if not isinstance(key_env, str):
             raise src.error(f"{field}.api_key_env", key_env, "must be the name of an environment variable")
-        instances = tuple(_instance(f"{field}.instances[{i}]", d, src, f"{name}/{i}", env, key_env)
-                          for i, d in enumerate(raw))
+        instances, fields = _model_instances(field, m, src, env, str(name), key_env)
         shadow = m.get("shadow_instance")
         if shadow is not None:
             shadow = _instance(f"{field}.shadow_instance", shadow, src, f"{name}/shadow", env, key_env)
-        fields = [f"{field}.instances[{i}]" for i in range(len(instances))] + [f"{field}.shadow_instance"]
+        fields = fields + [f"{field}.shadow_instance"]
         for f, inst in zip(fields, instances + ((shadow,) if shadow else ()), strict=False):
             if inst.id in seen:
                 raise src.error(f"{f}.id", inst.id, f"duplicates the id of {seen[inst.id]}")
@@ -579,7 +681,7 @@ def _models(data: Any, src: _Source, env: Mapping[str, str]) -> tuple[ModelConfi
                 raise src.error(f"{f}.url", inst.url,
                                 f"duplicates the URL of {urls[u]}: one server is one instance")
             urls[u] = f
-        rest = {k: v for k, v in m.items() if k not in ("instances", "shadow_instance", "price")}
+        rest = {k: v for k, v in m.items() if k not in ("shadow_instance", "price") + tuple(k for k, _ in ROLE_LISTS)}
         price = _build(PriceConfig, f"{field}.price", m.get("price", {}), src)
         out.append(_build(ModelConfig, field, {"name": str(name), "instances": instances, "price": price,
                                                "shadow_instance": shadow, **rest}, src))

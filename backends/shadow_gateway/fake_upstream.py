@@ -23,6 +23,11 @@ before answering, ``die_after_tokens`` (drop the connection mid-stream),
 the output's last id is ``stop_token`` (a special token: not in the text),
 ``finish_reason`` ``stop``.
 
+A request with ``kv_transfer_params.do_remote_decode`` (a P/D prefill) is
+answered with ``kv_transfer_params`` as vLLM's ``NixlConnector`` answers
+(``do_remote_prefill``, this fake's name as ``remote_engine_id``, the
+prompt's length as ``remote_num_tokens``); no KV moves between fakes.
+
 ``shadow_short_tokens`` plays the shadow scheduler ending a tagged shadow
 early (a tail below its ``n_min``): it caches the prompt's whole blocks but
 the last ``shadow_short_tokens`` tokens, and says so in ``stop_reason``
@@ -233,6 +238,10 @@ class FakeUpstream:
             choice["token_ids"] = out
         data: dict[str, Any] = {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
                                 "model": body.get("model"), "choices": [choice], "usage": usage}
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            data["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                          "remote_engine_id": self.name, "remote_num_tokens": len(ids),
+                                          "remote_block_ids": [list(range(len(ids) // self.block_size))]}
         if want_ids:  # like vLLM: top level for chat, in the choice for completions
             (data if chat else choice)["prompt_token_ids"] = ids
         return JSONResponse(data)

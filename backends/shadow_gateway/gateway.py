@@ -40,6 +40,12 @@ Invariants:
 * Every request to an instance (routed and plain calls, shadows, health
   checks, ``/tokenize`` probes) carries that instance's own credentials
   (``api_key_env``); a client's ``Authorization`` header is never forwarded.
+* P/D models (:mod:`shadow_gateway.pd`): a call goes to a P instance (the
+  manager's placement: the sticky P), then to the session's sticky D with the
+  ``kv_transfer_params`` P answered; the session changes once P accepted the
+  call (P holds the prompt then), and the client gets D's response. Both
+  phases retry on other instances of their role, before any byte reached the
+  client.
 
 Speed: routed and plain calls go through an aiohttp session (C-accelerated
 HTTP parsing; httpx's pure-Python stack cost several milliseconds of CPU per
@@ -68,6 +74,7 @@ from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import GatewayConfig, SchedulerKind
 from shadow_gateway.metrics import GatewayMetrics
 from shadow_gateway.offload import Offloader
+from shadow_gateway.pd import decode_fields, prefill_body
 from shadow_gateway.recording import CallFacts, Recorder
 from shadow_gateway.router import RouteError, Router, RouteRequest, Warmth, load_router
 from shadow_gateway.shadow import ShadowDispatcher
@@ -114,7 +121,11 @@ class CallContext:
     model: str
     task: str = ""
     is_switch: bool = False
-    instance: InstanceState | None = None
+    instance: InstanceState | None = None  # P/D models: the P instance
+    decode_instance: InstanceState | None = None  # P/D models: the D instance
+    #: P/D: the D instance whose KV transfer for this call is in flight (sent, no output yet).
+    transfer_to: InstanceState | None = None
+    num_decode_cached_tokens: int | None = None
     client_wants_ids: bool = False
     client_wants_usage: bool = False
     prompt_seen: bool = False
@@ -165,7 +176,7 @@ class Gateway:
         self.router = load_router(self.config.router)
         self.offload = Offloader(self.config.upstream.offload_min_bytes)
         self.shadows = ShadowDispatcher(self.manager, self.cluster, self.config.shadow_submit, self.metrics,
-                                        self.offload, session_fields=self.session_cache_fields)
+                                        self.offload, session_fields=self.session_cache_fields, pd=self.config.pd)
         self._epoch0_s = self.clock()
         if self.config.record is not None:
             self.recorder = Recorder(self.config.record, self._epoch0_s, self.config.model_names)
@@ -379,10 +390,16 @@ class Gateway:
         if not ctx.accepted:
             return
         s = self.manager.session(ctx.session_id)
+        self._end_transfer(ctx)
         if ok and s is not None and ctx.instance is not None and s.history.token_ids is not None:
-            # the instance holds the prompt and all output but the last token
-            self.cluster.record_routed(ctx.instance.id, ctx.session_id, s.history.token_ids,
-                                       max(0, s.history.num_tokens - 1))
+            if ctx.decode_instance is not None:  # P/D: P holds the prompt, D the prompt and the output
+                self.cluster.record_routed(ctx.instance.id, ctx.session_id, s.history.token_ids,
+                                           min(self.prompt_end.get(ctx.session_id, 0), s.history.num_tokens))
+                self.cluster.record_routed(ctx.decode_instance.id, ctx.session_id, s.history.token_ids,
+                                           max(0, s.history.num_tokens - 1))
+            else:  # the instance holds the prompt and all output but the last token
+                self.cluster.record_routed(ctx.instance.id, ctx.session_id, s.history.token_ids,
+                                           max(0, s.history.num_tokens - 1))
         self.metrics.call_seconds.labels(ctx.model).observe(self.clock() - ctx.started_s)
         if ctx.session_id in self.last_seen_s:
             self._seen(ctx.session_id)
@@ -471,15 +488,77 @@ class Gateway:
             order = [self.cluster.by_id[i] for i in self.cluster.instances(model)]  # all down: try anyway
         return order[: 1 + self.config.upstream.retries]
 
+    def decode_order(self, model: str, first: InstanceState) -> list[InstanceState]:
+        """D instances to try for a P/D call: ``first`` (the sticky D), then the least loaded available ones."""
+        rest = sorted((i for i in self.cluster.decode_instances(model) if i.available and i is not first),
+                      key=lambda i: i.num_routed_inflight)
+        return ([first] + rest)[: 1 + self.config.upstream.retries]
+
+    async def open_routed(self, path: str, body: dict[str, Any], model: str, ctx: CallContext | None,
+                          headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, InstanceState]:
+        """:meth:`open_upstream`, or for a P/D model the prefill on P and then the open D response."""
+        if not self.cluster.is_pd(model):
+            return await self.open_upstream(path, body, model, ctx, headers)
+        resp, p_inst = await self.open_upstream(path, body, model, ctx, headers, shape=prefill_body)
+        try:
+            raw = await resp.read()
+        except UPSTREAM_ERRORS as e:
+            resp.close()
+            raise UpstreamFailed(502, json.dumps({"error": {"message": f"instance {p_inst.id} failed while "
+                                                            f"prefilling: {e!r}", "type": "upstream_error"}}
+                                                 ).encode()) from None
+        finally:
+            p_inst.num_routed_inflight -= 1
+        resp.release()
+        if resp.status != 200:
+            raise UpstreamFailed(resp.status, raw, {"content-type": resp.headers.get("content-type", "")})
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise UpstreamFailed(502, json.dumps({"error": {"message": f"instance {p_inst.id} answered the "
+                                                            "prefill with no JSON", "type": "upstream_error"}}
+                                                 ).encode()) from None
+        if ctx is not None:
+            self.process_prefill(ctx, data)
+        dest = self.cluster.decode_for(ctx.session_id if ctx else None, model)
+        return await self.open_upstream(path, body, model, ctx, headers, order=self.decode_order(model, dest),
+                                        extra=decode_fields(data))
+
+    def process_prefill(self, ctx: CallContext, data: dict[str, Any]) -> None:
+        """P's answer to a P/D call: the prompt's ids extend the history; its cached tokens are the call's."""
+        try:
+            ids = _prompt_ids(data)
+            if isinstance(ids, TOKEN_LISTS):
+                self.on_prompt_ids(ctx, ids, _cached(data.get("usage")))
+            else:
+                self.metrics.fallbacks.labels("no-token-ids").inc()
+        except Exception:
+            log.exception("session %s: bookkeeping failed", session_hash(ctx.session_id))
+            self.metrics.errors.labels("bookkeeping", ctx.model).inc()
+
+    def _end_transfer(self, ctx: CallContext) -> None:
+        """The call's KV reached its D instance (an output token came back, or the call ended)."""
+        dest, ctx.transfer_to = ctx.transfer_to, None
+        if dest is not None:
+            dest.num_transfers_inflight -= 1
+            self.shadows.pusher.pump()
+
     async def open_upstream(self, path: str, body: dict[str, Any], model: str, ctx: CallContext | None,
-                            headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, InstanceState]:
+                            headers: dict[str, str], *, order: list[InstanceState] | None = None,
+                            shape: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                            extra: dict[str, Any] | None = None) -> tuple[aiohttp.ClientResponse, InstanceState]:
         """The first attempt that answers with a non-retryable status; the
         response is open (streamed) and the caller must close it. A routed
-        call an upstream accepted (200) is registered (:meth:`accept`)."""
+        call an upstream accepted (200) is registered (:meth:`accept`).
+        P/D calls: ``shape`` makes the P request (:func:`shadow_gateway.pd.prefill_body`);
+        ``order`` lists the D instances to try and ``extra`` adds P's ``kv_transfer_params``."""
         last = UpstreamFailed(503, json.dumps({"error": {"message": f"no instance of {model!r} answered",
                                                          "type": "upstream_unavailable"}}).encode())
-        for inst in self.attempt_order(model, ctx.instance if ctx else None):
+        decode = order is not None
+        for inst in order if decode else self.attempt_order(model, ctx.instance if ctx else None):
             payload = self.upstream_body(body, model, inst, ctx)
+            payload = shape(payload) if shape is not None else payload
+            payload.update(extra or {})
             inst.num_routed_inflight += 1
             watchdog = asyncio.get_running_loop().call_later(
                 self.config.upstream.first_byte_bound_s, self.eject, inst, "first-byte-bound")
@@ -508,6 +587,14 @@ class Gateway:
                 self.metrics.errors.labels("routed" if ctx else "plain", inst.id).inc()
                 last = UpstreamFailed(resp.status, data, {"content-type": resp.headers.get("content-type", "")})
                 continue
+            if ctx is not None and decode:
+                if ctx.decode_instance is not None and ctx.decode_instance is not inst:
+                    self.metrics.fallbacks.labels("retried-elsewhere").inc()
+                ctx.decode_instance = inst
+                if resp.status == 200 and ctx.transfer_to is None:
+                    ctx.transfer_to = inst
+                    inst.num_transfers_inflight += 1
+                return resp, inst
             if ctx is not None and ctx.instance is not inst:
                 self.metrics.fallbacks.labels("retried-elsewhere").inc()
                 ctx.instance = inst
@@ -520,8 +607,11 @@ class Gateway:
     def process_json(self, ctx: CallContext, data: dict[str, Any]) -> dict[str, Any]:
         """A whole (non-streamed) response: feed ids, strip what we added."""
         try:
+            self._end_transfer(ctx)
             ids = _prompt_ids(data)
-            if isinstance(ids, TOKEN_LISTS):
+            if ctx.decode_instance is not None:  # P/D: P's answer gave the prompt; this is D's
+                self._count_decode_cached(ctx, _cached(data.get("usage")))
+            elif isinstance(ids, TOKEN_LISTS):
                 self.on_prompt_ids(ctx, ids, _cached(data.get("usage")))
             else:
                 self.metrics.fallbacks.labels("no-token-ids").inc()
@@ -544,12 +634,16 @@ class Gateway:
                 self.on_prompt_ids(ctx, ids, None)
             for c in data.get("choices") or []:
                 if c.get("index", 0) == 0 and isinstance(c.get("token_ids"), TOKEN_LISTS):
+                    if c["token_ids"] and ctx.transfer_to is not None:
+                        self._end_transfer(ctx)
                     self.on_output_ids(ctx, c["token_ids"])
             usage = data.get("usage")
             if usage and not data.get("choices"):
                 self._count_usage(ctx, usage)
                 cached = _cached(usage)
-                if cached is not None and ctx.prompt_seen and ctx.accepted:
+                if ctx.decode_instance is not None:
+                    self._count_decode_cached(ctx, cached)
+                elif cached is not None and ctx.prompt_seen and ctx.accepted:
                     s = self.manager.session(ctx.session_id)
                     if s is not None and s.history.token_ids is not None:
                         self._count_cached(ctx, s.history.token_ids, cached)
@@ -563,6 +657,13 @@ class Gateway:
         if not ctx.client_wants_usage and "usage" in data and data.get("choices"):
             data["usage"] = None
         return data
+
+    def _count_decode_cached(self, ctx: CallContext, num_cached: int | None) -> None:
+        """P/D: the prompt tokens D reported cached (its local prefix cache and,
+        by connector, the KV it received; NixlConnector reports P's hits instead)."""
+        if num_cached is not None:
+            ctx.num_decode_cached_tokens = num_cached
+            self.metrics.decode_cached_tokens.labels(ctx.model).inc(num_cached)
 
     def _count_usage(self, ctx: CallContext, usage: Any) -> None:
         ctx.usage = usage

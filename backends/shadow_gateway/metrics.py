@@ -28,6 +28,9 @@ class GatewayMetrics:
     errors: Counter = attrs.field(init=False)
     call_seconds: Histogram = attrs.field(init=False)
     ejections: Counter = attrs.field(init=False)
+    pushes: Counter = attrs.field(init=False)
+    push_tokens: Counter = attrs.field(init=False)
+    decode_cached_tokens: Counter = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         r = self.registry
@@ -52,5 +55,12 @@ class GatewayMetrics:
                               ["where", "instance"], registry=r)
         self.ejections = Counter(P + "ejections", "Instances taken out of placement as outliers (reason: "
                                  "first-byte-bound, timeout)", ["instance", "reason"], registry=r)
+        self.pushes = Counter(P + "pushes", "P/D shadow pushes to decode instances by outcome (completed, "
+                              "skipped-held, timeout, failed, http-Nxx)", ["model", "outcome"], registry=r)
+        self.push_tokens = Counter(P + "push_tokens", "Shadow prefix tokens pushed to decode instances beyond "
+                                   "what they were expected to hold", ["model"], registry=r)
+        self.decode_cached_tokens = Counter(P + "decode_cached_tokens", "P/D calls: prompt tokens the decode "
+                                            "instance reported cached (usage.prompt_tokens_details)", ["model"],
+                                            registry=r)
         self.call_seconds = Histogram(P + "call_seconds", "Routed call duration at the gateway", ["model"],
                                       registry=r)

@@ -37,6 +37,11 @@ Invariants:
   path one scheduled callback, not a pass over every lane's jobs.
 * Requests go through an aiohttp session (C-accelerated parsing); the
   routed path's session is a different one.
+* P/D models: shadow jobs run on prefill instances only (decode instances
+  get no lane); a shadow request to a P instance carries
+  ``kv_transfer_params`` with ``do_remote_decode`` (P keeps the KV for D), and
+  every shadow prefix P finished is offered to :class:`shadow_gateway.pd.Pusher`,
+  which moves it toward the session's sticky D.
 """
 
 from __future__ import annotations
@@ -52,9 +57,10 @@ import aiohttp
 import attrs
 
 from shadow_gateway.cluster import GatewayCluster, InstanceState
-from shadow_gateway.config import SchedulerKind, ShadowSubmitConfig
+from shadow_gateway.config import InstanceRole, PDConfig, SchedulerKind, ShadowSubmitConfig
 from shadow_gateway.metrics import GatewayMetrics
 from shadow_gateway.offload import Offloader, encode
+from shadow_gateway.pd import PREFILL_KV_PARAMS, Push, Pusher
 from shadowcore.job import ShadowJob, token_array
 from shadowcore.manager import ShadowManager
 from shadowcore.types import JobKey
@@ -83,7 +89,9 @@ class ShadowDispatcher:
     offload: Offloader | None = None  # large shadow bodies encoded off the event loop
     #: Body fields every shadow of a session carries (the gateway's per-tenant ``cache_salt``).
     session_fields: Any = lambda _session_id: {}
+    pd: PDConfig = attrs.Factory(PDConfig)
     client: aiohttp.ClientSession = attrs.field(init=False)
+    pusher: Pusher = attrs.field(init=False)
     lanes: dict[str, Lane] = attrs.field(init=False, factory=dict)
     request_level: Any = attrs.field(init=False, default=None)  # RequestLevelShadower when stock instances exist
     _num_waiting: dict[str, int] = attrs.field(init=False, factory=dict)
@@ -93,6 +101,9 @@ class ShadowDispatcher:
     _closed: bool = attrs.field(init=False, default=False)
     _wake_scheduled: bool = attrs.field(init=False, default=False)
 
+    def __attrs_post_init__(self) -> None:
+        self.pusher = Pusher(self.cluster, self.pd, self.metrics)
+
     def start(self) -> None:
         c = self.config
         self.client = aiohttp.ClientSession(
@@ -100,13 +111,14 @@ class ShadowDispatcher:
             connector=aiohttp.TCPConnector(limit=max(8, 2 * c.max_inflight_per_instance * len(self.cluster.by_id))),
             skip_auto_headers=("User-Agent",),
         )
+        self.pusher.client = self.client
         stock = [i for i in self.cluster.by_id.values() if i.scheduler is SchedulerKind.STOCK]
         if stock:
             from shadow_gateway.request_level import RequestLevelShadower
 
             self.request_level = RequestLevelShadower(self._rl_submit, lambda i: self._num_waiting.get(i, 1))
         for inst in self.cluster.by_id.values():
-            if inst.scheduler is SchedulerKind.STOCK:
+            if inst.scheduler is SchedulerKind.STOCK or inst.role is InstanceRole.DECODE:
                 continue
             lane = Lane(inst)
             lane.task = asyncio.create_task(self._run(lane), name=f"shadow-lane-{inst.id}")
@@ -119,6 +131,7 @@ class ShadowDispatcher:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.pusher.close()
         await self.client.close()
 
     def wake_all(self) -> None:
@@ -188,6 +201,8 @@ class ShadowDispatcher:
         tag = ShadowTag(TagKind.SHADOW, job.key.session_id, job.key.target_model, epoch, job.switch_probability)
         body = {"model": inst.model.upstream_name, "prompt": ids[:target], "max_tokens": 1,
                 "vllm_xargs": tag.to_extra_args(), **self.session_fields(job.key.session_id)}
+        if inst.role is InstanceRole.PREFILL:
+            body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
         task = asyncio.create_task(self._send(lane, job, body, ids, target, epoch, start, num_missing))
         lane.inflight[job.key] = task
 
@@ -195,7 +210,7 @@ class ShadowDispatcher:
                     start: int, num_missing: int) -> None:
         inst = lane.instance
         try:
-            outcome, num_held = await self._post(inst, body, target)
+            outcome, num_held, kv_params = await self._post(inst, body, target)
         except asyncio.CancelledError:
             job.commit(epoch, start, num_missing, 0)
             raise
@@ -206,14 +221,31 @@ class ShadowDispatcher:
         if outcome == "partial":
             lane.declined[job.key] = (epoch, target)
         self._account(inst, "tagged", outcome, job.key.session_id, ids, num_held, num_computed)
+        self._offer_push(inst, outcome, job.key.session_id, ids, num_held, kv_params)
         lane.wake.set()
 
-    async def _post(self, inst: InstanceState, body: dict, num_prompt_tokens: int) -> tuple[str, int]:
+    def _offer_push(self, inst: InstanceState, outcome: str, session_id: str, ids: Sequence[int], num_held: int,
+                    kv_params: dict | None) -> None:
+        """A shadow prefix a P instance finished goes toward the session's sticky D (P/D models)."""
+        if inst.role is not InstanceRole.PREFILL or outcome not in ("completed", "partial") or num_held <= 0:
+            return
+        try:
+            job = self.manager.job(JobKey(session_id, inst.model.name))
+            self.pusher.offer(Push(session_id, inst.model.name, ids, num_held, kv_params,
+                                   self.session_fields(session_id),
+                                   job.switch_probability if job is not None else 1.0,
+                                   job.history.epoch if job is not None else 0))
+        except Exception:  # a push must never break a lane
+            log.exception("push offer for %s failed", inst.id)
+            self.metrics.errors.labels("push", inst.id).inc()
+
+    async def _post(self, inst: InstanceState, body: dict, num_prompt_tokens: int) -> tuple[str, int, dict | None]:
         """POST one shadow request of ``num_prompt_tokens``; returns the outcome
         (``completed``, ``partial``: ended early by the shadow scheduler,
-        ``aborted``, or a failure) and the prompt tokens the instance holds for it."""
+        ``aborted``, or a failure), the prompt tokens the instance holds for it,
+        and the ``kv_transfer_params`` it answered (P instances of P/D models)."""
         mode = "request-level" if inst.scheduler is SchedulerKind.STOCK else "tagged"
-        num_held = 0
+        num_held, kv_params = 0, None
         try:
             data = await self.offload.encode(body) if self.offload is not None else encode(body)
             async with self.client.post(f"{inst.url}/v1/completions", data=data,
@@ -221,14 +253,17 @@ class ShadowDispatcher:
                 if r.status != 200:
                     outcome = f"http-{r.status // 100}xx"
                 else:
-                    choice = (json.loads(await r.read()).get("choices") or [{}])[0]
+                    data = json.loads(await r.read())
+                    choice = (data.get("choices") or [{}])[0]
                     outcome, num_held = _shadow_outcome(choice, num_prompt_tokens)
+                    kv_params = data.get("kv_transfer_params") if isinstance(data.get("kv_transfer_params"),
+                                                                              dict) else None
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, AttributeError) as e:
             outcome = "timeout" if isinstance(e, TimeoutError) else "failed"
             if isinstance(e, ValueError):
                 log.warning("shadow request to %s: %s", inst.id, e)
         self.metrics.shadow_requests.labels(inst.model.name, mode, outcome).inc()
-        return outcome, num_held
+        return outcome, num_held, kv_params
 
     def _account(self, inst: InstanceState, mode: str, outcome: str, session_id: str, ids: Sequence[int],
                  num_context: int, num_tokens: int) -> None:
@@ -249,10 +284,12 @@ class ShadowDispatcher:
             if lane.declined:
                 for model in self.manager.models:
                     lane.declined.pop(JobKey(session_id, model), None)
+        self.pusher.forget_session(session_id)
 
     def num_session_entries(self) -> int:
-        """Per-session entries kept (request-level contexts, declines): 0 once every session ended."""
-        return len(self._rl_context) + sum(len(lane.declined) for lane in self.lanes.values())
+        """Per-session entries kept (request-level contexts, declines, pending pushes): 0 once every session ended."""
+        return (len(self._rl_context) + sum(len(lane.declined) for lane in self.lanes.values())
+                + self.pusher.num_session_entries())
 
     # -- request-level mode (stock instances) ------------------------------------------------
     def on_call_arrival(self, session_id: str, instance_id: str) -> None:
@@ -333,13 +370,16 @@ class ShadowDispatcher:
         body = completions_body(shadow, inst.model.upstream_name)
         body["priority"] = self.config.request_level_priority
         body.update(self.session_fields(shadow.session_id))
+        if inst.role is InstanceRole.PREFILL:
+            body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
         ids = self._rl_context.get((inst.id, shadow.session_id))
 
         async def send() -> None:
             num_prompt = len(shadow.prompt_token_ids)
-            outcome, num_held = await self._post(inst, body, num_prompt)
+            outcome, num_held, kv_params = await self._post(inst, body, num_prompt)
             if ids is not None and ids[:num_prompt] == token_array(shadow.prompt_token_ids):
                 self._account(inst, "request-level", outcome, shadow.session_id, ids, num_held, num_held)
+                self._offer_push(inst, outcome, shadow.session_id, ids, num_held, kv_params)
             self.request_level.on_shadow_finished(shadow.submission_id, outcome == "completed")
             self._schedule_rl_pump()
 

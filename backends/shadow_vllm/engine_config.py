@@ -9,8 +9,14 @@ spawned) as JSON in ``VllmConfig.additional_config["shadowprefill"]``
         "shadow": {"policy": "harvest-slo", "seed": 0},      # a ShadowConfig
         "instance_id": "small-0",                            # optional
         "slo": {"ttft_s": 1.0, "tpot_s": 0.025},             # routed and normal requests
-        "latency": {"name": "linear", "args": {"overhead_s": 0.003}}
+        "latency": {"name": "linear", "args": {"overhead_s": 0.003}},
+        "pd": {"role": "prefill", "max_iteration_s": 0.1, "push_tokens": 4096}  # optional
     }}
+
+``pd`` (:class:`PDEngineConfig`) is read by the P/D schedulers of
+:mod:`shadow_vllm.pd` only: a prefill-role engine's shadow iterations last at
+most ``max_iteration_s`` (the policy's ``prefill_slack``), a decode-role
+engine pulls shadow KV in pushes of at most ``push_tokens``.
 
 ``latency`` is the :class:`~shadowcore.latency.LatencyModel` of the hardware
 the engine runs on: ``"linear"`` is
@@ -34,7 +40,7 @@ from typing import Any
 
 import attrs
 
-from shadowcore._validators import non_empty_str
+from shadowcore._validators import non_empty_str, one_of, positive, positive_int
 from shadowcore.config import PluginRef, ShadowConfig, SloConfig, build_attrs
 from shadowcore.errors import ConfigError, PluginError
 from shadowcore.latency import LatencyModel, LinearLatencyModel
@@ -45,6 +51,23 @@ CONFIG_KEY = "shadowprefill"
 FIELD = f"additional_config.{CONFIG_KEY}"
 SCHEDULER_CLS = "shadow_vllm.scheduler.ShadowScheduler"
 ASYNC_SCHEDULER_CLS = "shadow_vllm.scheduler.AsyncShadowScheduler"
+#: The P/D engines' schedulers by role (their async twins: ``AsyncPrefill...``, ``AsyncDecode...``).
+PD_SCHEDULER_CLS = {"prefill": "shadow_vllm.pd.PrefillShadowScheduler", "decode": "shadow_vllm.pd.DecodeShadowScheduler"}
+
+
+PD_ROLES = ("prefill", "decode")
+
+
+@attrs.frozen
+class PDEngineConfig:
+    """A P/D engine's settings (the simulator's ``PDConfig`` fields that live on an engine)."""
+
+    role: str = attrs.field(validator=one_of(*PD_ROLES))
+    max_iteration_s: float = attrs.field(default=0.1, validator=positive)
+    push_tokens: int = attrs.field(default=4096, validator=positive_int)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"role": self.role, "max_iteration_s": self.max_iteration_s, "push_tokens": self.push_tokens}
 
 
 @attrs.frozen
@@ -69,6 +92,8 @@ class EngineShadowConfig:
     #: fields; "" for none. The same value ``simulate --latency-profile`` takes,
     #: so a policy sees the same iteration times in simulation and on the engine.
     latency_profile: str | Mapping[str, Any] = ""
+    #: P/D settings (:mod:`shadow_vllm.pd`'s schedulers); None: the engine is colocated.
+    pd: PDEngineConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -79,6 +104,7 @@ class EngineShadowConfig:
             "keep_tails_below_n_min": self.keep_tails_below_n_min,
             **({"refit": dict(self.refit)} if self.refit is not None else {}),
             **({"latency_profile": self.latency_profile} if self.latency_profile else {}),
+            **({"pd": self.pd.to_dict()} if self.pd is not None else {}),
         }
 
     @classmethod
@@ -90,7 +116,7 @@ class EngineShadowConfig:
                 raise ConfigError(f"{field}:{e.lineno}:{e.colno}", data, e.msg) from None
         if not isinstance(data, Mapping):
             raise ConfigError(field, data, "must be a JSON object")
-        known = {"shadow", "instance_id", "slo", "latency", "keep_tails_below_n_min", "refit", "latency_profile"}
+        known = {"shadow", "instance_id", "slo", "latency", "keep_tails_below_n_min", "refit", "latency_profile", "pd"}
         for k in data:
             if k not in known:
                 raise ConfigError(f"{field}.{k}", data[k], f"unknown field (known: {', '.join(sorted(known))})")
@@ -108,8 +134,13 @@ class EngineShadowConfig:
         if not isinstance(keep_tails, bool):
             raise ConfigError(f"{field}.keep_tails_below_n_min", keep_tails, "must be true or false")
         profile = data.get("latency_profile", "")
+        pd = data.get("pd")
+        if pd is not None:
+            if not isinstance(pd, Mapping) or "role" not in pd:
+                raise ConfigError(f"{field}.pd", pd, f"must be a JSON object with a role ({' or '.join(PD_ROLES)})")
+            pd = build_attrs(PDEngineConfig, f"{field}.pd", pd)
         config = cls(shadow, instance_id, slo, latency, keep_tails, _refit(data.get("refit"), f"{field}.refit"),
-                     dict(profile) if isinstance(profile, Mapping) else profile)
+                     dict(profile) if isinstance(profile, Mapping) else profile, pd)
         config.profile()  # a bad name, file or field fails here, before the engine serves
         return config
 
@@ -168,10 +199,16 @@ def engine_args(policy: str | Mapping[str, Any] = "harvest-slo", *, asynchronous
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that load the shadow
     scheduler with ``policy`` (a name or ``{"name": ..., "args": {...}}``);
     ``config`` holds the other :class:`EngineShadowConfig` fields
-    (``instance_id``, ``slo``, ``latency``, ``keep_tails_below_n_min``, ``seed``)."""
+    (``instance_id``, ``slo``, ``latency``, ``keep_tails_below_n_min``, ``pd``, ``seed``); with
+    ``pd`` the scheduler is :mod:`shadow_vllm.pd`'s of its role (the engine also needs
+    ``kv_transfer_config``)."""
     seed = config.pop("seed", 0)
     data = {"shadow": {"policy": policy, "seed": seed}, **config}
-    EngineShadowConfig.from_dict(data)  # fail here, not in the engine process
+    parsed = EngineShadowConfig.from_dict(data)  # fail here, not in the engine process
+    if parsed.pd is not None:  # a P/D engine: shadow_vllm.pd's scheduler of its role
+        cls = PD_SCHEDULER_CLS[parsed.pd.role]
+        return {"scheduler_cls": cls.replace(".Prefill", ".AsyncPrefill").replace(".Decode", ".AsyncDecode")
+                if asynchronous else cls, "additional_config": {CONFIG_KEY: data}}
     return {
         "scheduler_cls": ASYNC_SCHEDULER_CLS if asynchronous else SCHEDULER_CLS,
         "additional_config": {CONFIG_KEY: data},

@@ -212,7 +212,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
                                             lambda: self.shadow_clock(), lazy=True)  # attached by the first shadow
         self.shadow_jobs = EngineJobs(config.instance_id, self.block_size)
         self._shadow_by_request = self.shadow_jobs.by_request  # truthy while a shadow request exists
-        slack = runtime.policy.slack.build(np.random.default_rng(runtime.rng.integers(2**63)))
+        slack = self._shadow_build_slack(runtime, config, np.random.default_rng(runtime.rng.integers(2**63)))
         if self._shadow_no_cache:
             slack = NoShadowController()
         self.shadow_hook = EngineHook(config.instance_id, self.shadow_jobs, slack, config.build_latency(),
@@ -227,6 +227,9 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         self.shadow_metrics = EngineMetrics.from_env(config.instance_id, self.block_size)  # vLLM's /metrics
         self.shadow_parked: dict[str, Request] = {}  # shadow requests outside vLLM's queues
         self.shadow_to_finish: dict[str, tuple[RequestStatus, str]] = {}
+        #: A KV connector's ``kv_transfer_params`` of shadows this step ends (P/D: the handle a decode
+        #: engine reads the shadow's KV with), put in their outputs.
+        self.shadow_kv_params: dict[str, dict] = {}
         self.shadow_routed: set[str] = set()
         self.shadow_running: set[str] = set()  # shadow requests admitted in the current step
         self.shadow_arrival_s: dict[str, float] = {}
@@ -251,6 +254,11 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
             logger.warning("policy %r has a host tier, which on vLLM needs a KV offloading connector "
                            "(--kv-offloading-size, OffloadingConnector); this engine has none, so shadows "
                            "use the device tier only (see docs/vllm.md: host tier)", runtime.policy.name)
+
+    def _shadow_build_slack(self, runtime: Any, config: EngineShadowConfig, rng: np.random.Generator) -> Any:
+        """This engine's slack controller: the policy's ``slack`` (a P/D prefill engine,
+        :class:`shadow_vllm.pd.PrefillShadowScheduler`, builds its ``prefill_slack``)."""
+        return runtime.policy.slack.build(rng)
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -321,6 +329,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         rid = request.request_id
+        was_shadow = rid in self.shadow_jobs
         self.shadow_jobs.close(rid)
         self.shadow_parked.pop(rid, None)
         self.shadow_to_finish.pop(rid, None)
@@ -331,6 +340,8 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         self._shadow_awaiting_first.discard(rid)
         self._shadow_chunk_end.pop(rid, None)
         freed = super()._free_request(request, *args, **kwargs)
+        if was_shadow and isinstance(freed, tuple) and freed and freed[0] is not None:
+            self.shadow_kv_params[rid] = freed[0]  # a P/D connector's handle, for the shadow's output
         if not self._shadow_quiet:
             self._shadow_quiet = self._shadow_quiet_now()
         return freed
@@ -435,6 +446,8 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
             self._shadow_record_first_tokens(scheduler_output.num_scheduled_tokens)
         if self._shadow_by_request or self.shadow_to_finish:
             self._shadow_finish(outputs)
+        if self.shadow_kv_params:  # those vLLM's own path finished carry them in vLLM's outputs
+            self.shadow_kv_params.clear()
         if not self._shadow_quiet:
             self._shadow_quiet = self._shadow_quiet_now()
         if self.shadow_metrics is not None:
@@ -626,6 +639,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
                 eco.outputs.append(EngineCoreOutput(
                     request_id=rid, new_token_ids=[], finish_reason=finished.get_finished_reason(),
                     stop_reason=reason, events=finished.take_events(), trace_headers=finished.trace_headers,
+                    kv_transfer_params=self.shadow_kv_params.pop(rid, None),
                 ))
 
 

