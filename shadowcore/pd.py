@@ -87,6 +87,19 @@ class ShadowPushPolicy(PushPolicy):
         return PushGrant(best.job, best.num_decode_held_tokens, n)
 
 
+def backing_off(pushed: tuple[int, int, float] | None, epoch: int, num_decode_held_tokens: int, now_s: float,
+                cold_age_s: float) -> bool:
+    """The anti-churn rule of pushes: a job whose pushed KV the decode instance no longer holds
+    (``pushed`` = (epoch, pushed up to token, end of that push); D's held prefix ends below it) is
+    not pushed again until ``cold_age_s`` after that push ended. D reclaims shadow blocks first, so
+    under memory pressure an immediate re-push would be lost again (the cold-age rule of shadow
+    allocations, applied to pushes). One rule for every engine (the simulator's fabric, vLLM's
+    decode scheduler)."""
+    if pushed is None or pushed[0] != epoch or num_decode_held_tokens >= pushed[1]:
+        return False
+    return now_s - pushed[2] < cold_age_s
+
+
 @attrs.frozen
 class PushDecision:
     """One question to a push policy and its answer, in engine-neutral terms (the

@@ -172,3 +172,14 @@ def parse_stop(stop_reason: object) -> ShadowStop | None:
             raise ValueError(f"stop_reason = {stop_reason!r}: expected {HELD_KEY}<non-negative integer>")
         num_held = int(held[len(HELD_KEY):])
     return ShadowStop(end, num_held, detail[:-1])
+
+
+#: ``kv_transfer_params`` of a request to a P/D prefill (P) engine: vLLM's
+#: disaggregation protocol, "compute the prompt and keep its KV for a remote
+#: decode". The one definition both the gateway (a call's P phase) and the
+#: P-role shadow scheduler (a shadow's KV kept for D) send; callers copy it
+#: (``dict(PREFILL_KV_PARAMS)``) before handing it to vLLM, which mutates it.
+PREFILL_KV_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+    "remote_host": None, "remote_port": None,
+}

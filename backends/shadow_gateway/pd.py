@@ -57,17 +57,11 @@ import attrs
 from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import PDConfig, SchedulerKind
 from shadow_gateway.metrics import GatewayMetrics
-from shadowcore.wire import ShadowEnd, ShadowTag, TagKind, parse_stop
+from shadowcore.wire import PREFILL_KV_PARAMS, ShadowEnd, ShadowTag, TagKind, parse_stop
 
 log = logging.getLogger("shadow_gateway.pd")
 JSON_HEADERS = {"content-type": "application/json"}
 
-#: ``kv_transfer_params`` of a request to a P instance (vLLM's protocol: P
-#: computes the prompt and keeps its KV for a remote decode).
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-    "remote_host": None, "remote_port": None,
-}
 
 
 def prefill_body(upstream_body: dict[str, Any]) -> dict[str, Any]:

@@ -60,11 +60,11 @@ from shadow_gateway.cluster import GatewayCluster, InstanceState
 from shadow_gateway.config import InstanceRole, PDConfig, SchedulerKind, ShadowSubmitConfig
 from shadow_gateway.metrics import GatewayMetrics
 from shadow_gateway.offload import Offloader, encode
-from shadow_gateway.pd import PREFILL_KV_PARAMS, Push, Pusher
+from shadow_gateway.pd import Push, Pusher
 from shadowcore.job import ShadowJob, token_array
 from shadowcore.manager import ShadowManager
 from shadowcore.types import JobKey
-from shadowcore.wire import ShadowEnd, ShadowTag, TagKind, parse_stop
+from shadowcore.wire import PREFILL_KV_PARAMS, ShadowEnd, ShadowTag, TagKind, parse_stop
 
 log = logging.getLogger("shadow_gateway.shadow")
 JSON_HEADERS = {"content-type": "application/json"}

@@ -51,7 +51,7 @@ from shadowcore.events import EventLoop
 from shadowcore.hook import EngineHook
 from shadowcore.kv import KVClass, KVClassManager
 from shadowcore.manager import ShadowManager
-from shadowcore.pd import DecodeLinkView, PushCandidate, PushGrant, PushPolicy
+from shadowcore.pd import DecodeLinkView, PushCandidate, PushGrant, PushPolicy, backing_off
 from shadowcore.types import RequestKind
 
 __all__ = [
@@ -322,10 +322,7 @@ class KVFabric:
         reclaims shadow blocks first, so under memory pressure an immediate
         re-push would be lost again; this is the cold-age rule of shadow
         allocations applied to pushes."""
-        pushed = self._pushed.get(job)
-        if pushed is None or pushed[0] != epoch or d_held >= pushed[1]:
-            return False
-        if self.loop.now_s - pushed[2] >= d.kv.policy.cold_age_s:
+        if not backing_off(self._pushed.get(job), epoch, d_held, self.loop.now_s, d.kv.policy.cold_age_s):
             return False
         self.num_backoffs += 1
         return True

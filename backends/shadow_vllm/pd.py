@@ -102,10 +102,10 @@ from shadow_vllm.vllm_internals import (
     SchedulerOutput,
 )
 from shadowcore.errors import ConfigError
-from shadowcore.pd import DecodeLinkView, PushCandidate, PushDecision, PushGrant
+from shadowcore.pd import DecodeLinkView, PushCandidate, PushDecision, PushGrant, backing_off
 from shadowcore.pipeline import build_runtime
 from shadowcore.types import JobKey
-from shadowcore.wire import ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_tag
+from shadowcore.wire import PREFILL_KV_PARAMS, ShadowEnd, ShadowStop, ShadowTag, TagKind, parse_tag
 
 __all__ = [
     "PREFILL_KV_PARAMS", "AsyncDecodeShadowScheduler", "AsyncPrefillShadowScheduler", "DecodePushMixin",
@@ -114,12 +114,6 @@ __all__ = [
 
 logger = logging.getLogger("shadow_vllm.scheduler")
 
-#: ``kv_transfer_params`` of a request to a P engine (vLLM's protocol: compute the prompt and keep
-#: its KV for a remote decode).
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-    "remote_host": None, "remote_port": None,
-}
 
 
 def _pd_config(config: EngineShadowConfig, role: str) -> PDEngineConfig:
@@ -251,9 +245,10 @@ class DecodePushMixin(ConnectorLoads):
             return
         key = JobKey(tag.session_id, tag.target_model)
         old = self.shadow_offers.get(key)
-        if old is not None:
+        if old is not None:  # ends saying what D holds of it (the gateway records that)
+            held = int(self.kv_cache_manager.get_computed_blocks(old.request)[1])
             self._shadow_end(old.request.request_id, RequestStatus.FINISHED_ABORTED,
-                             ShadowStop(ShadowEnd.SUPERSEDED).to_stop_reason())
+                             ShadowStop(ShadowEnd.SUPERSEDED, held).to_stop_reason())
         remote = offer.get("remote_num_tokens") or request.num_prompt_tokens
         num_prefill = min(int(remote), request.num_prompt_tokens) // self.block_size * self.block_size
         self.shadow_offers[key] = _Offer(request, tag, dict(offer), num_prefill)
@@ -336,10 +331,8 @@ class DecodePushMixin(ConnectorLoads):
             if offer.request.request_id in self.shadow_to_finish:
                 continue
             d_held = int(self.kv_cache_manager.get_computed_blocks(offer.request)[1])
-            pushed = self._shadow_pushed.get(key)
-            if pushed is not None and pushed[0] == offer.tag.epoch and d_held < pushed[1] \
-                    and now_s - pushed[2] < cold_age_s:  # anti-churn (the simulator's fabric's rule)
-                self.shadow_push_stats.num_backoffs += 1
+            if backing_off(self._shadow_pushed.get(key), offer.tag.epoch, d_held, now_s, cold_age_s):
+                self.shadow_push_stats.num_backoffs += 1  # anti-churn (the core's rule, as the simulator's fabric)
                 continue
             if offer.num_prefill_tokens > d_held:
                 out.append(PushCandidate(key, offer.num_prefill_tokens, d_held, offer.tag.switch_probability))

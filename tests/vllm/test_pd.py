@@ -33,15 +33,15 @@ def _config(policy: str | dict = "harvest-slo", num_blocks: int = 256) -> virtua
                                        additional_config=extra)
 
 
-def _pair(push_tokens: int = 128, link_bytes_per_s: float = 1e8, max_iteration_s: float = 0.05, **kw):
-    fabric, loop, clock = PDFabric(), virtual.VirtualClock(), None
+def _pair(push_tokens: int = 128, link_bytes_per_s: float = 1e8, max_iteration_s: float = 0.05,
+          classes: tuple = (PrefillShadowScheduler, DecodeShadowScheduler), **kw):
     from shadowcore.events import EventLoop
 
-    loop, clock = EventLoop(), virtual.VirtualClock()
+    fabric, loop, clock = PDFabric(), EventLoop(), virtual.VirtualClock()
     lat = LinearLatencyModel()
-    p = pd_engine("prefill", "p", "m", lat, _config(**kw), fabric, loop, clock, PrefillShadowScheduler,
+    p = pd_engine("prefill", "p", "m", lat, _config(**kw), fabric, loop, clock, classes[0],
                   max_iteration_s=max_iteration_s)
-    d = pd_engine("decode", "d", "m", lat, _config(**kw), fabric, loop, clock, DecodeShadowScheduler,
+    d = pd_engine("decode", "d", "m", lat, _config(**kw), fabric, loop, clock, classes[1],
                   link_bytes_per_s=link_bytes_per_s, push_tokens=push_tokens)
     return fabric, p, d
 
@@ -211,3 +211,43 @@ def test_a_push_policy_that_breaks_the_rules_is_logged_and_dropped_not_obeyed(ca
     assert not [r for r in fabric.reads if r.is_push]
     assert d.scheduler.shadow_push_stats.num_pushes == 0
     assert "push policy Greedy on d: push of 319 tokens" in caplog.text
+
+
+def test_the_async_twins_run_the_same_p_and_d_path() -> None:
+    from shadow_vllm.pd import AsyncDecodeShadowScheduler, AsyncPrefillShadowScheduler
+
+    fabric, p, d = _pair(push_tokens=4096, classes=(AsyncPrefillShadowScheduler, AsyncDecodeShadowScheduler))
+    from shadow_vllm.vllm_internals import AsyncScheduler
+
+    assert isinstance(p.scheduler, AsyncScheduler) and isinstance(d.scheduler, AsyncScheduler)
+    assert isinstance(p.scheduler.shadow_hook.slack, PrefillInstanceController)
+    prompt = _tokens(330, 11)
+    p.add_request("sh", prompt, 1, extra_args=ShadowTag(TagKind.SHADOW, "s", "m", 0, 0.9).to_extra_args())
+    p.loop.run()
+    assert p.kv_params["sh"]["remote_num_tokens"] == 320
+    offer = _offer(d, p, "sh", prompt)
+    d.loop.run()
+    assert [r.num_tokens for r in fabric.reads if r.is_push] == [320]
+    assert offer.finish_reason == "stop" and d.cached_prefix_tokens(prompt) == 320
+    assert fabric.num_stale_reads == 0
+
+
+def test_a_newer_offer_supersedes_the_older_which_says_what_d_holds_and_gives_its_handle_back() -> None:
+    fabric, p, d = _pair(push_tokens=128, link_bytes_per_s=1e7)
+    prompt = _tokens(330, 12)
+    tag = ShadowTag(TagKind.SHADOW, "s", "m", 0, 0.9).to_extra_args()
+    longer = [*prompt, *_tokens(320, 13)]  # 20 more blocks: above n_min, so P computes them
+    for rid, tokens in (("sh", prompt), ("sh2", longer)):  # two shadows of the session, two handles
+        p.add_request(rid, tokens, 1, extra_args=tag)
+        p.loop.run()
+    first = d.add_request("push:sh", prompt, 1, extra_args={**tag, "kv_transfer_params": p.kv_params["sh"]},
+                          kick=False)
+    second = _offer(d, p, "sh2", longer)  # arrives before D scheduled the first
+    d.loop.run()
+    assert first.finish_reason == "abort" and d.scheduler.shadow_push_stats.num_ended["superseded"] == 1
+    assert [r.remote_request_id for r in fabric.reads if r.is_push] == ["sh2"]
+    assert second.finish_reason == "stop" and d.scheduler.shadow_push_stats.num_pushes == 1
+    assert fabric.num_stale_reads == 0
+    p.add_request("later", _tokens(40, 14), 1)
+    p.loop.run()  # P's next step: both handles released (one unread, one read)
+    assert "sh" not in p.scheduler.requests and "sh2" not in p.scheduler.requests
