@@ -21,7 +21,15 @@ load, and the issue's targets beside the measured values (issue 17):
 * one simulated hour of the 8-instance cluster at rho 0.7 in <= 30 CPU-seconds
   per policy (the run's CPU time scaled linearly from its simulated seconds,
   warm-up and drain included, to 3,600: printed with the figure);
-* 128 instances at most 16x the 8-instance time (cost linear in instances).
+* 128 instances at most 16x the 8-instance time (cost linear in instances);
+* cost per iteration flat in batch size (the load axis: mean decodes per
+  iteration against CPU microseconds per iteration; the load also raises the
+  admissions and finishes per iteration, which ``benchmarks/batch_cost.py``
+  holds constant).
+
+Our ratio to Vidur at this per-instance load (Vidur simulates one instance)
+is ``benchmarks/sim_vs_vidur.py``'s, which runs both simulators side by side
+at the trace's rate and at ``--rho 0.7`` of the model's shipped capacity.
 """
 
 from __future__ import annotations
@@ -40,8 +48,7 @@ HOUR_S = 3600.0
 def one_run(policy: str, instances: int, rho: float, duration_s: float, seed: int) -> dict:
     """Run in this process; return the figures."""
     from shadow_sim.experiments.calibrate import capacities
-    from shadow_sim.experiments.spec import Experiment, ExperimentRun
-    from shadow_sim.experiments.spec import SIMULATE_DEFAULT
+    from shadow_sim.experiments.spec import SIMULATE_DEFAULT, Experiment, ExperimentRun
 
     from shadowcore.config import PluginRef, ShadowConfig
 
@@ -63,10 +70,13 @@ def one_run(policy: str, instances: int, rho: float, duration_s: float, seed: in
     result = run.run()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     iterations = sum(i.num_iterations_run for i in run.cluster.by_id.values())
+    decoded = sum(r.num_output_tokens for r in run.workload.normal) + sum(
+        c.num_output_tokens for p in run.workload.sessions for c in p.calls)
     return {"policy": policy, "instances": instances, "rho": rho, "duration_s": duration_s, "setup_s": setup_s,
             "wall_s": wall, "cpu_s": cpu, "iterations": iterations, "simulated_s": run.loop.now_s,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "calls": result.metrics["calls"], "normal_slo": result.metrics["normal_slo_attainment"]}
+            "calls": result.metrics["calls"], "normal_slo": result.metrics["normal_slo_attainment"],
+            "mean_batch": decoded / max(1, iterations)}
 
 
 def in_child(policy: str, instances: int, rho: float, duration_s: float, seed: int) -> dict:
@@ -79,12 +89,15 @@ def in_child(policy: str, instances: int, rho: float, duration_s: float, seed: i
 
 def table(rows: list[dict]) -> str:
     head = (f"{'policy':<18} {'inst':>5} {'rho':>4} {'setup s':>8} {'wall s':>8} {'CPU s':>8} {'iterations':>11} "
-            f"{'iter/CPU-s':>11} {'sim s/wall s':>12} {'peak MB':>8} {'normal SLO':>10}")
+            f"{'iter/CPU-s':>11} {'us/iter':>8} {'batch':>6} {'sim s/wall s':>12} {'peak MB':>8} {'normal SLO':>10}")
     lines = [head]
     for r in rows:
         lines.append(f"{r['policy']:<18} {r['instances']:>5} {r['rho']:>4.1f} {r['setup_s']:>8.1f} {r['wall_s']:>8.1f} "
                      f"{r['cpu_s']:>8.1f} {r['iterations']:>11,} {r['iterations'] / r['cpu_s']:>11,.0f} "
+                     f"{1e6 * r['cpu_s'] / r['iterations']:>8.1f} {r['mean_batch']:>6.1f} "
                      f"{r['simulated_s'] / r['wall_s']:>12.1f} {r['peak_rss_mb']:>8.0f} {r['normal_slo']:>10.3f}")
+    lines.append("us/iter: CPU microseconds per engine iteration; batch: mean decodes per iteration "
+                 "(output tokens / iterations)")
     return "\n".join(lines)
 
 
@@ -112,6 +125,17 @@ def growth(rows: list[dict], first: int) -> list[str]:
                 out.append(f"  rho {r['rho']:.1f}: {r['cpu_s'] / ref['cpu_s']:.2f}x the CPU time, "
                            f"{r['iterations'] / r['cpu_s'] / (ref['iterations'] / ref['cpu_s']):.2f}x the "
                            "iterations per CPU-second")
+        loads = sorted((r for r in mine if r["instances"] == first), key=lambda r: r["mean_batch"])
+        if len(loads) > 1:
+            lo, hi = loads[0], loads[-1]
+            x = (hi["cpu_s"] / hi["iterations"]) / (lo["cpu_s"] / lo["iterations"])
+            out.append(f"  cost per iteration at mean batch {hi['mean_batch']:.0f} (rho {hi['rho']:.1f}) vs "
+                       f"{lo['mean_batch']:.0f} (rho {lo['rho']:.1f}): {x:.2f}x for {hi['mean_batch'] / lo['mean_batch']:.1f}x "
+                       f"the batch (the event rate grows with the load too; benchmarks/batch_cost.py holds it constant) "
+                       f"[target: flat in batch size (1.0x)]")
+        out.append(f"  per instance at rho 0.7: {ref['iterations'] / ref['cpu_s'] / first:,.0f} iterations per CPU-second "
+                   f"of one instance's share (Vidur runs one instance: benchmarks/sim_vs_vidur.py --rho 0.7 prints "
+                   f"our ratio to it at this per-instance load [target >= 30x])")
     return out
 
 

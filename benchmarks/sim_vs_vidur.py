@@ -114,6 +114,7 @@ DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure-llm-2023" / "AzureLLM
 TRACE_DATE = "2023-11-16"  # any constant: Vidur's trace_replay keeps the rows of one Date
 
 Request = tuple[float, int, int]  # (arrival_s, prompt tokens, output tokens)
+TARGET_X = 30.0  # issue 17: ours at least 30x Vidur's iteration rate with its metrics off
 
 
 # ----------------------------------------------------------------------- trace
@@ -548,52 +549,10 @@ def _print_table(cols: list[tuple[str, dict]]) -> None:
                                            for _, c in cols))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=2000, help="trace rows to replay (default 2000)")
-    ap.add_argument("--start", type=int, default=0, help="first trace row (default 0)")
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help=f"Azure LLM trace CSV (default {DEFAULT_TRACE})")
-    ap.add_argument("--model", default="Llama-3.1-8B", help="catalog model (default Llama-3.1-8B)")
-    ap.add_argument("--device", default="H100-80GB", help="catalog device (default H100-80GB)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism (default 1)")
-    ap.add_argument("--chunk", type=int, default=2048, help="token budget / Sarathi chunk size (default 2048)")
-    ap.add_argument("--max-seqs", type=int, default=256, help="max running sequences (default 256)")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--prompt-cap", type=int, default=8192)
-    ap.add_argument("--output-cap", type=int, default=1024)
-    ap.add_argument("--vidur-predictor", choices=("tables", "trained"), default="tables",
-                    help="Vidur's predictor filled from our cached tables (default) or trained now (~30-50 s)")
-    ap.add_argument("--vidur-native", action="store_true",
-                    help="Vidur's C++ execution-time predictor (use_native_execution_time_predictor)")
-    ap.add_argument("--vidur-metrics", choices=("both", "on", "off"), default="both",
-                    help="run Vidur with its default metrics, with write_metrics=False, or both (default)")
-    ap.add_argument("--ours-latency", choices=("full", "vidur-model-time"), default="full",
-                    help="our engine's latency: VidurLatencyModel.predict_s (default) or Vidur's exact model_time")
-    ap.add_argument("--repeat", type=int, default=2,
-                    help="interleaved runs per simulator; the fastest (wall) of each is reported (default 2)")
-    ap.add_argument("--profile", type=int, nargs="?", const=15, default=0, metavar="N",
-                    help="cProfile our run loop once more and print the top N functions by tottime")
-    args = ap.parse_args(argv)
-
-    requests, info = load_trace(args.trace, args.requests, args.start, args.prompt_cap, args.output_cap)
-    span = requests[-1][0]
-    print(f"code      {_code_state()}; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
-    print(f"trace     {args.trace} rows [{args.start}, {args.start + len(requests)})")
-    print(f"workload  {len(requests)} requests over {span:.1f} s ({len(requests) / max(span, 1e-9):.2f} req/s); "
-          f"prompt mean {statistics.fmean(r[1] for r in requests):.0f} (cap {args.prompt_cap}, "
-          f"{info['capped_prompts']} capped), output mean {statistics.fmean(r[2] for r in requests):.0f} "
-          f"(cap {args.output_cap}, {info['capped_outputs']} capped)")
-    print(f"engine    {args.model} on {args.device} TP{args.tp}, one replica, no shadow; chunk/token budget "
-          f"{args.chunk}, max {args.max_seqs} seqs, block {args.block_size}")
-
-    from shadow_sim.vidur_latency import VidurLatencyModel
-
-    t = time.perf_counter()
-    vlm = VidurLatencyModel.for_model(args.model, args.device, args.tp, progress=sys.stderr.isatty())
-    print(f"setup     VidurLatencyModel ready in {time.perf_counter() - t:.1f} s ({vlm.table_path})")
-    ours_latency = None if args.ours_latency == "full" else VidurModelTime(vlm)
-
+def compare(requests: Sequence[Request], args: argparse.Namespace, vlm: Any, ours_latency: Any) -> tuple | None:
+    """Both simulators on ``requests``, interleaved; print the table and ratios.
+    Returns (ours / Vidur -metrics per CPU-second, per wall-second), or None
+    without a Vidur -metrics run."""
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.vidur_metrics]
     labels = {True: "vidur +metrics", False: "vidur -metrics"}
     ours_runs: list[dict] = []
@@ -649,6 +608,99 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"mean TTFT ours/vidur {ours['ttft_s'] / r['ttft_s']:.3f}, mean e2e ours/vidur {ours['e2e_s'] / r['e2e_s']:.3f}")
     if args.ours_latency != "full":
         print("note: --ours-latency vidur-model-time looks latencies up through numpy; our rate is not representative")
+
+    off = next((r for label, r in results[1:] if label == labels[False]), None)
+    if off is None:
+        return None
+    return ours["cpu_rate"] / off["cpu_rate"], ours["rate"] / off["rate"]
+
+
+def at_rate(requests: Sequence[Request], rate_per_s: float) -> list[Request]:
+    """The same requests with arrivals scaled so that they come at ``rate_per_s`` on average."""
+    span = requests[-1][0]
+    k = (len(requests) / rate_per_s) / span if span > 0 else 0.0
+    return [(t * k, p, o) for t, p, o in requests]
+
+
+def _capacity_per_s(args: argparse.Namespace) -> float:
+    """The shipped calibrated capacity of ``--model`` on ``--device`` (TP ``--tp``,
+    Vidur latency, Azure conversation lengths): what the scale benchmark's rho is of."""
+    from shadow_sim.experiments.calibrate import shipped
+
+    for entry in shipped().values():
+        if ((entry["model"], entry["device"], entry["tp"], entry["latency"], entry["lengths"])
+                == (args.model, args.device, args.tp, "vidur", "azure-conv")):
+            return float(entry["capacity_per_s"])
+    sys.exit(f"--rho: no shipped capacity for {args.model} on {args.device} TP{args.tp} (pass --rho '')")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000, help="trace rows to replay (default 2000)")
+    ap.add_argument("--start", type=int, default=0, help="first trace row (default 0)")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help=f"Azure LLM trace CSV (default {DEFAULT_TRACE})")
+    ap.add_argument("--model", default="Llama-3.1-8B", help="catalog model (default Llama-3.1-8B)")
+    ap.add_argument("--device", default="H100-80GB", help="catalog device (default H100-80GB)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism (default 1)")
+    ap.add_argument("--chunk", type=int, default=2048, help="token budget / Sarathi chunk size (default 2048)")
+    ap.add_argument("--max-seqs", type=int, default=256, help="max running sequences (default 256)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prompt-cap", type=int, default=8192)
+    ap.add_argument("--output-cap", type=int, default=1024)
+    ap.add_argument("--vidur-predictor", choices=("tables", "trained"), default="tables",
+                    help="Vidur's predictor filled from our cached tables (default) or trained now (~30-50 s)")
+    ap.add_argument("--vidur-native", action="store_true",
+                    help="Vidur's C++ execution-time predictor (use_native_execution_time_predictor)")
+    ap.add_argument("--vidur-metrics", choices=("both", "on", "off"), default="both",
+                    help="run Vidur with its default metrics, with write_metrics=False, or both (default)")
+    ap.add_argument("--ours-latency", choices=("full", "vidur-model-time"), default="full",
+                    help="our engine's latency: VidurLatencyModel.predict_s (default) or Vidur's exact model_time")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="interleaved runs per simulator; the fastest (wall) of each is reported (default 2)")
+    ap.add_argument("--rho", default="0.7",
+                    help="also at these loads per instance (comma list; rho x the model's shipped capacity, "
+                         "arrivals of the same requests rescaled): the scale benchmark's per-instance load "
+                         "(default 0.7; '' for the trace's rate only)")
+    ap.add_argument("--profile", type=int, nargs="?", const=15, default=0, metavar="N",
+                    help="cProfile our run loop once more and print the top N functions by tottime")
+    args = ap.parse_args(argv)
+
+    requests, info = load_trace(args.trace, args.requests, args.start, args.prompt_cap, args.output_cap)
+    span = requests[-1][0]
+    print(f"code      {_code_state()}; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    print(f"trace     {args.trace} rows [{args.start}, {args.start + len(requests)})")
+    print(f"workload  {len(requests)} requests over {span:.1f} s ({len(requests) / max(span, 1e-9):.2f} req/s); "
+          f"prompt mean {statistics.fmean(r[1] for r in requests):.0f} (cap {args.prompt_cap}, "
+          f"{info['capped_prompts']} capped), output mean {statistics.fmean(r[2] for r in requests):.0f} "
+          f"(cap {args.output_cap}, {info['capped_outputs']} capped)")
+    print(f"engine    {args.model} on {args.device} TP{args.tp}, one replica, no shadow; chunk/token budget "
+          f"{args.chunk}, max {args.max_seqs} seqs, block {args.block_size}")
+
+    from shadow_sim.vidur_latency import VidurLatencyModel
+
+    t = time.perf_counter()
+    vlm = VidurLatencyModel.for_model(args.model, args.device, args.tp, progress=sys.stderr.isatty())
+    print(f"setup     VidurLatencyModel ready in {time.perf_counter() - t:.1f} s ({vlm.table_path})")
+    ours_latency = None if args.ours_latency == "full" else VidurModelTime(vlm)
+
+    workloads = [(f"the trace's rate ({len(requests) / max(span, 1e-9):.2f} req/s)", requests)]
+    for rho in (float(x) for x in args.rho.split(",") if x.strip()):
+        cap = _capacity_per_s(args)
+        label = f"rho {rho:g} per instance ({rho * cap:.2f} req/s = {rho:g} x the shipped capacity {cap:g} req/s)"
+        workloads.append((label, at_rate(requests, rho * cap)))
+    ratios = []
+    for label, reqs in workloads:
+        print(f"\n=== workload: {len(reqs)} requests at {label} ===")
+        ratios.append((label, compare(reqs, args, vlm, ours_latency)))
+    print(f"\ntargets (issue 17): ours >= {TARGET_X:g}x Vidur's iteration rate with its metrics off")
+    for label, r in ratios:
+        if r is None:
+            print(f"  {label}: no Vidur -metrics run")
+            continue
+        cpu, wall = r
+        print(f"  {label}: {cpu:.1f}x per CPU-second, {wall:.1f}x per wall-second "
+              f"[target >= {TARGET_X:g}x: {'MET' if cpu >= TARGET_X else 'NOT MET'}]")
 
     if args.profile:
         prof = cProfile.Profile()

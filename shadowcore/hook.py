@@ -24,13 +24,13 @@ is theirs (``shadowcore.engine._fastpath``), not part of this contract.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
 
 from shadowcore.job import SessionHistory, ShadowJob
-from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
+from shadowcore.latency import LatencyModel, PrefillChunk
 from shadowcore.metrics import ObserverSet
 from shadowcore.slack import SlackController
 from shadowcore.types import BudgetReason, JobKey, ShadowGrant, SlackBudget, StepOutcome, StepPlan, StepSnapshot
@@ -100,7 +100,8 @@ class EngineHook:
         if budget.budget_s > 0:
             jobs = self._refreshed_jobs()
             limit = min(snapshot.num_free_token_budget, snapshot.num_shadow_room_tokens)
-            grants, predicted = self._size(jobs, base, base_s, budget, limit)
+            grants, predicted = self._size(jobs, lambda chunks: self.latency.predict_s(base.with_prefills(chunks)),
+                                           base_s, budget, limit)
             why = "granted" if grants else "no_jobs" if not jobs else self._empty_reason(limit)
         else:
             why = _ZERO_BUDGET.get(budget.reason, "zero_budget")
@@ -144,21 +145,23 @@ class EngineHook:
         return self.manager.pending_jobs(self.instance_id) if refreshed else jobs
 
     def _size(
-        self, jobs: Sequence[ShadowJob], base: BatchShape, base_s: float, budget: SlackBudget, limit: int
+        self, jobs: Sequence[ShadowJob], predict_with: Callable[[tuple[PrefillChunk, ...]], float], base_s: float,
+        budget: SlackBudget, limit: int,
     ) -> tuple[tuple[ShadowGrant, ...], float]:
-        """Lines 10-14: the largest whole-block n that fits, capped, >= n_min."""
+        """Lines 10-14: the largest whole-block n that fits, capped, >= n_min;
+        ``predict_with(chunks)`` is the iteration's time with ``chunks`` added
+        (``base_s`` with none). Pure."""
         block = self.port.block_size
-        upper = min(limit, sum(j.num_missing_tokens for j in jobs)) // block
+        upper, smallest = self._grant_range(jobs, limit)
         if upper <= 0:
             return (), base_s
 
         def fits(num_blocks: int) -> tuple[bool, float]:
-            t = self.latency.predict_s(base.with_prefills(_chunks(jobs, num_blocks * block)))
+            t = predict_with(_chunks(jobs, num_blocks * block))
             used = t - base_s if budget.bounds_stretch else t
             return used <= budget.budget_s, t
 
         lo, lo_s = 0, base_s
-        smallest = -(-self.slack.n_min // block)  # fewest blocks a grant may have (>= n_min tokens)
         if smallest > upper or (0 < smallest < upper and not fits(smallest)[0]):
             return (), base_s  # fits is monotone: nothing from n_min up fits (a routed step's small credit)
         ok, t_hi = fits(upper)
@@ -177,6 +180,14 @@ class EngineHook:
         if n == 0 or n < self.slack.n_min:
             return (), base_s
         return _grants(jobs, n), lo_s
+
+    def _grant_range(self, jobs: Sequence[ShadowJob], limit: int) -> tuple[int, int]:
+        """(upper, smallest): the most whole blocks a grant may have (``limit``
+        tokens, the jobs' missing tokens) and the fewest (``n_min`` tokens);
+        with ``upper <= 0`` or ``smallest > upper`` nothing is granted, which
+        needs no latency lookup (engines' fast paths rely on this)."""
+        block = self.port.block_size
+        return min(limit, sum(j.num_missing_tokens for j in jobs)) // block, -(-self.slack.n_min // block)
 
     def _empty_reason(self, limit: int) -> str:
         """Why a positive budget with pending jobs planned nothing: less token

@@ -92,6 +92,17 @@ class LatencyModel(Protocol):
         :meth:`predict_s`; results are the same either way."""
         return None
 
+    def predict_batch_s(
+        self, prefills: tuple[PrefillChunk, ...], num_decodes: int, total_context: int, max_context: int
+    ) -> float | None:
+        """Optional, as :meth:`predict_decodes_s` but for any batch: exactly,
+        bit for bit, what :meth:`predict_s` gives for ``BatchShape(prefills,
+        contexts)`` where the decode ``contexts`` are ``num_decodes`` sequences
+        summing to ``total_context`` tokens, the longest ``max_context`` (same
+        errors); or ``None`` when the model cannot tell from these aggregates.
+        Engines time mixed iterations of a large decode batch with it."""
+        return None
+
 
 @attrs.frozen
 class LinearLatencyModel:
@@ -139,6 +150,26 @@ class LinearLatencyModel:
             self.overhead_s
             + self.prefill_s_per_token * 0
             + self.attention_s_per_token_pair * 0.0
+            + self.decode_s_per_seq * num_decodes
+            + self.decode_s_per_context_token * total_context
+        )
+
+    def predict_batch_s(
+        self, prefills: tuple[PrefillChunk, ...], num_decodes: int, total_context: int, max_context: int
+    ) -> float | None:
+        """:meth:`predict_s` from the decode aggregates (the same float
+        operations in the same order: bit-identical)."""
+        prefill_tokens = 0
+        attention_pairs = 0.0
+        for chunk in prefills:
+            prefill_tokens += chunk.num_new_tokens
+            attention_pairs += chunk.num_new_tokens * (chunk.num_context_tokens + chunk.num_new_tokens / 2.0)
+        if prefill_tokens + num_decodes == 0:
+            return 0.0
+        return (
+            self.overhead_s
+            + self.prefill_s_per_token * prefill_tokens
+            + self.attention_s_per_token_pair * attention_pairs
             + self.decode_s_per_seq * num_decodes
             + self.decode_s_per_context_token * total_context
         )

@@ -73,7 +73,8 @@ def remaining_prefill_s(r: RequestView, latency: LatencyModel, chunk_tokens: int
 def min_batch_slack_s(
     snapshot: StepSnapshot, latency: LatencyModel, margin: float, chunk_tokens: int
 ) -> float:
-    """The smallest per-request slack in the batch (``inf`` for an empty one)."""
+    """The smallest per-request slack in the batch (``inf`` for an empty one),
+    the snapshot's decode aggregate included (its exact minimum)."""
     slack = math.inf
     for r in snapshot.batch:
         if r.phase is Phase.DECODE:
@@ -82,6 +83,8 @@ def min_batch_slack_s(
             rest = remaining_prefill_s(r, latency, chunk_tokens)
             s = prefill_slack_s(r, snapshot.now_s, margin, rest)
         slack = min(slack, s)
+    if snapshot.aggregate is not None:
+        slack = min(slack, snapshot.aggregate.min_slack_s(snapshot.now_s, margin))
     return slack
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Callable
 
 import attrs
 
@@ -68,6 +69,21 @@ class RequestView:
 
 
 @attrs.frozen
+class DecodeAggregate:
+    """Decodes of normal requests a snapshot carries as aggregates instead of
+    views (an engine's private fast path, ``shadowcore.engine._fastpath``):
+    ``num_decodes`` of them, their contexts' sum and longest (0 with none),
+    and ``min_slack_s(now_s, margin)``, the smallest
+    :func:`shadowcore.slack.decode_slack_s` among them, exactly (``inf`` for none).
+    An implementer must give bit for bit what the views would give."""
+
+    num_decodes: int = attrs.field(validator=non_negative_int)
+    total_context: int = attrs.field(validator=non_negative_int)
+    max_context: int = attrs.field(validator=non_negative_int)
+    min_slack_s: Callable[[float, float], float]
+
+
+@attrs.frozen
 class StepSnapshot:
     """What an engine shows the hook before one iteration (``begin_step``).
 
@@ -76,6 +92,11 @@ class StepSnapshot:
     ``num_free_token_budget`` is what remains of the iteration's token budget
     after ``batch``; ``num_shadow_room_tokens`` is what the KV class manager
     lets shadow chunks take now (cap, free and cold blocks).
+
+    ``aggregate`` (engine-private, None in every snapshot a hook is given):
+    more decodes of the same iteration, not in ``batch``, as aggregates; the
+    engine's fast path asks the core's own slack controllers for a budget on
+    such a snapshot. It has no ``batch_shape`` (the engine times the batch).
     """
 
     instance_id: str = attrs.field(validator=non_empty_str)
@@ -87,18 +108,21 @@ class StepSnapshot:
     tpot_slo_s: float = attrs.field(validator=positive)
     num_free_token_budget: int = attrs.field(validator=non_negative_int)
     num_shadow_room_tokens: int = attrs.field(validator=non_negative_int)
+    aggregate: DecodeAggregate | None = None
 
     @property
     def is_idle(self) -> bool:
-        return not self.batch
+        return not self.batch and (self.aggregate is None or not self.aggregate.num_decodes)
 
     @property
-    def has_routed(self) -> bool:
+    def has_routed(self) -> bool:  # aggregated decodes are normal requests
         return any(r.kind is RequestKind.ROUTED for r in self.batch)
 
     @functools.cached_property
     def batch_shape(self) -> BatchShape:
         """The batch as a latency model sees it (computed once per snapshot)."""
+        if self.aggregate is not None:
+            raise ValueError(f"{self.instance_id}: a snapshot with a decode aggregate has no batch shape")
         prefills = tuple(
             PrefillChunk(r.num_scheduled_tokens, r.num_context_tokens)
             for r in self.batch

@@ -139,6 +139,15 @@ MUTATIONS: dict[str, tuple] = {
                     "shadowcore/engine/instance.py",
                     "return BatchReport(self.instance_id, self.iteration, tuple(entries),",
                     'return BatchReport(self.instance_id, self.iteration, tuple(sorted(entries, key=lambda e: e.kind != "shadow")),'),
+    # the engine's aggregates (issue 17): the cohort's minimum slack is exact, not the smallest heap key's; a
+    # request that starts decoding reserves its next block; an empty plan counts the reason begin_step would
+    "deadline-eps": ("tests/sim/test_speed_equivalence_latency.py", "test_deadline_heap_gives_the_exact_minimum_slack",
+                     "shadowcore/engine/_deadlines.py", "EPS_S = 1e-6", "EPS_S = 0.0"),
+    "join-due": ("tests/sim/test_speed_equivalence.py", "test_kv_reservations_identical_every_iteration",
+                 "shadowcore/engine/instance.py", "        due = c + 2 > req.num_blocks * bs\n",
+                 "        due = False\n"),
+    "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
+                    "shadowcore/engine/_fastpath.py", '        return "no_jobs"\n', '        return "no_room"\n'),
     # the gateway: a client never reaches another client's session; bad input never reaches an engine
     "tenant-namespace": (AUTH, "test_a_second_key_cannot_see_steer_poison_or_delete",
                          "backends/shadow_gateway/gateway.py",

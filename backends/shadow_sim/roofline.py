@@ -40,7 +40,7 @@ from shadow_sim.hardware import DeviceSpec, get_device, tensor_parallel_degree
 from shadow_sim.models import ModelConfig, get_model
 from shadowcore._validators import fraction_open_closed, non_negative, positive, positive_int
 from shadowcore.errors import ConfigError
-from shadowcore.latency import BatchShape, chunked_prefill_s
+from shadowcore.latency import BatchShape, PrefillChunk, chunked_prefill_s
 
 _MOE_READ_MODES = ("total", "expected")
 
@@ -165,11 +165,24 @@ class RooflineLatencyModel:
     # ------------------------------------------------------------- Protocol
     def predict_s(self, batch: BatchShape) -> float:
         """Seconds one iteration running ``batch`` takes; 0.0 with no tokens."""
-        k = self._k
         decodes = batch.decode_context_tokens
-        tokens = seqs = len(decodes)
-        attention = self._decode_attention_s(decodes) if tokens else 0.0
-        for chunk in batch.prefills:
+        return self._batch_s(batch.prefills, len(decodes), self._decode_attention_s(decodes) if decodes else 0.0)
+
+    def predict_batch_s(
+        self, prefills: tuple[PrefillChunk, ...], num_decodes: int, total_context: int, max_context: int
+    ) -> float | None:
+        """:meth:`predict_s` from the decode aggregates: the very code
+        :meth:`predict_s` runs (bit-identical); ``None`` for a sliding-window
+        model, whose cost needs every context."""
+        if self._k.window:
+            return None
+        attention = total_context * self._k.decode_s_per_ctx_full if num_decodes else 0.0
+        return self._batch_s(prefills, num_decodes, attention)
+
+    def _batch_s(self, prefills: Iterable[PrefillChunk], nd: int, attention: float) -> float:
+        k = self._k
+        tokens = seqs = nd
+        for chunk in prefills:
             q = chunk.num_new_tokens
             if q:
                 tokens += q
@@ -181,7 +194,7 @@ class RooflineLatencyModel:
             self.iteration_overhead_s
             + self._gemm_s(tokens, seqs)
             + attention
-            + len(decodes) * k.per_decode_s
+            + nd * k.per_decode_s
             + seqs * k.per_seq_state_s
             + k.allreduce_fixed_s
             + tokens * k.allreduce_s_per_token

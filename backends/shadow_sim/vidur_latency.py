@@ -88,7 +88,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,7 @@ from shadow_sim.vidur_profiles import (
 )
 from shadowcore._validators import fraction_open_closed, non_negative, positive, positive_int
 from shadowcore.errors import ConfigError
-from shadowcore.latency import BatchShape, chunked_prefill_s
+from shadowcore.latency import BatchShape, PrefillChunk, chunked_prefill_s
 
 TABLE_SCHEMA = 1
 """Bumped whenever the exported tables' layout or meaning changes."""
@@ -601,15 +601,24 @@ class VidurLatencyModel:
     # ------------------------------------------------------------ Protocol
     def predict_s(self, batch: BatchShape) -> float:
         """Seconds one iteration running ``batch`` takes; 0.0 with no tokens."""
-        rt = self._rt
         decodes = batch.decode_context_tokens
-        nd = len(decodes)
+        if not decodes:
+            return self._batch_s(batch.prefills, 0, 0, 0)
+        return self._batch_s(batch.prefills, len(decodes), sum(decodes), max(decodes))
+
+    def predict_batch_s(
+        self, prefills: tuple[PrefillChunk, ...], num_decodes: int, total_context: int, max_context: int
+    ) -> float | None:
+        """:meth:`predict_s` from the decode aggregates: the very code
+        :meth:`predict_s` runs (bit-identical, same errors)."""
+        return self._batch_s(prefills, num_decodes, total_context, max_context)
+
+    def _batch_s(self, prefills: Sequence[PrefillChunk], nd: int, total: int, longest: int) -> float:
+        rt = self._rt
         t = 0.0
         if nd:
             if nd > rt["bmax"]:
                 raise ProfileCoverageError("decode batch size", nd, f"beyond the tables' max_decode_batch {rt['bmax']}")
-            total = sum(decodes)
-            longest = max(decodes)
             if longest > rt["kv_limit"]:
                 raise ProfileCoverageError(
                     "decode context", longest, f"beyond the tables' max_kv_tokens {rt['kv_limit']}"
@@ -619,7 +628,7 @@ class VidurLatencyModel:
         tokens = seqs = nd
         pre = rt["prefill"]
         cols = rt["prefill_cols"]
-        for chunk in batch.prefills:
+        for chunk in prefills:
             q = chunk.num_new_tokens
             if q:
                 if q > rt["chunk_limit"]:

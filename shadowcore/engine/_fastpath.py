@@ -11,6 +11,11 @@ vLLM backend's scheduler), as SimPy keeps its scheduling internals off ``Environ
   :func:`plans_nothing` say when ``begin_step`` would plan no grant and change no state but
   what :func:`skip_step` does; the engine then reports the iteration through
   :func:`skip_step` instead of building a snapshot.
+* Planning from the batch aggregates: :func:`empty_plan_reason` says, from a snapshot with
+  a :class:`~shadowcore.types.DecodeAggregate` (views only for the requests outside the
+  engine's decode aggregate), when ``begin_step`` would plan no grant and which reason it
+  would count; the engine then counts it (:func:`count_empty_plan`), builds no full
+  snapshot, and reports the iteration through :func:`skip_step`.
 * Running an event's follow-ups inline: :class:`InlineEventLoop`.
 
 Invariants (``tests/sim/test_speed_equivalence*.py`` pin them: the results with the fast
@@ -22,6 +27,9 @@ paths are bit-identical to those without):
   grants do exactly what its entry's ``observe_skipped`` does, and ``budget`` has no side
   effect.
 * A step is skipped only with no observer (it would miss a plan) and no planned step open.
+* :func:`empty_plan_reason` answers only for the types in ``_BUDGET_ON_AGGREGATE`` (their
+  own ``budget`` and the hook's own ``_size`` on the aggregate snapshot: one owner per
+  rule), after the same job refresh ``begin_step`` does; otherwise ``None``.
 * The inline loop moves its clock and counts events exactly as ``run`` would have popped
   them: never past a queued event, never while ``run`` has a bound or a stop condition.
 """
@@ -35,7 +43,8 @@ from collections.abc import Callable
 import attrs
 
 from shadowcore.events import EventLoop
-from shadowcore.hook import EngineHook
+from shadowcore.hook import _ZERO_BUDGET, EngineHook
+from shadowcore.latency import LatencyModel, PrefillChunk
 from shadowcore.slack import (
     EagerController,
     HarvestController,
@@ -44,6 +53,7 @@ from shadowcore.slack import (
     SlackController,
     SloSlackController,
 )
+from shadowcore.types import Phase, StepSnapshot
 
 
 def _earn_decode_credit(slack: SlackController, duration_s: float, decode_only: bool, routed: bool) -> None:
@@ -145,6 +155,67 @@ def skip_step(hook: EngineHook, duration_s: float, decode_only: bool, routed: bo
     kind = _SKIPPABLE[type(hook.slack)]
     if kind.observe_skipped is not None:
         kind.observe_skipped(hook.slack, duration_s, decode_only, routed)
+
+
+#: Controller types whose ``budget`` reads of a snapshot only what an aggregate snapshot
+#: (:class:`~shadowcore.types.DecodeAggregate`) answers, and changes nothing.
+_BUDGET_ON_AGGREGATE = (SloSlackController, HarvestController, EagerController, PrefillInstanceController)
+
+
+def empty_plan_reason(hook: EngineHook, snapshot: StepSnapshot) -> str | None:
+    """The reason ``hook.begin_step`` would count for the iteration
+    ``snapshot`` stands for (its decode aggregate in place of those views),
+    when it would plan no grant and change no state but that count, the job
+    refresh it does first, and what :func:`skip_step` does (``commit``/``observe``
+    of an empty plan); None when it might grant, or the controller is not of a
+    type in ``_BUDGET_ON_AGGREGATE`` (then build the full snapshot and plan:
+    its refresh then finds nothing to do). The same steps as ``begin_step``, on
+    the controller's own ``budget``: a zero budget counts its reason; a positive
+    one refreshes the jobs (``EngineHook._refreshed_jobs``), with none pending
+    counts ``no_jobs``; pending jobs for which the hook's own ``_size`` grants
+    nothing (timed from the aggregates by ``predict_batch_s``, bit-identical;
+    without it only when ``EngineHook._grant_range`` leaves no range, which
+    needs no latency lookup) count ``EngineHook._empty_reason``."""
+    if _may_skip(hook) is None or type(hook.slack) not in _BUDGET_ON_AGGREGATE:
+        return None
+    budget = hook.slack.budget(snapshot, hook.latency)
+    if not budget.budget_s > 0:
+        return _ZERO_BUDGET.get(budget.reason, "zero_budget")
+    jobs = hook._refreshed_jobs()  # as begin_step does next (then, with nothing left to refresh, again)
+    if not jobs:
+        return "no_jobs"
+    limit = min(snapshot.num_free_token_budget, snapshot.num_shadow_room_tokens)
+    upper, smallest = hook._grant_range(jobs, limit)
+    if upper <= 0 or smallest > upper:
+        return hook._empty_reason(limit)
+    predict_with = _aggregate_predictor(snapshot, hook.latency)
+    if predict_with is None:
+        return None
+    grants, _ = hook._size(jobs, predict_with, predict_with(()), budget, limit)  # pure: the hook sizes it again
+    return None if grants else hook._empty_reason(limit)
+
+
+def _aggregate_predictor(snapshot: StepSnapshot, latency: LatencyModel) -> Callable[[tuple], float] | None:
+    """``chunks -> latency.predict_s(snapshot.batch_shape.with_prefills(chunks))`` of the
+    full snapshot, from the views and the decode aggregate (``predict_batch_s``,
+    bit-identical), or None when the model cannot tell from aggregates."""
+    fast = getattr(latency, "predict_batch_s", None)
+    agg = snapshot.aggregate
+    if fast is None or agg is None:
+        return None
+    prefills = tuple(PrefillChunk(r.num_scheduled_tokens, r.num_context_tokens) for r in snapshot.batch
+                     if r.phase is Phase.PREFILL and r.num_scheduled_tokens > 0)
+    decodes = [r.num_context_tokens for r in snapshot.batch if r.phase is Phase.DECODE]
+    nd, total = agg.num_decodes + len(decodes), agg.total_context + sum(decodes)
+    longest = max(agg.max_context, *decodes) if decodes else agg.max_context
+    if fast(prefills, nd, total, longest) is None:
+        return None
+    return lambda chunks: fast(prefills + tuple(chunks), nd, total, longest)
+
+
+def count_empty_plan(hook: EngineHook, why: str) -> None:
+    """``begin_step``'s count of a plan :func:`empty_plan_reason` answered for."""
+    hook.step_counts[why] = hook.step_counts.get(why, 0) + 1
 
 
 @attrs.define(eq=False)

@@ -34,11 +34,15 @@ finish, no request waiting, no grant possible before the next event) are taken
 in one call (``EngineInstance.run_steady``): every iteration still happens,
 with the same durations, busy time, clock values, credit and KV reservations.
 
-Between two steady decode iterations, a running normal request's
-``num_computed_tokens``, ``num_generated`` and history count may lag (the lazy
-decode cohort, ``EngineInstance.lazy_decodes``); they are exact whenever the
-request finishes, whenever the instance runs a slow iteration, and after
-``EngineInstance.sync_requests()``.
+While the lazy decode cohort lives (``EngineInstance.lazy_decodes``), a
+decoding normal request's ``num_computed_tokens``, ``num_generated`` and
+history count may lag; they are exact whenever the request finishes, whenever
+the instance runs a per-request (slow) iteration or builds a full snapshot for
+its hook, and after ``EngineInstance.sync_requests()``. Mixed iterations
+(prefill chunks, admissions) keep the cohort and are scheduled from its
+aggregates (``EngineInstance._start_agg``): their per-request work is for the
+requests outside it, so their cost does not grow with the decode batch; their
+results equal the per-request path's (``tests/sim/test_speed_equivalence.py``).
 
 Determinism: callers drive instances from one
 :class:`shadowcore.events.EventLoop`; nothing here reads a clock or an RNG.
@@ -46,6 +50,7 @@ Determinism: callers drive instances from one
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import heapq
 import math
@@ -56,11 +61,21 @@ import attrs
 
 from shadowcore.backend import BatchEntry, BatchReport
 from shadowcore.engine import _fastpath
+from shadowcore.engine._deadlines import DecodeDeadlines
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClass, KVClassManager
 from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
-from shadowcore.types import ChunkResult, Phase, RequestKind, RequestView, StepOutcome, StepPlan, StepSnapshot
+from shadowcore.types import (
+    ChunkResult,
+    DecodeAggregate,
+    Phase,
+    RequestKind,
+    RequestView,
+    StepOutcome,
+    StepPlan,
+    StepSnapshot,
+)
 
 
 @attrs.define(eq=False)
@@ -177,6 +192,13 @@ class EngineInstance:
     _longest: list = attrs.Factory(list)  # heap (-(context - clock), run_seq, request)
     _num_admitted: int = 0
     num_lazy_finishes: int = 0  # requests that finished as cohort members (a diagnostic)
+    # Mixed iterations from the aggregates (see _start_agg): while the cohort lives, the running
+    # requests not decoding, in running order; the cohort's decode deadlines (built on first use).
+    _prefilling: list = attrs.Factory(list)
+    _deadlines: DecodeDeadlines | None = None
+    _agg: tuple | None = None  # the aggregate iteration in flight: (entries, results, duration, skipped)
+    num_agg_iterations: int = 0  # iterations scheduled from the aggregates (a diagnostic)
+    num_agg_snapshots: int = 0  # of which planned on a full snapshot (views of every request; a diagnostic)
     steady_runs: bool = True  # run_steady may take runs of plain ticks (off: one round trip per iteration)
     num_steady_ticks: int = 0  # iteration ends taken by run_steady (a diagnostic)
     _num_routed: int = 0  # routed calls among the running requests (a steady iteration's has_routed)
@@ -210,6 +232,9 @@ class EngineInstance:
                 return end
         self._steady = False
         if self._cohort:
+            end = self._start_agg(now_s)
+            if end is not _CLASSIC:
+                return end
             self._drop_cohort()
         batch, blocked = self._schedule(now_s)
         if self.hook is None or _fastpath.plans_nothing(self.hook):
@@ -266,6 +291,9 @@ class EngineInstance:
         return now_s + duration
 
     def end_step(self, now_s: float) -> None:
+        if self._agg is not None:
+            self._end_agg(now_s)
+            return
         if self._step is None:
             self._end_steady(now_s)
             return
@@ -312,36 +340,46 @@ class EngineInstance:
     # demand. Other requests (routed calls with callbacks) advance one by one.
 
     def _check_steady(self) -> None:
-        """After a slow iteration: is every running request decoding (with no
-        pending reload)? If so, set the aggregates and the due list."""
+        """After a slow iteration: the decoding requests' aggregates and due
+        list, the others (prefilling) apart; steady when none prefills. With
+        ``lazy_decodes`` (and no decode with a pending reload) the lazy cohort
+        starts, which mixed iterations then keep (_start_agg)."""
         bs = self.kv.block_size
         total = longest = 0
-        due = []
+        due, prefilling = [], []
         for req in self.running:
             c = req.num_computed_tokens
-            if req.first_token_s is None or req.num_tokens - c != 1 or req.pending_reload_s:
+            if req.first_token_s is None or req.num_prompt_tokens + req.num_generated - c != 1:
+                prefilling.append(req)
+                continue
+            if req.pending_reload_s:
                 self._steady = False
                 return
             total += c
-            longest = max(longest, c)
+            if c > longest:  # noqa: PLR1730 (faster than max)
+                longest = c
             if c + 2 > req.num_blocks * bs:
                 due.append(req)
-        self._steady = bool(self.running)
+        self._steady = bool(self.running) and not prefilling
         self._ctx_total, self._ctx_max, self._due = total, longest, due
-        if self._steady and self.lazy_decodes:
-            self._start_cohort()
+        if self.running and self.lazy_decodes and (self._steady or self._agg_allowed()):
+            self._start_cohort(prefilling)
 
-    def _start_cohort(self) -> None:
-        """Split the steady running set into the lazy cohort and the eager rest."""
+    def _start_cohort(self, prefilling: list) -> None:
+        """Split the decoding running requests into the lazy cohort and the
+        eager rest; ``prefilling`` are the others, in running order."""
         clock, bs = self.num_fast_iterations, self.kv.block_size
         due = set(self._due)
+        skip = set(prefilling)
         eager, finish, due_heap, longest = [], [], [], []
         for req in self.running:
+            if skip and req in skip:
+                continue
             c, seq = req.num_computed_tokens, req.run_seq
-            longest.append((clock - c, seq, req))
-            if req.on_token is not append_output_to_history or req.history.token_ids is not None or req.kind is _ROUTED:
+            if not _lazy_eligible(req):
                 eager.append(req)  # routed calls stay eager: run_steady's ticks then carry none
                 continue
+            longest.append((clock - c, seq, req))
             req.lazy_base = clock
             finish.append((clock + req.num_output_tokens - req.num_generated, seq, req))
             if req not in due:
@@ -349,6 +387,7 @@ class EngineInstance:
         for heap in (finish, due_heap, longest):
             heapq.heapify(heap)
         self._eager, self._lazy_finish, self._lazy_due, self._longest = eager, finish, due_heap, longest
+        self._prefilling, self._deadlines = prefilling, None
         self._cohort = True
 
     def sync_requests(self) -> None:
@@ -366,7 +405,226 @@ class EngineInstance:
                 _materialise(req, clock)
                 req.lazy_base = -1
         self._eager, self._lazy_finish, self._lazy_due, self._longest = [], [], [], []
+        self._prefilling, self._deadlines = [], None
         self._cohort = False
+
+    # -- mixed iterations from the aggregates ---------------------------------------
+    # While the lazy cohort lives, an iteration _start_steady cannot take
+    # (prefill chunks, admissions, or a hook that may grant) is scheduled from
+    # the aggregates too: every decoding request decodes one token (cohort
+    # members by the clock, eager ones one by one), the block boundaries they
+    # reach are reserved in running order (the due list), then the
+    # prefilling requests' chunks and the admissions, as _schedule does,
+    # provided every reservation provably succeeds (together they fit in free
+    # and idle blocks: nobody is preempted; otherwise the slow path runs). The
+    # hook's plan: when _fastpath.empty_plan_reason proves it empty, its count
+    # and skip_step, no snapshot; otherwise the snapshot is built (the
+    # cohort's counters brought up to date, as the slow path has them) and
+    # planned. The iteration time: the latency model's predict_batch_s on the
+    # decode aggregates (bit-identical to predict_s; the contexts when it has
+    # none). At the end: the decodes in running order (_advance_cohort), then
+    # the chunks and admissions in batch order, and whoever now decodes joins
+    # the decode set (_join). Per-request work is for the prefilling and eager
+    # requests, block boundaries, joins and finishes; not for the cohort.
+    # tests/sim/test_speed_equivalence.py pins that results equal the slow
+    # path's (lazy_decodes off).
+
+    def _agg_allowed(self) -> bool:
+        """The methods the aggregate path restates are this class's, and the
+        hook (if any) has no observer (it sees every batch) and no open plan."""
+        cls = type(self)
+        if (cls._schedule is not EngineInstance._schedule or cls._advance is not EngineInstance._advance
+                or cls._reserve is not EngineInstance._reserve or cls._finish is not EngineInstance._finish):
+            return False
+        hook = self.hook
+        return hook is None or not (hook.observers.observers or hook.in_step)
+
+    def _start_agg(self, now_s: float) -> float | object:
+        """Start an iteration from the aggregates and return its end, or
+        return _CLASSIC with nothing changed (the slow path then runs)."""
+        if not self.running or not self._agg_allowed():
+            return _CLASSIC
+        sched = self._schedule_agg(now_s)
+        if sched is None:
+            return _CLASSIC
+        entries, blocked, nd = sched
+        prefills, dctx = [], []  # dctx: re-admitted requests whose prefix is all cached decode at once
+        for r, n in entries:
+            if r.num_prompt_tokens + r.num_generated - r.num_computed_tokens == 1 and r.first_token_s is not None:
+                dctx.append(r.num_computed_tokens)
+            else:
+                prefills.append(PrefillChunk(n, r.num_computed_tokens))
+        used = nd + sum(n for _, n in entries)
+        hook = self.hook
+        why = None
+        if hook is not None and not _fastpath.plans_nothing(hook):
+            room = self.kv.shadow_room_blocks(now_s) * self.kv.block_size
+            why = _fastpath.empty_plan_reason(hook, self._summary(now_s, entries, blocked, used, room))
+            if why is None:
+                return self._start_agg_planned(now_s, entries, blocked, used, room)
+            _fastpath.count_empty_plan(hook, why)
+        reload_s = 0.0
+        for r, _ in entries:  # decodes have none pending (consumed at their admission)
+            reload_s += r.pending_reload_s
+            r.pending_reload_s = 0.0
+        duration = self._predict_agg(prefills, nd, dctx) + reload_s
+        decode_only = bool(nd or dctx) and not prefills
+        routed = decode_only and (any(r.kind is _ROUTED for r in self._eager)  # routed decodes are all eager
+                                  or any(r.kind is _ROUTED for r, _ in entries))
+        self._agg = (entries, [], duration, (decode_only, routed))
+        self.last_batch_tokens = used
+        self.num_agg_iterations += 1
+        self.busy = True
+        return now_s + duration
+
+    def _schedule_agg(self, now_s: float) -> tuple[list, bool, int] | None:
+        """_schedule from the aggregates: (the prefill chunks and admissions
+        in batch order, admission blocked, number of decodes); None with
+        nothing changed when the decodes outgrow the token budget or the
+        reservations might not all fit."""
+        kv, bs = self.kv, self.kv.block_size
+        nd = len(self.running) - len(self._prefilling)
+        budget = self.limits.token_budget - nd
+        if budget < 0:
+            return None
+        needs = self._decode_needs()
+        total = sum(n for n in needs if n > 0)
+        entries, grow = [], []
+        for req in self._prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, req.num_prompt_tokens + req.num_generated - req.num_computed_tokens)
+            need = -(-(req.num_computed_tokens + n + 1) // bs) - req.num_blocks
+            if need > 0:
+                grow.append((req, need))
+                total += need
+            entries.append((req, n))
+            budget -= n
+        if total > kv.num_free_blocks + kv.num_idle_blocks:
+            return None
+        if self._due:
+            self._reserve_decodes(needs, now_s)
+        for req, need in grow:  # as _reserve, which finds them without preempting
+            if not kv.extend(req.owner_id, (), need, now_s):
+                raise AssertionError(f"{self.instance_id}: a reservation that fits failed")
+            req.num_blocks += need
+        k = len(entries)
+        blocked = self._admit_waiting(budget, entries, now_s)
+        self._prefilling.extend(r for r, _ in entries[k:])
+        return entries, blocked, nd
+
+    def _predict_agg(self, prefills: list, nd: int, dctx: list) -> float:
+        """The iteration's time: the decodes (nd of the decode set, then
+        ``dctx``) and ``prefills``, as predict_s of the slow path's shape."""
+        total, longest = self._ctx_total + sum(dctx), max(self._ctx_max, *dctx) if dctx else self._ctx_max
+        fast = getattr(self.latency, "predict_batch_s", None)
+        t = fast(tuple(prefills), nd + len(dctx), total, longest) if fast is not None else None
+        if t is None:
+            pre = set(self._prefilling)
+            ctx = [self._context(r) for r in self.running if r not in pre] + dctx
+            t = self.latency.predict_s(BatchShape(prefills, ctx))
+        return t
+
+    def _summary(self, now_s: float, entries: list, blocked: bool, used: int, room: int) -> StepSnapshot:
+        """The snapshot with the cohort as a DecodeAggregate: views of the
+        eager decodes and the entries only (for empty_plan_reason)."""
+        eager = self._eager
+        members = len(self.running) - len(self._prefilling) - len(eager)
+        total = self._ctx_total - sum(r.num_computed_tokens for r in eager)
+        with _validation(self.validate_values):
+            return StepSnapshot(
+                self.instance_id, self.iteration, now_s, [r.view(1) for r in eager] + [r.view(n) for r, n in entries],
+                len(self.waiting), blocked, self.tpot_slo_s, max(0, self.limits.token_budget - used), room,
+                DecodeAggregate(members, total, self._cohort_max(), self._cohort_min_slack_s))
+
+    def _cohort_min_slack_s(self, now_s: float, margin: float) -> float:
+        """The smallest Eq. 1 slack at ``now_s`` among the cohort's members (DecodeDeadlines)."""
+        d = self._deadlines
+        if d is None or d.margin != margin:
+            d = self._deadlines = DecodeDeadlines(margin)
+            for req in self.running:
+                if req.lazy_base >= 0:
+                    d.add(req)
+        return d.min_slack_s(now_s, self.num_fast_iterations)
+
+    def _start_agg_planned(self, now_s: float, entries: list, blocked: bool, used: int, room: int) -> float:
+        """The hook may grant: the slow path's snapshot and plan, on the
+        aggregate schedule (the cohort's counters brought up to date)."""
+        self.sync_requests()
+        pre = set(self._prefilling)
+        batch = [(r, 1) for r in self.running if r not in pre] + entries
+        with _validation(self.validate_values):
+            snapshot = StepSnapshot(
+                self.instance_id, self.iteration, now_s, [r.view(n) for r, n in batch], len(self.waiting), blocked,
+                self.tpot_slo_s, max(0, self.limits.token_budget - used), room,
+            )
+        plan = self.hook.begin_step(snapshot)
+        results, chunks, reload_s = self._run_shadow(plan, now_s)
+        for r, _ in entries:
+            reload_s += r.pending_reload_s
+            r.pending_reload_s = 0.0
+        duration = self.latency.predict_s(snapshot.batch_shape.with_prefills(chunks)) + reload_s
+        self.last_batch_tokens = used + sum(c.num_new_tokens for c in chunks)
+        self._agg = (entries, results, duration, None)
+        self.num_agg_iterations += 1
+        self.num_agg_snapshots += 1
+        self.busy = True
+        return now_s + duration
+
+    def _end_agg(self, now_s: float) -> None:
+        """End an aggregate iteration: as end_step, the decodes by the cohort
+        clock and _advance_cohort, then the entries in batch order."""
+        entries, results, duration, skipped = self._agg  # skipped: None when planned, else (decode_only, routed)
+        self._agg = None
+        self.busy = False
+        self.busy_s += duration
+        self.num_iterations_run += 1
+        for r in results:
+            if r.num_computed_tokens:
+                self.kv.release(_shadow_owner(r.grant), now_s)
+                self.num_shadow_tokens += r.num_computed_tokens
+        if self.hook is not None:
+            if skipped is None:
+                self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
+            else:
+                _fastpath.skip_step(self.hook, duration, *skipped)
+        self.iteration += 1
+        self.num_fast_iterations += 1
+        self._advance_cohort(now_s)
+        clock = self.num_fast_iterations
+        left = set()  # entries that finished or now decode
+        for req, n in entries:
+            self._advance(req, n, now_s)
+            if req.finish_s is not None:
+                left.add(req)
+            elif req.first_token_s is not None and req.num_prompt_tokens + req.num_generated - req.num_computed_tokens == 1:
+                self._join(req, clock)
+                left.add(req)
+        if left:
+            self._prefilling = [r for r in self._prefilling if r not in left]
+            if len(self._due) > 1:
+                self._due.sort(key=_run_seq)
+        self._steady = bool(self.running) and not self._prefilling
+
+    def _join(self, req: EngineRequest, clock: int) -> None:
+        """A request that now decodes joins the decode set (cohort or eager)."""
+        bs, c, seq = self.kv.block_size, req.num_computed_tokens, req.run_seq
+        self._ctx_total += c
+        if c > self._ctx_max:  # noqa: PLR1730 (faster than max)
+            self._ctx_max = c
+        due = c + 2 > req.num_blocks * bs
+        if _lazy_eligible(req):
+            heapq.heappush(self._longest, (clock - c, seq, req))
+            req.lazy_base = clock
+            heapq.heappush(self._lazy_finish, (clock + req.num_output_tokens - req.num_generated, seq, req))
+            if not due:
+                heapq.heappush(self._lazy_due, (clock + req.num_blocks * bs - 1 - c, seq, req))
+            if self._deadlines is not None:
+                self._deadlines.add(req)
+        else:
+            bisect.insort(self._eager, req, key=_run_seq)
+        if due:
+            self._due.append(req)
 
     def _context(self, req: EngineRequest) -> int:
         """A running request's computed tokens now (lazy ones: stored + lag)."""
@@ -381,23 +639,8 @@ class EngineInstance:
         finds them made and plans)."""
         if len(self.running) > self.limits.token_budget:
             return None
-        due = self._due
-        if due:
-            kv = self.kv
-            bs = kv.block_size
-            needs = [-(-(self._context(req) + 2) // bs) - req.num_blocks for req in due]
-            # Every extend succeeds (free or idle blocks; a normal owner may evict
-            # any idle block), so the slow path would preempt nobody either; in
-            # running order, as _schedule reserves (one go: extend_private).
-            if not kv.extend_private([(req.owner_id, need) for req, need in zip(due, needs, strict=True)
-                                      if need > 0], now_s):
-                return None
-            for req, need in zip(due, needs, strict=True):
-                req.num_blocks += max(0, need)
-                if req.lazy_base >= 0:  # its next block boundary
-                    heapq.heappush(self._lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens,
-                                                    req.run_seq, req))
-            due.clear()
+        if self._due and not self._reserve_decodes(self._decode_needs(), now_s):
+            return None
         if self.hook is not None and not _fastpath.can_skip(self.hook):  # after the reservations, as begin_step is
             return None  # the slow path finds the blocks reserved and does the rest
         nd = len(self.running)
@@ -411,6 +654,28 @@ class EngineInstance:
         self._steady_s = duration
         self.busy = True
         return now_s + duration
+
+    def _decode_needs(self) -> list[int]:
+        """Blocks each request of the due list needs for its next decode."""
+        bs = self.kv.block_size
+        return [-(-(self._context(req) + 2) // bs) - req.num_blocks for req in self._due]
+
+    def _reserve_decodes(self, needs: list[int], now_s: float) -> bool:
+        """The due list's blocks (``needs``), or False with nothing changed.
+        Every extend succeeds when they fit in free and idle blocks (a normal
+        owner may evict any idle block), so the slow path would preempt nobody
+        either; in running order, as _schedule reserves (one go: extend_private)."""
+        due, bs = self._due, self.kv.block_size
+        if not self.kv.extend_private([(req.owner_id, need) for req, need in zip(due, needs, strict=True)
+                                       if need > 0], now_s):
+            return False
+        for req, need in zip(due, needs, strict=True):
+            req.num_blocks += max(0, need)
+            if req.lazy_base >= 0:  # its next block boundary
+                heapq.heappush(self._lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens,
+                                                req.run_seq, req))
+        due.clear()
+        return True
 
     def _end_steady(self, now_s: float) -> None:
         """End a steady decode iteration: one token for every running request,
@@ -450,7 +715,8 @@ class EngineInstance:
         its controller never grants or this instance has no pending job (a
         job becomes pending only through another event)."""
         cls = type(self)
-        if (not self.steady_runs or self._step is not None or not self._cohort or self._eager or self.waiting or self._due
+        if (not self.steady_runs or self._step is not None or self._agg is not None or not self._cohort or self._eager
+                or self._prefilling or self.waiting or self._due
                 or not self.busy or getattr(self.latency, "predict_decodes_s", None) is None
                 or cls.end_step is not EngineInstance.end_step or cls.start_step is not EngineInstance.start_step):
             return False
@@ -570,12 +836,12 @@ class EngineInstance:
         """The eager requests one by one and the cohort's finishes, merged in
         running order; then the aggregates from the heaps."""
         clock, bs = self.num_fast_iterations, self.kv.block_size
-        total = self._ctx_total + len(self.running)
+        total = self._ctx_total + len(self.running) - len(self._prefilling)  # every decode's context + 1
         finish = self._lazy_finish
         done = []
         while finish and finish[0][0] == clock:
             done.append(heapq.heappop(finish)[2])
-        i, eager, due = 0, [], self._due
+        i, eager, due, eager_max = 0, [], self._due, 0
         for req in self._eager:
             while i < len(done) and done[i].run_seq < req.run_seq:
                 total -= self._finish_lazy(done[i], clock, now_s)
@@ -584,7 +850,10 @@ class EngineInstance:
                 total -= req.num_computed_tokens
                 continue
             eager.append(req)
-            if req.num_computed_tokens + 2 > req.num_blocks * bs:
+            c = req.num_computed_tokens
+            if c > eager_max:  # noqa: PLR1730 (faster than max)
+                eager_max = c
+            if c + 2 > req.num_blocks * bs:
                 due.append(req)
         for req in done[i:]:
             total -= self._finish_lazy(req, clock, now_s)
@@ -596,10 +865,14 @@ class EngineInstance:
                 due.append(req)
         if len(due) > 1:
             due.sort(key=_run_seq)
+        self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
+
+    def _cohort_max(self) -> int:
+        """The longest context among the cohort's members (0 with none)."""
         top = self._longest
         while top and top[0][2].finish_s is not None:
             heapq.heappop(top)
-        self._ctx_total, self._ctx_max = total, (clock - top[0][0] if top else 0)
+        return self.num_fast_iterations - top[0][0] if top else 0
 
     def _finish_lazy(self, req: EngineRequest, clock: int, now_s: float) -> int:
         """Bring a finishing cohort member up to date and finish it; its context."""
@@ -630,15 +903,17 @@ class EngineInstance:
                     continue
                 batch.append((req, n))
                 budget -= n
-        blocked = False
+        return batch, self._admit_waiting(budget, batch, now_s)
+
+    def _admit_waiting(self, budget: int, batch: list, now_s: float) -> bool:
+        """FCFS admissions into ``batch`` within ``budget``; True when one was blocked."""
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
             if -(-(req.num_tokens + 1) // self.kv.block_size) > self.kv.num_blocks:
                 self._reject(self.waiting.popleft(), now_s)
                 continue
             if not self._admit(req, now_s):
-                blocked = True
-                break
+                return True
             self.waiting.popleft()
             self.running.append(req)
             self._num_routed += req.kind is _ROUTED
@@ -647,7 +922,7 @@ class EngineInstance:
             n = min(budget, req.num_tokens - req.num_computed_tokens)
             batch.append((req, n))
             budget -= n
-        return batch, blocked
+        return False
 
     def _reserve(self, req: EngineRequest, num_tokens: int, now_s: float, batch: list) -> bool:
         """Blocks for ``num_tokens`` (+1 slot for the sampled token); preempts
@@ -773,6 +1048,15 @@ def _materialise(req: EngineRequest, clock: int) -> None:
 
 def _run_seq(req: EngineRequest) -> int:
     return req.run_seq
+
+
+def _lazy_eligible(req: EngineRequest) -> bool:
+    """A normal request whose only per-token work is its own history's count."""
+    return (req.on_token is append_output_to_history and req.history.token_ids is None
+            and req.kind is RequestKind.NORMAL)
+
+
+_CLASSIC = object()  # _start_agg: run the slow path
 
 
 @contextlib.contextmanager

@@ -46,6 +46,7 @@ from shadow_sim.disagg import PDRun
 from shadow_sim.simulator import SimRun, SimScenario
 
 from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.engine.instance import EngineInstance
 from shadowcore.engine.scenario import FakeRun, FakeScenario
 
 GOLDEN = Path(__file__).parent / "golden" / "speed_equivalence.json"
@@ -133,6 +134,8 @@ def run_case(name: str, lazy_decodes: bool = True, diagnostics: dict | None = No
     if diagnostics is not None:
         diagnostics["fast"] = sum(i.num_fast_iterations for i in run.cluster.by_id.values())
         diagnostics["lazy_finishes"] = sum(i.num_lazy_finishes for i in run.cluster.by_id.values())
+        diagnostics["agg"] = sum(i.num_agg_iterations for i in run.cluster.by_id.values())
+        diagnostics["planned"] = sum(sum(h.step_counts.values()) for h in run.runtime.hooks.values())
     instances = {
         i.instance_id: [i.num_iterations_run, i.iteration, i.busy_s, i.num_shadow_tokens, i.num_preemptions,
                         i.num_rejected, i.kv.eviction_count, i.kv.num_free_blocks, i.kv.num_cached_blocks,
@@ -204,18 +207,58 @@ def test_cases_exercise_what_they_claim(golden: dict) -> None:
     assert golden["sim-no-shadow"]["summary"]["shadow_tokens"] == 0
 
 
-@pytest.mark.parametrize("name", ["fake-harvest-slo-host", "sim-pd-harvest-slo"])
+@pytest.mark.parametrize("name", ["fake-harvest-slo-host", "fake-harvest-tight-kv", "fake-no-shadow",
+                                  "sim-harvest-slo-host", "sim-pd-harvest-slo"])
 def test_lazy_cohort_runs_and_changes_nothing(name: str) -> None:
-    """The lazy decode cohort carries most steady iterations' finishes, and
-    the per-request path (``lazy_decodes=False``) gives the same results."""
+    """The lazy decode cohort carries most steady iterations' finishes and
+    most mixed iterations (scheduled from the aggregates), and the
+    per-request path (``lazy_decodes=False``) gives the same results."""
     diag: dict = {}
     lazy = _normalise(run_case(name, diagnostics=diag))
-    assert diag["fast"] > 1000 and diag["lazy_finishes"] > 50, diag
+    assert diag["fast"] > 1000 and diag["lazy_finishes"] > 50 and diag["agg"] > 300, diag
     eager = _normalise(run_case(name, lazy_decodes=False, diagnostics=diag))
-    assert diag["lazy_finishes"] == 0
+    assert diag["lazy_finishes"] == 0 and diag["agg"] == 0
     for key in lazy:
         if key != "num_events":
             assert _same(lazy[key], eager[key]), key
+
+
+@attrs.define(eq=False)
+class _Traced(EngineInstance):
+    """Records its KV pool's free blocks and its running requests' reserved
+    blocks after every iteration (no steady runs: it overrides end_step)."""
+
+    trace: list = attrs.Factory(list)
+
+    def end_step(self, now_s: float) -> None:
+        super().end_step(now_s)
+        self.trace.append((self.iteration, self.kv.num_free_blocks, sum(r.num_blocks for r in self.running)))
+
+
+def _kv_trace(name: str, lazy_decodes: bool) -> tuple[dict, int]:
+    _, fields, policy, args = CASES[name]
+
+    @attrs.define(eq=False)
+    class TracedRun(FakeRun):
+        def build_instance(self, instance_id, model, kv_policy):
+            i = super().build_instance(instance_id, model, kv_policy)
+            return _Traced(i.instance_id, i.model, i.kv, i.latency, i.tpot_slo_s, i.limits)
+
+    run = TracedRun(FakeScenario.from_dict(fields), ShadowConfig(PluginRef(policy, args), seed=11))
+    for inst in run.cluster.by_id.values():
+        inst.lazy_decodes = lazy_decodes
+    run.run()
+    insts = run.cluster.by_id.values()
+    return {i.instance_id: i.trace for i in insts}, sum(i.num_agg_iterations for i in insts)
+
+
+def test_kv_reservations_identical_every_iteration() -> None:
+    """Iteration by iteration (not only at the end), the aggregate path
+    reserves the same blocks as the per-request path, under KV pressure."""
+    lazy, agg = _kv_trace("fake-harvest-tight-kv", True)
+    eager, none = _kv_trace("fake-harvest-tight-kv", False)
+    assert agg > 1000 and none == 0
+    assert lazy == eager
 
 
 def test_same_seed_same_result() -> None:

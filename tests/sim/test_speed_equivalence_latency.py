@@ -2,7 +2,9 @@
 
 * ``predict_decodes_s(num_decodes, total, longest)`` of every latency model is
   bit-identical to ``predict_s`` of the decode-only batch (or ``None`` when the
-  model cannot tell from aggregates), and raises the same coverage errors.
+  model cannot tell from aggregates), and raises the same coverage errors;
+  ``predict_batch_s(prefills, num_decodes, total, longest)`` likewise for any batch.
+* The cohort's decode deadlines give the sign of Eq. 1's minimum slack exactly.
 * The engines skip steps of the core's own slack controllers only, by exact
   type (``shadowcore.engine._fastpath``): a subclass is always planned.
 """
@@ -16,7 +18,8 @@ from shadow_sim.models import MODELS
 from shadow_sim.roofline import RooflineLatencyModel
 
 from shadowcore.engine import _fastpath
-from shadowcore.latency import BatchShape, LinearLatencyModel
+from shadowcore.engine._deadlines import DecodeDeadlines
+from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
 from shadowcore.slack import (
     EagerController,
     HarvestController,
@@ -24,7 +27,9 @@ from shadowcore.slack import (
     PrefillInstanceController,
     SlackController,
     SloSlackController,
+    decode_slack_s,
 )
+from shadowcore.types import Phase, RequestKind, RequestView
 
 
 def _batches(max_context: int, seed: int = 0) -> list[tuple[int, ...]]:
@@ -48,8 +53,26 @@ def _check(model, batches) -> int:
     return exact
 
 
+def _check_mixed(model, batches, seed: int = 1) -> int:
+    """predict_batch_s on the aggregates of each batch with 0-3 prefill chunks == predict_s."""
+    rng = np.random.default_rng(seed)
+    exact = 0
+    for i, ctx in enumerate(batches):
+        pre = tuple(PrefillChunk(int(rng.integers(1, 1024)), int(rng.integers(0, 4096))) for _ in range(i % 4))
+        if i % 5 == 0:
+            ctx = ()
+        fast = model.predict_batch_s(pre, len(ctx), sum(ctx), max(ctx) if ctx else 0)
+        if fast is None:
+            continue
+        slow = model.predict_s(BatchShape(pre, ctx))
+        assert fast == slow, (ctx[:4], len(ctx), pre, fast, slow)
+        exact += 1
+    return exact
+
+
 def test_linear_model_aggregate_is_bit_identical() -> None:
     assert _check(LinearLatencyModel(), _batches(100_000)) > 50
+    assert _check_mixed(LinearLatencyModel(), _batches(100_000)) > 50
     assert LinearLatencyModel().predict_decodes_s(0, 0, 0) is None
 
 
@@ -57,6 +80,7 @@ def test_linear_model_aggregate_is_bit_identical() -> None:
 def test_roofline_aggregate_is_bit_identical(name: str) -> None:
     model = RooflineLatencyModel.for_model(name, "H100-80GB")
     assert _check(model, _batches(100_000)) > 50
+    assert _check_mixed(model, _batches(100_000)) > 50
 
 
 def test_roofline_windowed_model_declines() -> None:
@@ -64,6 +88,7 @@ def test_roofline_windowed_model_declines() -> None:
     assert windowed
     model = RooflineLatencyModel.for_model(windowed[0], "H200")
     assert model.predict_decodes_s(4, 4000, 1000) is None
+    assert model.predict_batch_s((), 4, 4000, 1000) is None
 
 
 def test_vidur_aggregate_is_bit_identical_and_raises_alike() -> None:
@@ -76,11 +101,14 @@ def test_vidur_aggregate_is_bit_identical_and_raises_alike() -> None:
     batches = [b for b in _batches(limit) if max(b) <= limit]
     batches += [tuple([limit // 300] * 250), tuple([70_000] * 3)]  # geometric columns beyond 65,536
     assert _check(model, batches) > 50
+    assert _check_mixed(model, [b for b in batches if max(b) + 5120 <= limit and len(b) <= 200]) > 30
     too_long = (limit + 1,)
     with pytest.raises(ProfileCoverageError):
         model.predict_s(BatchShape((), too_long))
     with pytest.raises(ProfileCoverageError):
         model.predict_decodes_s(1, limit + 1, limit + 1)
+    with pytest.raises(ProfileCoverageError):
+        model.predict_batch_s((PrefillChunk(16, 0),), 1, limit + 1, limit + 1)
 
 
 def test_skippable_only_by_exact_type() -> None:
@@ -117,3 +145,51 @@ def test_credit_of_skipped_steps_matches_observed_steps(accrual: str) -> None:
         if accrual == "all-decode":
             b.credit.earn_s(d)
     assert (a.credit.balance_s, a.credit.earned_s) == (b.credit.balance_s, b.credit.earned_s) != (0.0, 0.0)
+
+
+@attrs.define(eq=False)
+class _Member:
+    """What DecodeDeadlines reads of a cohort member."""
+
+    tpot_slo_s: float
+    first_token_s: float
+    num_generated: int
+    lazy_base: int
+    run_seq: int
+    finish_s: float | None = None
+
+
+def test_deadline_heap_gives_the_exact_minimum_slack() -> None:
+    """min_slack_s == min(decode_slack_s(view)) over live members, bit for
+    bit, also among members whose deadlines are within ulps of each other
+    (two TPOT SLOs, finished members left in the heaps): not merely the
+    member with the smallest heap key."""
+    rng = np.random.default_rng(5)
+    ties = 0
+    for trial in range(300):
+        margin = float(rng.choice([0.0, 0.1, 0.25]))
+        d = DecodeDeadlines(margin)
+        clock = int(rng.integers(0, 50_000))
+        members = []
+        for i in range(int(rng.integers(1, 60))):
+            tpot = float(rng.choice([0.05, 0.1]))
+            base = int(rng.integers(0, clock + 1))
+            m = _Member(tpot, float(rng.uniform(0, 3000)), int(rng.integers(1, 300)), base, 2 * i)
+            members.append(m)
+            if i % 3 == 0:  # a twin: the same deadline in real numbers (k tokens later, c k earlier), rounded apart
+                k = int(rng.integers(1, 200))
+                c = (1.0 - margin) * tpot
+                members.append(_Member(tpot, m.first_token_s - c * k, m.num_generated + k, base, 2 * i + 1))
+        for m in members:
+            d.add(m)
+        for m in members[::7]:
+            m.finish_s = 1.0
+        live = [m for m in members if m.finish_s is None]
+        now = float(rng.uniform(0, 6000))
+        views = [RequestView("r", RequestKind.NORMAL, Phase.DECODE, 0.0, 1, 10, 1.0, m.tpot_slo_s, 0,
+                             m.first_token_s, m.num_generated + clock - m.lazy_base - 1) for m in live]
+        want = min((decode_slack_s(v, now, margin) for v in views), default=float("inf"))
+        got = d.min_slack_s(now, clock)
+        assert got == want, (trial, got, want)
+        ties += sum(1 for v in views if abs(decode_slack_s(v, now, margin) - want) < 1e-9) > 1
+    assert ties > 20, ties
