@@ -163,7 +163,9 @@ def pd_gateway_config(urls: dict[str, dict[str, str]], scheduler: str = "stock")
                           "decode_instances": [{"url": u["decode"], "scheduler": scheduler}]}
                    for name, u in urls.items()},
         "shadow": {"policy": "harvest-slo"},
-        "health": {"interval_s": 1.0},
+        # four vLLM servers on 2 loaded cores answer /health late at times: a lenient check, so a slow answer
+        # does not take an instance out of rotation (and drop the shadow or the push this test waits for)
+        "health": {"interval_s": 1.0, "timeout_s": 10.0, "unhealthy_after": 5},
         "shadow_submit": {"timeout_s": 60.0, "poll_interval_s": 0.02},
         "pd": {"push_timeout_s": 60.0},
     }
