@@ -355,3 +355,33 @@ def test_vllm_metrics_export_the_engine_shadow_counters(gw_tagged, vllm_servers)
     cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
     used = _engine_metric(b, "shadowprefill_engine_shadow_tokens_used_total", instance="tiny-b") - used_before
     assert used == cached > 0  # the switch hit exactly the shadow's blocks (promoted: used)
+
+
+def test_replay_of_a_session_file_through_real_vllm(gw, vllm_servers, tmp_path):
+    """``shadowprefill replay`` against the gateway in front of the real vLLM
+    servers: every call reaches its recorded model with the trace's token
+    counts as vLLM reports them (prompt = the session's context so far plus the
+    call's new input, output = the trace's), and a session's second call on
+    the same model finds its context in vLLM's prefix cache."""
+    from shadow_gateway.replay import replay
+
+    from shadow_traces.agent_loaders import load_call_csv
+
+    rows = ["session_id,call_index,model,task,arrival_s,gap_s,input_tokens,output_tokens,compact_to_tokens"]
+    for k in range(2):
+        rows += [f"r{k},0,tiny-a,t{k},{0.01 * k},,{200 + 20 * k},8,",
+                 f"r{k},1,tiny-b,,,0.0,{30 + k},6,",
+                 f"r{k},2,tiny-b,,,0.0,20,4,"]
+    (tmp_path / "calls.csv").write_text("\n".join(rows) + "\n")
+    trace, _ = load_call_csv(tmp_path / "calls.csv")
+    report = replay(trace, gw.url, max_sessions=2, time_scale=0.0, vocab_size=460, session_prefix="e2e-replay-",
+                    timeout_s=180.0)
+    assert report.failures == ()
+    got = sorted((c.session_id, c.call_index, c.model, c.is_switch, c.num_prompt_tokens, c.num_output_tokens)
+                 for c in report.calls)
+    want = sorted((s.session_id, i, c.model, i > 0 and c.model != s.calls[i - 1].model, p, c.output_tokens)
+                  for s in trace.sessions for i, (c, p) in enumerate(zip(s.calls, s.prompt_lengths())))
+    assert got == want
+    repeat = [c for c in report.calls if c.call_index == 2]  # the second call on tiny-b: its context is cached
+    assert len(repeat) == 2 and all(c.num_cached_tokens >= BLOCK for c in repeat)
+    assert report.summary()["calls"] == 6 and report.summary()["switch_calls"] == 2
