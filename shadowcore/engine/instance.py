@@ -55,7 +55,7 @@ import contextlib
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -299,19 +299,7 @@ class EngineInstance:
             return
         batch, results, duration, skipped = self._step  # skipped: None when the hook planned it, else (decode_only, routed)
         self._step = None
-        self.busy = False
-        self.busy_s += duration
-        self.num_iterations_run += 1
-        for r in results:
-            if r.num_computed_tokens:
-                self.kv.release(_shadow_owner(r.grant), now_s)
-                self.num_shadow_tokens += r.num_computed_tokens
-        if self.hook is not None:
-            if skipped is None:
-                self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
-            else:
-                _fastpath.skip_step(self.hook, duration, *skipped)
-        self.iteration += 1
+        self._close_iteration(results, duration, skipped, now_s)
         for req, n in batch:
             if req in self.running:  # not preempted meanwhile
                 self._advance(req, n, now_s)
@@ -571,11 +559,12 @@ class EngineInstance:
         self.busy = True
         return now_s + duration
 
-    def _end_agg(self, now_s: float) -> None:
-        """End an aggregate iteration: as end_step, the decodes by the cohort
-        clock and _advance_cohort, then the entries in batch order."""
-        entries, results, duration, skipped = self._agg  # skipped: None when planned, else (decode_only, routed)
-        self._agg = None
+    def _close_iteration(self, results: Sequence, duration: float, skipped: tuple | None, now_s: float) -> None:
+        """What every iteration's end does first, planned or aggregate: the
+        instance is idle again, the shadow chunks' KV is released to the cache,
+        the hook sees the outcome (``end_step``) or the skipped step's
+        accounting (``skipped``: ``(decode_only, routed)``), the iteration
+        counter moves on."""
         self.busy = False
         self.busy_s += duration
         self.num_iterations_run += 1
@@ -589,6 +578,13 @@ class EngineInstance:
             else:
                 _fastpath.skip_step(self.hook, duration, *skipped)
         self.iteration += 1
+
+    def _end_agg(self, now_s: float) -> None:
+        """End an aggregate iteration: as end_step, the decodes by the cohort
+        clock and _advance_cohort, then the entries in batch order."""
+        entries, results, duration, skipped = self._agg  # skipped: None when planned, else (decode_only, routed)
+        self._agg = None
+        self._close_iteration(results, duration, skipped, now_s)
         self.num_fast_iterations += 1
         self._advance_cohort(now_s)
         clock = self.num_fast_iterations

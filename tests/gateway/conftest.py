@@ -3,8 +3,10 @@ and the gateway itself under uvicorn, each in a thread, always torn down."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -51,6 +53,22 @@ class GatewayServer:
     def metric(self, name: str, **labels: str) -> float:
         value = self.gateway.metrics.registry.get_sample_value(name, labels)
         return value or 0.0
+
+
+def vllm_python_or_skip() -> str:
+    """The Python that runs real vLLM servers for a test module: this one
+    when it imports vllm, else ``$SHADOWPREFILL_VLLM_PYTHON``; without either
+    the calling module is skipped (an error under ``CI=true``)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin is not None:  # not the tests/vllm folder seen as a namespace package
+        return sys.executable
+    python = os.environ.get("SHADOWPREFILL_VLLM_PYTHON")
+    if python is not None:
+        return python
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("CI=true but vLLM is not importable and SHADOWPREFILL_VLLM_PYTHON is not set")
+    pytest.skip("vLLM not available (set SHADOWPREFILL_VLLM_PYTHON to a Python that imports vllm)",
+                allow_module_level=True)
 
 
 def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition") -> None:

@@ -31,13 +31,11 @@ and are always torn down.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,22 +43,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import GatewayServer, wait_for
+from .conftest import GatewayServer, vllm_python_or_skip, wait_for
 
-
-def _vllm_python() -> str | None:
-    spec = importlib.util.find_spec("vllm")
-    if spec is not None and spec.origin is not None:  # not the tests/vllm folder seen as a namespace package
-        return sys.executable
-    return os.environ.get("SHADOWPREFILL_VLLM_PYTHON")
-
-
-VLLM_PYTHON = _vllm_python()
-if VLLM_PYTHON is None:
-    if os.environ.get("CI") == "true":
-        raise RuntimeError("CI=true but vLLM is not importable and SHADOWPREFILL_VLLM_PYTHON is not set")
-    pytest.skip("vLLM not available (set SHADOWPREFILL_VLLM_PYTHON to a Python that imports vllm)",
-                allow_module_level=True)
+VLLM_PYTHON = vllm_python_or_skip()
 
 BLOCK = 32
 UPSTREAM_KEY = "e2e-vllm-key-" + os.urandom(8).hex()

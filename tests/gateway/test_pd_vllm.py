@@ -29,13 +29,11 @@ Runtime: about 2 minutes on 2 cores, most of it starting the four servers.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,22 +41,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import GatewayServer, wait_for
+from .conftest import GatewayServer, vllm_python_or_skip, wait_for
 
-
-def _vllm_python() -> str | None:
-    spec = importlib.util.find_spec("vllm")
-    if spec is not None and spec.origin is not None:
-        return sys.executable
-    return os.environ.get("SHADOWPREFILL_VLLM_PYTHON")
-
-
-VLLM_PYTHON = _vllm_python()
-if VLLM_PYTHON is None:
-    if os.environ.get("CI") == "true":
-        raise RuntimeError("CI=true but vLLM is not importable and SHADOWPREFILL_VLLM_PYTHON is not set")
-    pytest.skip("vLLM not available (set SHADOWPREFILL_VLLM_PYTHON to a Python that imports vllm)",
-                allow_module_level=True)
+VLLM_PYTHON = vllm_python_or_skip()
 
 BLOCK = 32
 MODELS = ("tiny-a", "tiny-b")
