@@ -238,7 +238,6 @@ PAPER_TESTBED: dict[str, tuple[float, str, str]] = {
     "rho05_fb_keeps": (1.0, "App. D / Fig. 17", "rho 0.5: FusionBench pairs keep a reduction (sign)"),
     "rho05_s32_slows": (-1.0, "App. D / Fig. 17", "rho 0.5: S7/S32 slows (sign; paper -35.1%)"),
 }
-TOLERANCE = 0.30
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -269,11 +268,11 @@ def ours(results: Mapping[tuple[str, float], Mapping[str, Mapping[str, float]]],
 
 
 def verdict(paper: float, value: float, sign_only: bool) -> str:
-    if math.isnan(value):
-        return "not run"
-    if sign_only:
-        return "same direction" if value == paper else "opposite"
-    return "within 30%" if abs(value - paper) <= TOLERANCE * abs(paper) else "outside 30%"
+    """The +-30% judgement ``reproduce`` uses too (one helper:
+    :func:`shadow_sim.experiments.paper_numbers.verdict`)."""
+    from shadow_sim.experiments.paper_numbers import verdict as judged
+
+    return judged(paper, value, sign_only)
 
 
 def table(results: Mapping[tuple[str, float], Mapping[str, Mapping[str, float]]], arms: Sequence[str]) -> str:
