@@ -432,6 +432,36 @@ def policies_table(results: Mapping[str, tuple[str, Comparison]]) -> list[str]:
     return lines
 
 
+def switch_cost(m: Mapping[str, float]) -> tuple[float, float]:
+    """One run's (switch-call / same-model-call latency, switch-call TTFT / switch-call latency)
+    from its matched calls: the Figure 2d ratio, and the most an oracle that makes a switch's
+    TTFT free could cut switch-call latency by (its bound, before queueing effects)."""
+    calls, sw = m.get("calls", math.nan), m.get("switch_calls", math.nan)
+    same = (calls * m["call_latency_s"] - sw * m["switch_latency_s"]) / (calls - sw) if calls > sw else math.nan
+    return m["switch_latency_s"] / same if same > 0 else math.nan, m["switch_ttft_s"] / m["switch_latency_s"]
+
+
+def bounds_table(results: Mapping[str, tuple[str, Comparison]]) -> list[str]:
+    """Per main pair, under the baseline (means over its runs): why the latency cuts are what they
+    are. A switch call that costs little more than a same-model call, or whose TTFT is a small
+    share of it, leaves shadowing (and the oracle) little to take off."""
+    lines = ["| pair | switch / same-model call latency (Fig. 2d: 1.5-3.2x) | switch TTFT / switch latency "
+             "| switch calls / calls | oracle's switch-lat red | runs |", "|---|---:|---:|---:|---:|---:|"]
+    for key, (study, c) in results.items():
+        if study != "main":
+            continue
+        per = [(switch_cost(m[c.baseline]), m[c.baseline]["switch_calls"] / m[c.baseline]["calls"])
+               for _s, _w, m in c.per_run if c.baseline in m and "calls" in m[c.baseline]]
+        if not per:
+            continue
+        mean = lambda xs: sum(xs) / len(xs)
+        ratio, share, frac = mean([r for (r, _t), _f in per]), mean([t for (_r, t), _f in per]), mean([f for _x, f in per])
+        bound = _get(c, c.oracle, "switch_latency_red")[0] if c.oracle else math.nan
+        lines.append(f"| {key.split(':', 1)[1]} | {ratio:.2f}x | {_pct(share)} | {_pct(frac)} | {_pct(bound)} "
+                     f"| {len(per)} |")
+    return lines
+
+
 def markdown(results: Mapping[str, tuple[str, Comparison]], quick: bool, grid: Grid = Grid(),
              profile: str = "") -> str:
     """Each paper number next to ours (+-1 SE over pairs where more than one run each) and
@@ -452,7 +482,8 @@ def markdown(results: Mapping[str, tuple[str, Comparison]], quick: bool, grid: G
             "the paper's are its §5/Appendix C/E values. Percentages; 'pp' rows are percentage points / 100. "
             f"'within {tol}' is relative to the paper's number; the oracle bounds are read from the oracle "
             "the share of its gain is measured against (oracle-host when it ran).", ""]
-    policies = ["", "## Every main-study policy (means over the main pairs)", "", *policies_table(results)]
+    policies = ["", "## Every main-study policy (means over the main pairs)", "", *policies_table(results),
+                "", "## What bounds the latency cuts (baseline runs, per main pair)", "", *bounds_table(results)]
     tables = []
     for k, (_s, c) in results.items():
         tables += ["", f"## {k}", "", "```", format_table(c), "```"]
