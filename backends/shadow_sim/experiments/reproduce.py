@@ -432,32 +432,23 @@ def policies_table(results: Mapping[str, tuple[str, Comparison]]) -> list[str]:
     return lines
 
 
-def switch_cost(m: Mapping[str, float]) -> tuple[float, float]:
-    """One run's (switch-call / same-model-call latency, switch-call TTFT / switch-call latency)
-    from its matched calls: the Figure 2d ratio, and the most an oracle that makes a switch's
-    TTFT free could cut switch-call latency by (its bound, before queueing effects)."""
-    calls, sw = m.get("calls", math.nan), m.get("switch_calls", math.nan)
-    same = (calls * m["call_latency_s"] - sw * m["switch_latency_s"]) / (calls - sw) if calls > sw else math.nan
-    return m["switch_latency_s"] / same if same > 0 else math.nan, m["switch_ttft_s"] / m["switch_latency_s"]
-
-
 def bounds_table(results: Mapping[str, tuple[str, Comparison]]) -> list[str]:
-    """Per main pair, under the baseline (means over its runs): why the latency cuts are what they
-    are. A switch call that costs little more than a same-model call, or whose TTFT is a small
-    share of it, leaves shadowing (and the oracle) little to take off."""
-    lines = ["| pair | switch / same-model call latency (Fig. 2d: 1.5-3.2x) | switch TTFT / switch latency "
-             "| switch calls / calls | oracle's switch-lat red | runs |", "|---|---:|---:|---:|---:|---:|"]
+    """Per main pair, under the baseline (means over its runs): how much of a switch call its
+    TTFT is -- what an oracle that makes the switch's prefill free can take off at most, before
+    queueing effects -- and how many calls are switch calls (what all-call latency can gain).
+    Per model switch/same-model ratios (Figure 2d) need the calls: ``benchmarks/switch_cost.py``."""
+    lines = ["| pair | switch TTFT / switch-call latency | switch calls / calls | oracle's switch-lat red "
+             "| oracle's LLM-call lat red | runs |", "|---|---:|---:|---:|---:|---:|"]
     for key, (study, c) in results.items():
         if study != "main":
             continue
-        per = [(switch_cost(m[c.baseline]), m[c.baseline]["switch_calls"] / m[c.baseline]["calls"])
-               for _s, _w, m in c.per_run if c.baseline in m and "calls" in m[c.baseline]]
+        per = [m[c.baseline] for _s, _w, m in c.per_run if c.baseline in m and m[c.baseline].get("calls")]
         if not per:
             continue
-        mean = lambda xs: sum(xs) / len(xs)
-        ratio, share, frac = mean([r for (r, _t), _f in per]), mean([t for (_r, t), _f in per]), mean([f for _x, f in per])
-        bound = _get(c, c.oracle, "switch_latency_red")[0] if c.oracle else math.nan
-        lines.append(f"| {key.split(':', 1)[1]} | {ratio:.2f}x | {_pct(share)} | {_pct(frac)} | {_pct(bound)} "
+        share = sum(m["switch_ttft_s"] / m["switch_latency_s"] for m in per) / len(per)
+        frac = sum(m["switch_calls"] / m["calls"] for m in per) / len(per)
+        bound = [_get(c, c.oracle, k)[0] if c.oracle else math.nan for k in ("switch_latency_red", "call_latency_red")]
+        lines.append(f"| {key.split(':', 1)[1]} | {_pct(share)} | {_pct(frac)} | {_pct(bound[0])} | {_pct(bound[1])} "
                      f"| {len(per)} |")
     return lines
 
