@@ -1,7 +1,7 @@
 """What a switch call costs in a finished ``reproduce`` or ``sweep`` folder: per grid point and
 target model, under one policy (default ``no-shadow``), the switch-call latency over the
 same-model calls' (the paper's Figure 2d ratio, 1.5-3.2x), the switch call's TTFT and decode
-shares, its mean output and time per output token. A switch call that is mostly decoding
+shares, its mean output and time per output token, and its token-weighted prefix hit rate. A switch call that is mostly decoding
 leaves shadowing (and an oracle that makes the switch's prefill free) little to take off.
 
     python benchmarks/switch_cost.py reproduce-out [--policy no-shadow] [--label main:]
@@ -41,14 +41,15 @@ def collect(folder: Path, policy: str, label_prefix: str) -> dict[tuple[str, str
             if session in measured:
                 kind = "switch" if cols["is_switch"][i] else "same"
                 out[(label.group(1), cols["model"][i])][kind].append(
-                    (cols["latency_s"][i], cols["ttft_s"][i], cols["num_output_tokens"][i]))
+                    (cols["latency_s"][i], cols["ttft_s"][i], cols["num_output_tokens"][i],
+                     cols["num_prompt_tokens"][i], cols["num_cached_tokens"][i]))
     return out
 
 
 def table(data: dict[tuple[str, str], dict[str, list]]) -> str:
     lines = ["| grid point | target model | switch calls | switch / same-model latency | switch TTFT share "
-             "| switch decode share | mean output: switch / same | TPOT (ms): switch / same |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| switch decode share | mean output: switch / same | TPOT (ms): switch / same | switch hit rate |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for (label, model), calls in sorted(data.items()):
         sw, same = calls["switch"], calls["same"]
         if not sw:
@@ -58,7 +59,8 @@ def table(data: dict[tuple[str, str], dict[str, list]]) -> str:
         tpot = [1000 * _mean([(c[0] - c[1]) / (c[2] - 1) for c in cs if c[2] > 1]) for cs in (sw, same)]
         outs = [_mean([c[2] for c in cs]) for cs in (sw, same)]
         lines.append(f"| {label} | {model} | {len(sw)} | {lat / same_lat:.2f}x | {100 * ttft / lat:.1f}% "
-                     f"| {100 * (1 - ttft / lat):.1f}% | {outs[0]:.0f} / {outs[1]:.0f} | {tpot[0]:.1f} / {tpot[1]:.1f} |")
+                     f"| {100 * (1 - ttft / lat):.1f}% | {outs[0]:.0f} / {outs[1]:.0f} | {tpot[0]:.1f} / {tpot[1]:.1f} "
+                     f"| {100 * sum(c[4] for c in sw) / max(1, sum(c[3] for c in sw)):.1f}% |")
     return "\n".join(lines)
 
 
