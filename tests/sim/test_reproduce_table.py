@@ -116,3 +116,17 @@ def test_bounds_table_reads_the_baseline_runs() -> None:
     c = _comparison("A", {"oracle-host": {"switch_latency_red": (0.2, 0.0), "call_latency_red": (0.05, 0.0)}})
     c = Comparison("A", c.policies, "no-shadow", "oracle-host", ((0, "peak", {"no-shadow": m}),), c.summary)
     assert "| A | 25.0% | 25.0% | 20.0% | 5.0% | 1 |" in reproduce.markdown({"main:A": ("main", c)}, quick=True)
+
+
+def test_testbed_takes_the_latency_profile(tmp_path, monkeypatch) -> None:
+    testbed = pytest.importorskip("shadow_vllm.virtual.testbed")
+    seen = []
+
+    def stop(settings, **kwargs):
+        seen.append(settings.latency_profile)
+        raise ConfigError("stop", 0, "here")
+
+    monkeypatch.setattr(testbed, "run_all", stop)
+    for flag, want in ((["--latency-profile", "none"], ""), ([], "paper-testbed-h100")):
+        assert reproduce.main(["--testbed", "--quick", *flag, "--out", str(tmp_path)]) == 2
+        assert seen.pop() == want
