@@ -47,8 +47,8 @@ def collect(folder: Path, policy: str, label_prefix: str) -> dict[tuple[str, str
 
 
 def table(data: dict[tuple[str, str], dict[str, list]]) -> str:
-    lines = ["| grid point | target model | switch calls | switch / same-model latency | switch TTFT share "
-             "| switch decode share | mean output: switch / same | TPOT (ms): switch / same | switch hit rate |",
+    lines = [("| grid point | target model | switch calls | switch / same-model latency | switch TTFT share "
+              "| switch decode share | mean output: switch / same | TPOT (ms): switch / same | switch hit rate |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for (label, model), calls in sorted(data.items()):
         sw, same = calls["switch"], calls["same"]

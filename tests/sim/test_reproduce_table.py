@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from shadow_sim.experiments import reproduce
 from shadow_sim.experiments.paper_numbers import PAPER, verdict
 from shadow_sim.experiments.runner import COLUMNS, Comparison
+
 from shadowcore.errors import ConfigError
 
 

@@ -32,12 +32,12 @@ import attrs
 from shadow_sim.experiments.calibrate import capacities
 from shadow_sim.experiments.distributed import ResultStore, execute_grid
 from shadow_sim.experiments.normal import WINDOWS
+from shadow_sim.experiments.output import no_nan
 from shadow_sim.experiments.paper_numbers import PAPER, TOLERANCE, verdict
 from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, summary_json, tasks_for
 from shadow_sim.experiments.spec import PAIRS, Experiment
-from shadow_sim.experiments.output import no_nan
-from shadow_sim.latency import resolve_profile
 from shadow_sim.experiments.sweep import rows, write_rows
+from shadow_sim.latency import resolve_profile
 from shadowcore.cli import HelpFormatter, add_policy_options, describe, policies_from_args
 from shadowcore.config import PluginRef, policy_label
 from shadowcore.errors import ConfigError, PluginError
@@ -437,8 +437,8 @@ def bounds_table(results: Mapping[str, tuple[str, Comparison]]) -> list[str]:
     TTFT is -- what an oracle that makes the switch's prefill free can take off at most, before
     queueing effects -- and how many calls are switch calls (what all-call latency can gain).
     Per model switch/same-model ratios (Figure 2d) need the calls: ``benchmarks/switch_cost.py``."""
-    lines = ["| pair | switch TTFT / switch-call latency | switch calls / calls | oracle's switch-lat red "
-             "| oracle's LLM-call lat red | runs |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [("| pair | switch TTFT / switch-call latency | switch calls / calls | oracle's switch-lat red "
+              "| oracle's LLM-call lat red | runs |"), "|---|---:|---:|---:|---:|---:|"]
     for key, (study, c) in results.items():
         if study != "main":
             continue
@@ -468,11 +468,11 @@ def markdown(results: Mapping[str, tuple[str, Comparison]], quick: bool, grid: G
     for key, what in OURS_ONLY.items():
         lines.append(f"| {what} | ours | – | {_pct(o.get(key, math.nan))} | – | – |")
     head = [f"# Reproduction: our numbers next to the paper's ({grid.describe(quick)})", "",
-            f"Latency: {'kernel-level tables' if not profile else f'profile {profile} over the tables'}. "
-            "Ours are means over the main-study pairs (simulated, synthetic Table 1 sessions); "
-            "the paper's are its §5/Appendix C/E values. Percentages; 'pp' rows are percentage points / 100. "
-            f"'within {tol}' is relative to the paper's number; the oracle bounds are read from the oracle "
-            "the share of its gain is measured against (oracle-host when it ran).", ""]
+            (f"Latency: {'kernel-level tables' if not profile else f'profile {profile} over the tables'}. "
+             "Ours are means over the main-study pairs (simulated, synthetic Table 1 sessions); "
+             "the paper's are its §5/Appendix C/E values. Percentages; 'pp' rows are percentage points / 100. "
+             f"'within {tol}' is relative to the paper's number; the oracle bounds are read from the oracle "
+             "the share of its gain is measured against (oracle-host when it ran)."), ""]
     policies = ["", "## Every main-study policy (means over the main pairs)", "", *policies_table(results),
                 "", "## What bounds the latency cuts (baseline runs, per main pair)", "", *bounds_table(results)]
     tables = []

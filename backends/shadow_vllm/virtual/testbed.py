@@ -35,9 +35,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-
 from shadow_sim.experiments.paper_numbers import PAPER_TESTBED, TESTBED_CAPACITY
 from shadow_sim.experiments.paper_numbers import verdict as _judged
+
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.latency import chunked_prefill_s
 
