@@ -8,6 +8,12 @@ all targets vs top-1 vs our ``adaptive-host`` and ``benefit-host``). ``--quick``
 the measurement (2 instances per model, 180 s measured, one seed, peak window)
 to finish in under 30 minutes on 2 cores; the full grid uses the paper's
 settings (4 instances, 600 s after 120 s warm-up, 3 seeds x 3 windows).
+``--studies``/``--pairs``/``--seeds``/``--windows``/``--only-policies`` run part
+of either (:class:`Grid`; the table's title names the cut), and
+``--latency-profile`` puts a latency profile under every study. The table
+judges each of our numbers against the paper's with
+:func:`~shadow_sim.experiments.paper_numbers.verdict` (within +-30% relative),
+the one rule ``--testbed`` uses too.
 
 ``--testbed`` runs the paper's GPU testbed instead (Section 6, Appendix D:
 Q7/L70, L8/L70, S7/S32, S7/Q72, one instance per model, rho 0.3 and 0.5) on
