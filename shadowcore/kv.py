@@ -35,8 +35,8 @@ import heapq
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterator, Mapping, Sequence
-from itertools import repeat
-from operator import itemgetter
+from itertools import compress, islice, repeat, takewhile
+from operator import eq, is_, itemgetter, not_
 from typing import TypeVar
 
 import attrs
@@ -198,6 +198,16 @@ class Allocation:
 _KV_CLASS = (KVClass.NORMAL, KVClass.SHADOW)  # by the shadow flag
 _HELD = {KVClass.NORMAL: (False, 1, 0.0, -1, False), KVClass.SHADOW: (True, 1, 0.0, -1, False)}
 _is_cold = itemgetter(4)
+_SHADOW_REF_COLD = itemgetter(0, 1, 4)
+_KV_CLASS_FLAG = itemgetter(0)
+_after_class = itemgetter(slice(1, None))  # (ref_count, idle_since_s, idle_token, cold)
+_GONE = (False, -1, 0.0, -1, False)  # no block: matches no release
+_SOLE_NORMAL_HOLDER = {(False, 1, False)}  # a normal block one owner holds (a held block is never cold)
+
+
+def _run_length(keys: Container[int], hashes: Sequence[int]) -> int:
+    """How many of ``hashes``, from the first, are in ``keys`` (a C-level scan)."""
+    return len(list(takewhile(keys.__contains__, hashes)))
 
 
 @attrs.define(eq=False)
@@ -305,20 +315,26 @@ class KVClassManager:
 
     def _refresh_cold(self, now_s: float) -> None:
         """Count idle blocks that became cold since the last call (amortised
-        O(1) per released block). A queue entry is one release: its time, the
-        blocks it made idle in order, and the token before the first of them
-        (the i-th got token + 1 + i); a block idle again since, or in use, no
-        longer carries that token."""
+        O(1) per released block, in C-level passes per release). A queue entry
+        is one release: its time, the blocks it made idle in order, and the
+        token before the first of them (the i-th got token + 1 + i); a block
+        idle again since, in use, or evicted no longer carries that token. A
+        block still idle from that release has exactly the state ``(shadow,
+        0, time, token + 1 + i, False)`` (a token is given once, with its
+        time), so one tuple comparison per block finds them."""
         q = self._cold_queue
         blocks = self._blocks
         while q and self.policy.shadow_may_displace(q[0][0], now_s):
-            _, hashes, token = q.popleft()
-            for h in hashes:
-                token += 1
-                block = blocks.get(h)
-                if block is not None and block[1] == 0 and block[3] == token and not block[4]:
-                    blocks[h] = (*block[:4], True)
-                    self._num_cold_idle += 1
+            since, hashes, token = q.popleft()
+            tokens = range(token + 1, token + 1 + len(hashes))
+            states = list(map(blocks.get, hashes, repeat(_GONE)))
+            still = list(map(eq, map(_after_class, states), zip(repeat(0), repeat(since), tokens, repeat(False))))
+            n = sum(still)
+            if n:
+                cold = zip(map(_KV_CLASS_FLAG, compress(states, still)), repeat(0), repeat(since),
+                           compress(tokens, still), repeat(True))
+                blocks.update(zip(compress(hashes, still), cold))
+                self._num_cold_idle += n
 
     # -- allocation --------------------------------------------------------------
     def allocate(
@@ -488,17 +504,21 @@ class KVClassManager:
         self._unref(reversed(hashes), hits, now_s)  # the cache owner's release
 
     def _release_and_cache_chain(self, owner_id: str, owner: _Owner, hashes: Sequence[int], now_s: float) -> bool:
-        """release_and_cache's usual case, in one pass per block: a normal
-        owner whose blocks are the head of ``hashes`` (no repeats) and whose
-        tail is not cached at all and fits in free blocks plus the owner's
-        private ones. The general short way would find the head held, no
-        other hit, the tail fresh; the cache owner's release then makes the
-        tail idle (last block first) and the head loses the owner's reference,
-        in that order, with consecutive release tokens. False (nothing
-        changed) when the case does not apply."""
-        k = len(owner.hashes)
+        """release_and_cache's usual case, a chain at once: a normal owner
+        whose blocks are the head of ``hashes`` (no repeats) and whose tail is
+        not cached at all and fits in free blocks plus the owner's private
+        ones. The general short way would find the head held, no other hit,
+        the tail fresh; the cache owner's release then makes the tail idle
+        (last block first) and the head loses the owner's reference, in that
+        order, with consecutive release tokens. When the owner alone holds its
+        head (each block normal, one reference, not cold: the usual case), the
+        whole chain goes idle last block first in a few C-level passes
+        (``dict.update``), no Python step per block. False (nothing changed)
+        when the case does not apply."""
+        head = owner.hashes
+        k = len(head)
         blocks = self._blocks
-        if owner.kv_class is not KVClass.NORMAL or len(hashes) < k or list(hashes[:k]) != owner.hashes:
+        if owner.kv_class is not KVClass.NORMAL or len(hashes) < k or list(hashes[:k]) != head:
             return False
         tail = hashes[k:]
         if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not blocks.keys().isdisjoint(tail)
@@ -508,22 +528,26 @@ class KVClassManager:
         self.num_free_blocks += owner.num_private_blocks - len(tail)
         host = self._host
         if host:
-            n_host = 0
-            for h in tail:  # match_prefix's host part: the tail's cached run in the host tier
-                if h not in host:
-                    break
-                n_host += 1
-            self.num_reloaded_blocks += n_host
-            for h in tail:
-                host.pop(h, None)
-        idle = self._idle
-        normal_idle = idle[KVClass.NORMAL]
+            self.num_reloaded_blocks += _run_length(host, tail)  # match_prefix's host part: the tail's run there
+            deque(map(host.pop, tail, repeat(None)), 0)
         first = self._num_releases
+        if k == 0 or set(map(_SHADOW_REF_COLD, map(blocks.__getitem__, head))) == _SOLE_NORMAL_HOLDER:
+            order = list(reversed(hashes))  # tail last block first, then the head last block first
+            token = first + len(order)
+            blocks.update(zip(order, zip(repeat(False), repeat(0), repeat(now_s), range(first + 1, token + 1),
+                                         repeat(False))))
+            self._idle[KVClass.NORMAL].update(zip(order, repeat(now_s)))
+            self._num_releases = token
+            if order:
+                self._cold_queue.append((now_s, tuple(order), first))  # ints only: the collector untracks it
+            return True
         newly_idle = list(reversed(tail))  # the tail goes idle last block first, tokens first + 1, ...
         token = first + len(newly_idle)
-        blocks.update(zip(newly_idle, [(False, 0, now_s, t, False) for t in range(first + 1, token + 1)]))
-        normal_idle.update(zip(newly_idle, repeat(now_s)))
-        for h in reversed(owner.hashes):  # then the head loses the owner's reference, last block first
+        blocks.update(zip(newly_idle, zip(repeat(False), repeat(0), repeat(now_s), range(first + 1, token + 1),
+                                          repeat(False))))
+        self._idle[KVClass.NORMAL].update(zip(newly_idle, repeat(now_s)))
+        idle = self._idle
+        for h in reversed(head):  # then the head loses the owner's reference, last block first
             shadow, ref, since, tok, cold = blocks[h]
             if ref == 1:
                 token += 1
@@ -592,33 +616,41 @@ class KVClassManager:
             self._evict_blocks(run, cls)
 
     def _evict_blocks(self, victims: list[int], cls: KVClass) -> None:
-        """Drop idle blocks of one class from the device, in order (to the host tier if any)."""
+        """Drop a run of idle blocks of one class from the device, in order
+        (to the host tier if any): one C-level pass per step, not a Python
+        call per block."""
         idle, blocks = self._idle[cls], self._blocks
-        if self.policy.host is None:
-            deque(map(idle.pop, victims), 0)
-            if self._num_cold_idle:
-                self._num_cold_idle -= sum(map(_is_cold, map(blocks.pop, victims)))  # those counted cold
-            else:  # no block is cold
-                deque(map(blocks.pop, victims), 0)
-        else:
-            for h in victims:
-                del idle[h]
-                if blocks.pop(h)[4]:  # it was counted cold
-                    self._num_cold_idle -= 1
-                self._spill(h, cls)
+        deque(map(idle.pop, victims), 0)
+        if self._num_cold_idle:
+            self._num_cold_idle -= sum(map(_is_cold, map(blocks.pop, victims)))  # those counted cold
+        else:  # no block is cold
+            deque(map(blocks.pop, victims), 0)
+        if self.policy.host is not None:
+            self._spill(victims, cls)
         if cls is KVClass.SHADOW:
             self.num_shadow_blocks -= len(victims)
         self.num_evicted_blocks[cls] += len(victims)
         self.eviction_count += len(victims)
 
-    def _spill(self, block_hash: int, kv_class: KVClass) -> None:
+    def _spill(self, victims: list[int], kv_class: KVClass) -> None:
+        """Put evicted blocks of one class in the host tier, in order, each as
+        its most recent entry, trimming its least recent to capacity: exactly
+        one block at a time with a trim after each (an LRU keeps the last
+        ``capacity`` of its insertions either way), with one capacity check.
+        The victims were on the device, so none is in the host tier
+        (device and host tier are disjoint)."""
         capacity = self.host_capacity_blocks
         if capacity == 0:
             return
-        self._host[block_hash] = kv_class
-        self._host.move_to_end(block_hash)
-        while len(self._host) > capacity:
-            self._host.popitem(last=False)
+        host = self._host
+        if len(victims) >= capacity:  # the run alone fills the tier: only its last ``capacity`` stay
+            host.clear()
+            host.update(zip(victims[len(victims) - capacity :], repeat(kv_class)))
+            return
+        host.update(zip(victims, repeat(kv_class)))
+        excess = len(host) - capacity
+        if excess > 0:  # the least recent leave first
+            deque(map(host.pop, list(islice(host, excess))), 0)
 
     def _free(self, num_private: int, kv_class: KVClass) -> None:
         self.num_free_blocks += num_private
