@@ -36,7 +36,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat, takewhile
-from operator import eq, is_, itemgetter, not_
+from operator import add, and_, attrgetter, eq, gt, is_, itemgetter, not_
 from typing import TypeVar
 
 import attrs
@@ -200,6 +200,9 @@ _HELD = {KVClass.NORMAL: (False, 1, 0.0, -1, False), KVClass.SHADOW: (True, 1, 0
 _is_cold = itemgetter(4)
 _SHADOW_REF_COLD = itemgetter(0, 1, 4)
 _KV_CLASS_FLAG = itemgetter(0)
+_REF, _SINCE, _TOKEN = itemgetter(1), itemgetter(2), itemgetter(3)
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_OWNER_CLASS = attrgetter("kv_class")
 _after_class = itemgetter(slice(1, None))  # (ref_count, idle_since_s, idle_token, cold)
 _GONE = (False, -1, 0.0, -1, False)  # no block: matches no release
 _SOLE_NORMAL_HOLDER = {(False, 1, False)}  # a normal block one owner holds (a held block is never cold)
@@ -291,16 +294,8 @@ class KVClassManager:
         return self._blocks[block_hash][2]
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
-        n_dev = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            n_dev += 1
-        n_host = 0
-        for h in hashes[n_dev:]:
-            if h not in self._host:
-                break
-            n_host += 1
+        n_dev = _run_length(self._blocks, hashes)
+        n_host = _run_length(self._host, itertools.islice(hashes, n_dev, None)) if self._host else 0
         return PrefixMatch(n_dev, n_host)
 
     def shadow_room_blocks(self, now_s: float) -> int:
@@ -370,8 +365,8 @@ class KVClassManager:
             return None
         used = self._ref_hits(hits, kv_class)
         if kv_class is KVClass.NORMAL and self._host:  # a host-tier shadow block served to a normal owner: used
-            host_used = sum(self._host.get(h) is KVClass.SHADOW
-                            for h in hashes[match.num_device_blocks : match.num_blocks])
+            host_used = sum(map(is_, map(self._host.get, hashes[match.num_device_blocks : match.num_blocks]),
+                                repeat(KVClass.SHADOW)))
             self.num_shadow_blocks_used += host_used
             used += host_used
         self._ref_hits(shared, kv_class)
@@ -380,8 +375,7 @@ class KVClassManager:
         self._take(num_new, kv_class, now_s, protect=())
         host_hits = hashes[match.num_device_blocks : match.num_blocks]
         if self._host:
-            for h in fresh:
-                self._host.pop(h, None)  # device and host tier stay disjoint
+            deque(map(self._host.pop, fresh, repeat(None)), 0)  # device and host tier stay disjoint
         blocks.update(zip(fresh, repeat(_HELD[kv_class])))
         self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks)
         self.num_reloaded_blocks += len(host_hits)
@@ -395,16 +389,16 @@ class KVClassManager:
             self.num_free_blocks -= num_private_blocks  # the general path below, when only free blocks are taken
             owner.num_private_blocks += num_private_blocks
             return True
-        fresh = [h for h in hashes if h not in self._blocks]
-        shared = [h for h in hashes if h in self._blocks]
+        fresh = list(itertools.filterfalse(self._blocks.__contains__, hashes))
+        shared = list(filter(self._blocks.__contains__, hashes))
         num_new = len(fresh) + num_private_blocks
         if not self._can_take(num_new, owner.kv_class, now_s, exclude=shared):
             return False
         self._ref_hits(shared, owner.kv_class)
         self._take(num_new, owner.kv_class, now_s, protect=())  # as in allocate: nothing of hashes is idle
-        for h in fresh:
-            self._host.pop(h, None)
-            self._blocks[h] = _HELD[owner.kv_class]
+        if self._host:
+            deque(map(self._host.pop, fresh, repeat(None)), 0)
+        self._blocks.update(zip(fresh, repeat(_HELD[owner.kv_class])))
         owner.hashes.extend(hashes)
         owner.num_private_blocks += num_private_blocks
         return True
@@ -416,14 +410,15 @@ class KVClassManager:
         otherwise. Taken in one go: free blocks first,
         then LRU evictions, as the calls one by one would. A shadow owner is an
         error (its cap rules differ)."""
-        owners = self._owners
-        if any(owners[o].kv_class is not KVClass.NORMAL for o, _ in needs):
+        grown = list(map(self._owners.__getitem__, map(_FIRST, needs)))
+        if KVClass.SHADOW in map(_OWNER_CLASS, grown):
             raise ValueError("extend_private grows normal owners only")
-        total = sum(n for _, n in needs)
+        counts = list(map(_SECOND, needs))
+        total = sum(counts)
         if total > self.num_free_blocks + self.num_idle_blocks:
             return False
-        for o, n in needs:
-            owners[o].num_private_blocks += n
+        for owner, n in zip(grown, counts):
+            owner.num_private_blocks += n
         self._take(total, KVClass.NORMAL, now_s, protect=())
         return True
 
@@ -573,7 +568,7 @@ class KVClassManager:
             return False
         if num <= self.num_free_blocks:
             return True
-        excluded = {h for h in exclude if self._blocks[h][1] == 0}
+        excluded = set(compress(exclude, map(not_, map(_REF, map(self._blocks.__getitem__, exclude)))))  # the idle
         if kv_class is KVClass.NORMAL:  # any idle block but the excluded ones (all idle: ref count 0)
             return self.num_free_blocks + self.num_idle_blocks - len(excluded) >= num
         wanted = num - self.num_free_blocks
@@ -581,6 +576,40 @@ class KVClassManager:
         return sum(1 for _ in itertools.islice(victims, wanted)) == wanted
 
     def _ref_hits(self, hits: Sequence[int], requester: KVClass) -> int:
+        """One reference more on each cached block of ``hits``: an idle one
+        leaves its class's LRU order (and the cold count); a normal requester
+        promotes a shadow block to normal (used; the count is returned). In
+        C-level passes over the run when its blocks are distinct (a chain's
+        are); a held block's idle time and token are kept (read only while
+        it is idle)."""
+        if len(hits) < 4 or len(set(hits)) != len(hits):
+            return self._ref_hits_one_by_one(hits, requester)
+        blocks = self._blocks
+        states = list(map(blocks.__getitem__, hits))
+        refs = list(map(_REF, states))
+        shadows = list(map(_KV_CLASS_FLAG, states))
+        if 0 in refs:  # some are idle
+            idle_flags = list(map(not_, refs))
+            idle_shadow = list(map(and_, idle_flags, shadows))
+            n_idle, n_idle_shadow = sum(idle_flags), sum(idle_shadow)
+            if n_idle_shadow:
+                deque(map(self._idle[KVClass.SHADOW].pop, compress(hits, idle_shadow)), 0)
+            if n_idle > n_idle_shadow:  # idle and normal: idle flag above the shadow flag
+                deque(map(self._idle[KVClass.NORMAL].pop, compress(hits, map(gt, idle_flags, shadows))), 0)
+            if self._num_cold_idle:
+                self._num_cold_idle -= sum(map(_is_cold, compress(states, idle_flags)))
+        used = 0
+        if requester is KVClass.NORMAL:
+            used = sum(shadows)
+            self.num_shadow_blocks -= used
+            self.num_shadow_blocks_used += used
+            shadows = repeat(False)
+        blocks.update(zip(hits, zip(shadows, map(add, refs, repeat(1)), map(_SINCE, states), map(_TOKEN, states),
+                                    repeat(False))))
+        return used
+
+    def _ref_hits_one_by_one(self, hits: Sequence[int], requester: KVClass) -> int:
+        """:meth:`_ref_hits` a block at a time (short or repeating runs)."""
         used = 0
         blocks = self._blocks
         for h in hits:
