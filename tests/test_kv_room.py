@@ -92,3 +92,25 @@ def test_victim_runs_are_the_first_victims_grouped_by_class(entries, order, requ
     assert [(block, cls) for cls, run in runs for block in run] == expected
     assert all(run for _, run in runs)
     assert all(a[0] is not b[0] for a, b in zip(runs, runs[1:]))  # maximal runs
+
+
+def test_a_spilled_run_keeps_the_host_tier_an_lru_of_single_spills() -> None:
+    """An eviction spills its victims to the host tier as one run; the tier
+    must end as if they went one at a time, each trimming the least recent:
+    a run longer than the tier leaves its last blocks (a chain's head, since
+    the tail goes first), a shorter one pushes out the oldest entries."""
+    from shadowcore.kv import HostTierParams
+
+    kv = KVClassManager(8, 4, KVClassPolicy(host=HostTierParams(capacity_bytes=3 * 4 * 131072.0)))
+    chain = [1, 2, 3, 4, 5, 6]
+    assert kv.allocate("ctx", chain, 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("ctx", 1.0)
+    assert kv.allocate("big", [], 8, KVClass.NORMAL, 2.0) is not None  # 2 free + the whole chain, tail first
+    assert kv.host_capacity_blocks == 3 and kv.num_host_blocks == 3
+    assert [kv.in_host(h) for h in chain] == [True, True, True, False, False, False]
+    assert kv.match_prefix(chain).num_host_blocks == 3
+    kv.release("big", 3.0)  # private blocks: back to free
+    assert kv.allocate("two", [7, 8], 0, KVClass.NORMAL, 4.0) is not None
+    kv.release("two", 5.0)
+    assert kv.allocate("fill", [], 8, KVClass.NORMAL, 6.0) is not None  # evicts 8 then 7: pushes out 3, then 2
+    assert [h for h in (1, 2, 3, 7, 8) if kv.in_host(h)] == [1, 7, 8]
