@@ -33,10 +33,10 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Container, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat, takewhile
-from operator import add, and_, attrgetter, eq, gt, is_, itemgetter, not_
+from operator import and_, attrgetter, gt, is_, itemgetter, not_
 from typing import TypeVar
 
 import attrs
@@ -187,25 +187,24 @@ class Allocation:
     num_shadow_blocks_used: int  # shadow blocks a normal owner hit, device or host tier (now promoted)
 
 
-# A cached block's state is one tuple ``(shadow, ref_count, idle_since_s, idle_token, cold)``:
+# A cached block's state is one tuple ``(shadow, ref_count, idle_since_s, release)``:
 #   shadow        its class (True: KVClass.SHADOW); a bool, so the tuple holds atomic values only and the
 #                 garbage collector stops tracking it at its first collection (no object per block to scan)
 #   ref_count     owners holding it; 0: idle, in its class's LRU order
 #   idle_since_s  when it last went idle (0.0 if never since cached)
-#   idle_token    which release made it idle (-1 if never; stale cold-queue entries mismatch)
-#   cold          idle and counted in _num_cold_idle
-# A change replaces the tuple; a new held block of a class is one shared constant tuple.
+#   release       the id of the release that made it idle (-1 if never)
+# While idle, a block is cold (counted in _num_cold_idle) iff its release has aged past the cold age
+# (_refresh_cold): its id has left _live. A change replaces the tuple; blocks in the same state share one
+# tuple (a new held block of a class, the blocks one release made idle), so a run of blocks changes state
+# in one dict.update over a repeated tuple.
 _KV_CLASS = (KVClass.NORMAL, KVClass.SHADOW)  # by the shadow flag
-_HELD = {KVClass.NORMAL: (False, 1, 0.0, -1, False), KVClass.SHADOW: (True, 1, 0.0, -1, False)}
-_is_cold = itemgetter(4)
-_SHADOW_REF_COLD = itemgetter(0, 1, 4)
+_HELD = {KVClass.NORMAL: (False, 1, 0.0, -1), KVClass.SHADOW: (True, 1, 0.0, -1)}
 _KV_CLASS_FLAG = itemgetter(0)
-_REF, _SINCE, _TOKEN = itemgetter(1), itemgetter(2), itemgetter(3)
+_REF, _RELEASE = itemgetter(1), itemgetter(3)
+_SHADOW_REF = itemgetter(0, 1)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _OWNER_CLASS = attrgetter("kv_class")
-_after_class = itemgetter(slice(1, None))  # (ref_count, idle_since_s, idle_token, cold)
-_GONE = (False, -1, 0.0, -1, False)  # no block: matches no release
-_SOLE_NORMAL_HOLDER = {(False, 1, False)}  # a normal block one owner holds (a held block is never cold)
+_SOLE_NORMAL_HOLDER = {(False, 1)}  # a normal block one owner holds
 
 
 def _run_length(keys: Container[int], hashes: Sequence[int]) -> int:
@@ -238,8 +237,11 @@ class KVClassManager:
     _idle: dict[KVClass, OrderedDict[int, float]] = attrs.field(init=False)  # hash -> idle since, release order
     _owners: dict[str, _Owner] = attrs.field(init=False, factory=dict)
     _host: OrderedDict[int, KVClass] = attrs.field(init=False, factory=OrderedDict)
-    # Idle blocks in release order; a block turns cold once, stays cold while idle.
+    # Releases not yet cold, in order, as (time, release id); _live[id]: the blocks still idle from that
+    # release. A release leaves both once older than the cold age (_refresh_cold); its blocks still idle are
+    # then cold: counted in _num_cold_idle until they leave idle (O(1) per release, not per block).
     _cold_queue: deque = attrs.field(init=False, factory=deque)
+    _live: dict[int, int] = attrs.field(init=False, factory=dict)
     _num_cold_idle: int = attrs.field(init=False, default=0)
     _num_releases: int = attrs.field(init=False, default=0)
 
@@ -309,27 +311,34 @@ class KVClassManager:
         return min(room, self.num_free_blocks + self._num_cold_idle)
 
     def _refresh_cold(self, now_s: float) -> None:
-        """Count idle blocks that became cold since the last call (amortised
-        O(1) per released block, in C-level passes per release). A queue entry
-        is one release: its time, the blocks it made idle in order, and the
-        token before the first of them (the i-th got token + 1 + i); a block
-        idle again since, in use, or evicted no longer carries that token. A
-        block still idle from that release has exactly the state ``(shadow,
-        0, time, token + 1 + i, False)`` (a token is given once, with its
-        time), so one tuple comparison per block finds them."""
-        q = self._cold_queue
-        blocks = self._blocks
+        """Count idle blocks that became cold since the last call: O(1) per
+        release (a release's blocks go idle at its time, so they turn cold
+        together; those that left idle since have left its live count)."""
+        q, live = self._cold_queue, self._live
         while q and self.policy.shadow_may_displace(q[0][0], now_s):
-            since, hashes, token = q.popleft()
-            tokens = range(token + 1, token + 1 + len(hashes))
-            states = list(map(blocks.get, hashes, repeat(_GONE)))
-            still = list(map(eq, map(_after_class, states), zip(repeat(0), repeat(since), tokens, repeat(False))))
-            n = sum(still)
-            if n:
-                cold = zip(map(_KV_CLASS_FLAG, compress(states, still)), repeat(0), repeat(since),
-                           compress(tokens, still), repeat(True))
-                blocks.update(zip(compress(hashes, still), cold))
-                self._num_cold_idle += n
+            self._num_cold_idle += live.pop(q.popleft()[1])
+
+    def _new_release(self, release: int, num_idle: int, now_s: float) -> None:
+        """Record release ``release`` (the next id) that made ``num_idle`` > 0 blocks idle at ``now_s``."""
+        self._num_releases = release
+        self._live[release] = num_idle
+        self._cold_queue.append((now_s, release))
+
+    def _leave_idle(self, states: Iterator[tuple]) -> None:
+        """Blocks in these states (all idle) leave idle: out of their release's
+        live count, or out of the cold count once their release is cold."""
+        live = self._live
+        for release, n in Counter(map(_RELEASE, states)).items():
+            left = live.get(release)
+            if left is None:
+                self._num_cold_idle -= n
+            else:
+                live[release] = left - n
+
+    def _cold(self, block_hash: int) -> bool:
+        """Idle and counted cold (for tests: the cold count is this, summed)."""
+        _, ref, _, release = self._blocks[block_hash]
+        return ref == 0 and release not in self._live
 
     # -- allocation --------------------------------------------------------------
     def allocate(
@@ -430,25 +439,24 @@ class KVClassManager:
 
     def _unref(self, hashes, keep: set[int] | tuple, now_s: float) -> None:
         """One reference less on each block of ``hashes`` (those in ``keep``
-        excepted); a block left unreferenced goes idle now, appended to its
-        class's LRU order, with the next release token."""
+        excepted); the blocks left unreferenced go idle now, in that order
+        (appended to their class's LRU order), as one release."""
         blocks, idle = self._blocks, self._idle
-        token = first = self._num_releases
-        newly_idle = []
+        release = self._num_releases + 1
+        idle_state = ((False, 0, now_s, release), (True, 0, now_s, release))
+        num_idle = 0
         for h in hashes:
-            shadow, ref, since, tok, cold = blocks[h]
+            shadow, ref, since, rel = blocks[h]
             if not keep or h not in keep:
                 ref -= 1
             if ref == 0:
-                token += 1
-                blocks[h] = (shadow, 0, now_s, token, cold)
-                newly_idle.append(h)
+                num_idle += 1
+                blocks[h] = idle_state[shadow]
                 idle[_KV_CLASS[shadow]][h] = now_s
             else:
-                blocks[h] = (shadow, ref, since, tok, cold)
-        self._num_releases = token
-        if newly_idle:
-            self._cold_queue.append((now_s, tuple(newly_idle), first))  # ints only: the collector untracks it
+                blocks[h] = (shadow, ref, since, rel)
+        if num_idle:
+            self._new_release(release, num_idle, now_s)
 
     def release_and_cache(self, owner_id: str, hashes: Sequence[int], cache_owner_id: str, now_s: float) -> None:
         """A finished request: exactly ``release(owner_id)``, then, if it fits,
@@ -475,22 +483,22 @@ class KVClassManager:
         self.num_free_blocks += owner.num_private_blocks - len(fresh)
         used = 0
         hits = set()  # allocate's hits besides the owner's own blocks: +1 there, -1 in the last release
+        left_idle = []
         for h in hashes:
             block = blocks.get(h)
             if block is None or h in held:
                 continue
             hits.add(h)
-            shadow, ref, since, tok, cold = block
+            shadow, ref, since, rel = block
             if ref == 0:
                 del self._idle[_KV_CLASS[shadow]][h]
-                if cold:
-                    cold = False
-                    self._num_cold_idle -= 1
+                left_idle.append(block)
             if shadow:
                 shadow = False
                 self.num_shadow_blocks -= 1
                 used += 1
-            blocks[h] = (shadow, ref, since, tok, cold)
+            blocks[h] = (shadow, ref, since, rel)
+        self._leave_idle(left_idle)
         self.num_shadow_blocks_used += used
         self.num_reloaded_blocks += match.num_host_blocks
         for h in fresh:
@@ -505,11 +513,11 @@ class KVClassManager:
         ones. The general short way would find the head held, no other hit,
         the tail fresh; the cache owner's release then makes the tail idle
         (last block first) and the head loses the owner's reference, in that
-        order, with consecutive release tokens. When the owner alone holds its
-        head (each block normal, one reference, not cold: the usual case), the
-        whole chain goes idle last block first in a few C-level passes
-        (``dict.update``), no Python step per block. False (nothing changed)
-        when the case does not apply."""
+        order, as one release. When the owner alone holds its head (each block
+        normal with one reference: the usual case), the whole chain goes idle
+        last block first in two ``dict.update`` over one shared state, no
+        Python step per block. False (nothing changed) when the case does not
+        apply."""
         head = owner.hashes
         k = len(head)
         blocks = self._blocks
@@ -525,35 +533,30 @@ class KVClassManager:
         if host:
             self.num_reloaded_blocks += _run_length(host, tail)  # match_prefix's host part: the tail's run there
             deque(map(host.pop, tail, repeat(None)), 0)
-        first = self._num_releases
-        if k == 0 or set(map(_SHADOW_REF_COLD, map(blocks.__getitem__, head))) == _SOLE_NORMAL_HOLDER:
+        release = self._num_releases + 1
+        idle_state = (False, 0, now_s, release)
+        if k == 0 or set(map(_SHADOW_REF, map(blocks.__getitem__, head))) == _SOLE_NORMAL_HOLDER:
             order = list(reversed(hashes))  # tail last block first, then the head last block first
-            token = first + len(order)
-            blocks.update(zip(order, zip(repeat(False), repeat(0), repeat(now_s), range(first + 1, token + 1),
-                                         repeat(False))))
-            self._idle[KVClass.NORMAL].update(zip(order, repeat(now_s)))
-            self._num_releases = token
             if order:
-                self._cold_queue.append((now_s, tuple(order), first))  # ints only: the collector untracks it
+                blocks.update(zip(order, repeat(idle_state)))
+                self._idle[KVClass.NORMAL].update(zip(order, repeat(now_s)))
+                self._new_release(release, len(order), now_s)
             return True
-        newly_idle = list(reversed(tail))  # the tail goes idle last block first, tokens first + 1, ...
-        token = first + len(newly_idle)
-        blocks.update(zip(newly_idle, zip(repeat(False), repeat(0), repeat(now_s), range(first + 1, token + 1),
-                                          repeat(False))))
-        self._idle[KVClass.NORMAL].update(zip(newly_idle, repeat(now_s)))
+        newly_idle = list(reversed(tail))  # the tail goes idle last block first
+        blocks.update(zip(newly_idle, repeat(idle_state)))
         idle = self._idle
+        idle[KVClass.NORMAL].update(zip(newly_idle, repeat(now_s)))
+        num_idle = len(newly_idle)
         for h in reversed(head):  # then the head loses the owner's reference, last block first
-            shadow, ref, since, tok, cold = blocks[h]
+            shadow, ref, since, rel = blocks[h]
             if ref == 1:
-                token += 1
-                blocks[h] = (shadow, 0, now_s, token, cold)
-                newly_idle.append(h)
+                num_idle += 1
+                blocks[h] = idle_state if not shadow else (True, 0, now_s, release)
                 idle[_KV_CLASS[shadow]][h] = now_s
             else:
-                blocks[h] = (shadow, ref - 1, since, tok, cold)
-        self._num_releases = token
-        if newly_idle:
-            self._cold_queue.append((now_s, tuple(newly_idle), first))  # ints only: the collector untracks it
+                blocks[h] = (shadow, ref - 1, since, rel)
+        if num_idle:
+            self._new_release(release, num_idle, now_s)
         return True
 
     def reload_seconds(self, num_blocks: int) -> float:
@@ -577,18 +580,18 @@ class KVClassManager:
 
     def _ref_hits(self, hits: Sequence[int], requester: KVClass) -> int:
         """One reference more on each cached block of ``hits``: an idle one
-        leaves its class's LRU order (and the cold count); a normal requester
-        promotes a shadow block to normal (used; the count is returned). In
-        C-level passes over the run when its blocks are distinct (a chain's
-        are); a held block's idle time and token are kept (read only while
-        it is idle)."""
+        leaves its class's LRU order (and its release's or the cold count); a
+        normal requester promotes a shadow block to normal (used; the count
+        is returned). In C-level passes over the run when its blocks are
+        distinct (a chain's are), with one new state per distinct old state
+        (a run released together shares one)."""
         if len(hits) < 4 or len(set(hits)) != len(hits):
             return self._ref_hits_one_by_one(hits, requester)
         blocks = self._blocks
         states = list(map(blocks.__getitem__, hits))
         refs = list(map(_REF, states))
-        shadows = list(map(_KV_CLASS_FLAG, states))
         if 0 in refs:  # some are idle
+            shadows = list(map(_KV_CLASS_FLAG, states))
             idle_flags = list(map(not_, refs))
             idle_shadow = list(map(and_, idle_flags, shadows))
             n_idle, n_idle_shadow = sum(idle_flags), sum(idle_shadow)
@@ -596,34 +599,35 @@ class KVClassManager:
                 deque(map(self._idle[KVClass.SHADOW].pop, compress(hits, idle_shadow)), 0)
             if n_idle > n_idle_shadow:  # idle and normal: idle flag above the shadow flag
                 deque(map(self._idle[KVClass.NORMAL].pop, compress(hits, map(gt, idle_flags, shadows))), 0)
-            if self._num_cold_idle:
-                self._num_cold_idle -= sum(map(_is_cold, compress(states, idle_flags)))
+            self._leave_idle(compress(states, idle_flags))
+        normal = requester is KVClass.NORMAL
+        new = {s: (s[0] and not normal, s[1] + 1, s[2], s[3]) for s in set(states)}
         used = 0
-        if requester is KVClass.NORMAL:
-            used = sum(shadows)
+        if normal:
+            used = sum(map(_KV_CLASS_FLAG, states))
             self.num_shadow_blocks -= used
             self.num_shadow_blocks_used += used
-            shadows = repeat(False)
-        blocks.update(zip(hits, zip(shadows, map(add, refs, repeat(1)), map(_SINCE, states), map(_TOKEN, states),
-                                    repeat(False))))
+        blocks.update(zip(hits, map(new.__getitem__, states)))
         return used
 
     def _ref_hits_one_by_one(self, hits: Sequence[int], requester: KVClass) -> int:
         """:meth:`_ref_hits` a block at a time (short or repeating runs)."""
         used = 0
-        blocks = self._blocks
+        blocks, live = self._blocks, self._live
         for h in hits:
-            shadow, ref, since, tok, cold = blocks[h]
+            shadow, ref, since, rel = blocks[h]
             if ref == 0:
                 del self._idle[_KV_CLASS[shadow]][h]
-                if cold:
-                    cold = False
+                left = live.get(rel)
+                if left is None:
                     self._num_cold_idle -= 1
+                else:
+                    live[rel] = left - 1
             if requester is KVClass.NORMAL and shadow:
                 shadow = False
                 self.num_shadow_blocks -= 1
                 used += 1
-            blocks[h] = (shadow, ref + 1, since, tok, cold)
+            blocks[h] = (shadow, ref + 1, since, rel)
         self.num_shadow_blocks_used += used
         return used
 
@@ -650,10 +654,7 @@ class KVClassManager:
         call per block."""
         idle, blocks = self._idle[cls], self._blocks
         deque(map(idle.pop, victims), 0)
-        if self._num_cold_idle:
-            self._num_cold_idle -= sum(map(_is_cold, map(blocks.pop, victims)))  # those counted cold
-        else:  # no block is cold
-            deque(map(blocks.pop, victims), 0)
+        self._leave_idle(map(blocks.pop, victims))
         if self.policy.host is not None:
             self._spill(victims, cls)
         if cls is KVClass.SHADOW:

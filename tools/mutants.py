@@ -78,8 +78,8 @@ MUTATIONS: dict[str, tuple] = {
     "topk": (UNIT, "test_top_k_targets_at_most_k", "shadowcore/switch.py",
              "return list(ranked[: self.k])", "return list(ranked[: self.k + 1])"),
     "host-trim": (UNIT, "test_host_tier_capacity_and_reload_cost", "shadowcore/kv.py",
-                  "        if excess > 0:  # the least recent leave first\n"
-                  "            deque(map(host.pop, list(islice(host, excess))), 0)\n", ""),
+                  ("        if excess > 0:  # the least recent leave first\n"
+                   "            deque(map(host.pop, list(islice(host, excess))), 0)\n"), ""),
     "host-cost": (UNIT, "test_host_tier_capacity_and_reload_cost", "shadowcore/kv.py",
                   "return num_blocks * self.block_bytes / host.pcie_bytes_per_s",
                   "return num_blocks * self.kv_bytes_per_token / host.pcie_bytes_per_s"),
@@ -122,22 +122,20 @@ MUTATIONS: dict[str, tuple] = {
     "head-first": ("tests/test_kv_room.py", "test_eviction_takes_a_released_chain_tail_first", "shadowcore/kv.py",
                    "        self._unref(reversed(owner.hashes), (), now_s)", "        self._unref(owner.hashes, (), now_s)"),
     "cold-count": ("tests/test_kv_room.py", "test_shadow_room_matches_definition", "shadowcore/kv.py",
-                   "self._num_cold_idle -= sum(map(_is_cold, map(blocks.pop, victims)))",
-                   "deque(map(blocks.pop, victims), 0)"),
-    # the KV manager's run-at-once paths (issue 17): a spilled run is an LRU of single spills; a block counts
-    # cold only while idle from the release that queued it; a chain goes idle at once only when its owner alone
-    # holds the head; a normal hit on a run promotes its shadow blocks
+                   "self._leave_idle(map(blocks.pop, victims))", "deque(map(blocks.pop, victims), 0)"),
+    # the KV manager's run-at-once paths (issue 17): a spilled run is an LRU of single spills; a hit block leaves
+    # its release's (or the cold) count; a chain goes idle at once only when its owner alone holds the head; a
+    # normal hit on a run promotes its shadow blocks
     "spill-run": ("tests/test_kv_room.py", "test_a_spilled_run_keeps_the_host_tier_an_lru_of_single_spills",
                   "shadowcore/kv.py", "host.update(zip(victims[len(victims) - capacity :], repeat(kv_class)))",
                   "host.update(zip(victims[:capacity], repeat(kv_class)))"),
     "cold-stale": ("tests/test_kv_room.py", "test_shadow_room_matches_definition", "shadowcore/kv.py",
-                   "zip(repeat(0), repeat(since), tokens, repeat(False))",
-                   "zip(map(_REF, states), repeat(since), tokens, repeat(False))"),
+                   "            self._leave_idle(compress(states, idle_flags))\n", ""),
     "chain-shared-head": ("tests/sim/test_speed_equivalence_kv.py", "test_composites_equal_the_calls_they_replace",
-                          "shadowcore/kv.py", "_SOLE_NORMAL_HOLDER = {(False, 1, False)}",
-                          "_SOLE_NORMAL_HOLDER = {(False, 1, False), (False, 2, False)}"),
+                          "shadowcore/kv.py", "_SOLE_NORMAL_HOLDER = {(False, 1)}",
+                          "_SOLE_NORMAL_HOLDER = {(False, 1), (False, 2)}"),
     "run-promote": (UNIT, "test_kv_machine_all_checks", "shadowcore/kv.py",
-                    "            shadows = repeat(False)\n", ""),
+                    "new = {s: (s[0] and not normal, s[1] + 1, s[2], s[3])", "new = {s: (s[0], s[1] + 1, s[2], s[3])"),
     "victim-runs": ("tests/test_kv_room.py", "test_victim_runs_are_the_first_victims_grouped_by_class",
                     "shadowcore/kv.py",
                     'if self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect:',

@@ -25,8 +25,8 @@ def _chain(c: int, n: int) -> list[int]:
 
 
 def _state(kv: KVClassManager) -> tuple:
-    blocks = {h: (kv.class_of(h), ref, since if ref == 0 else None, cold)
-              for h, (_, ref, since, _, cold) in kv._blocks.items()}
+    blocks = {h: (kv.class_of(h), ref, since if ref == 0 else None, kv._cold(h))
+              for h, (_, ref, since, _) in kv._blocks.items()}
     owners = {o: (w.kv_class, list(w.hashes), w.num_private_blocks) for o, w in kv._owners.items()}
     return (kv.num_free_blocks, kv.eviction_count, kv.num_shadow_blocks, dict(kv.num_evicted_blocks),
             kv.num_shadow_blocks_used, kv.num_reloaded_blocks, list(kv._host.items()),
