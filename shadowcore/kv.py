@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Container, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat, takewhile
 from operator import and_, attrgetter, gt, is_, itemgetter, not_
@@ -326,9 +326,13 @@ class KVClassManager:
 
     def _leave_idle(self, states: Iterator[tuple]) -> None:
         """Blocks in these states (all idle) leave idle: out of their release's
-        live count, or out of the cold count once their release is cold."""
+        live count, or out of the cold count once their release is cold. A
+        release's blocks usually come together (eviction takes them in release
+        order; a hit takes a chain one release made idle), so this counts
+        runs of one release."""
         live = self._live
-        for release, n in Counter(map(_RELEASE, states)).items():
+        for release, group in itertools.groupby(map(_RELEASE, states)):  # a run per release: O(runs) in Python
+            n = len(list(group))
             left = live.get(release)
             if left is None:
                 self._num_cold_idle -= n
