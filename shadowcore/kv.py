@@ -30,6 +30,7 @@ Invariants (each has a property test):
 
 from __future__ import annotations
 
+import bisect
 import enum
 import heapq
 import itertools
@@ -339,6 +340,22 @@ class KVClassManager:
             else:
                 live[release] = left - n
 
+    def _evicted_from_idle(self, releases: list[int]) -> None:
+        """:meth:`_leave_idle` for the releases of evicted blocks of one
+        class, in eviction order: a class's idle order is its release order,
+        so ``releases`` is sorted and its runs are found by bisection (Python
+        work per release, not per block)."""
+        live, i, n = self._live, 0, len(releases)
+        while i < n:
+            release = releases[i]
+            j = n if releases[-1] == release else bisect.bisect_right(releases, release, i)
+            left = live.get(release)
+            if left is None:
+                self._num_cold_idle -= j - i
+            else:
+                live[release] = left - (j - i)
+            i = j
+
     def _cold(self, block_hash: int) -> bool:
         """Idle and counted cold (for tests: the cold count is this, summed)."""
         _, ref, _, release = self._blocks[block_hash]
@@ -647,7 +664,7 @@ class KVClassManager:
         """Evict the first ``num`` of the policy's victims for ``requester``
         (:meth:`KVClassPolicy.victim_runs`), in that order."""
         runs = self.policy.victim_runs(self._idle, requester, num, now_s, protect)
-        if sum(len(run) for _, run in runs) < num:
+        if sum(map(len, map(_SECOND, runs))) < num:
             raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
         for cls, run in runs:  # in order (the host tier keeps its own LRU)
             self._evict_blocks(run, cls)
@@ -658,7 +675,7 @@ class KVClassManager:
         call per block."""
         idle, blocks = self._idle[cls], self._blocks
         deque(map(idle.pop, victims), 0)
-        self._leave_idle(map(blocks.pop, victims))
+        self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
         if self.policy.host is not None:
             self._spill(victims, cls)
         if cls is KVClass.SHADOW:

@@ -43,6 +43,10 @@ ops = st.lists(
 # (pinned: random search finds this only sometimes).
 @example(ops=[("alloc", 0, 8), ("release", 0, 1), ("tick", 0, 2), ("alloc", 1, 8)], cap=1.0, cold_age=1.0,
          num_blocks=8)
+# One eviction taking blocks of a cold release and of a young one must take each from its own count (pinned:
+# the manager counts evicted blocks per release).
+@example(ops=[("alloc", 0, 2), ("release", 0, 1), ("tick", 0, 2), ("alloc", 1, 2), ("release", 0, 1),
+              ("alloc", 2, 7)], cap=1.0, cold_age=1.0, num_blocks=8)
 def test_shadow_room_matches_definition(ops, cap, cold_age, num_blocks) -> None:
     kv = KVClassManager(num_blocks, 4, KVClassPolicy(cap, cold_age))
     now, owners = 0.0, []

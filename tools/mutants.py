@@ -122,7 +122,8 @@ MUTATIONS: dict[str, tuple] = {
     "head-first": ("tests/test_kv_room.py", "test_eviction_takes_a_released_chain_tail_first", "shadowcore/kv.py",
                    "        self._unref(reversed(owner.hashes), (), now_s)", "        self._unref(owner.hashes, (), now_s)"),
     "cold-count": ("tests/test_kv_room.py", "test_shadow_room_matches_definition", "shadowcore/kv.py",
-                   "self._leave_idle(map(blocks.pop, victims))", "deque(map(blocks.pop, victims), 0)"),
+                   "self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))",
+                   "deque(map(blocks.pop, victims), 0)"),
     # the KV manager's run-at-once paths (issue 17): a spilled run is an LRU of single spills; a hit block leaves
     # its release's (or the cold) count; a chain goes idle at once only when its owner alone holds the head; a
     # normal hit on a run promotes its shadow blocks
@@ -131,6 +132,8 @@ MUTATIONS: dict[str, tuple] = {
                   "host.update(zip(victims[:capacity], repeat(kv_class)))"),
     "cold-stale": ("tests/test_kv_room.py", "test_shadow_room_matches_definition", "shadowcore/kv.py",
                    "            self._leave_idle(compress(states, idle_flags))\n", ""),
+    "evict-releases": ("tests/test_kv_room.py", "test_shadow_room_matches_definition", "shadowcore/kv.py",
+                       "j = n if releases[-1] == release else bisect.bisect_right(releases, release, i)", "j = n"),
     "chain-shared-head": ("tests/sim/test_speed_equivalence_kv.py", "test_composites_equal_the_calls_they_replace",
                           "shadowcore/kv.py", "_SOLE_NORMAL_HOLDER = {(False, 1)}",
                           "_SOLE_NORMAL_HOLDER = {(False, 1), (False, 2)}"),
