@@ -461,10 +461,21 @@ class KVClassManager:
     def _unref(self, hashes, keep: set[int] | tuple, now_s: float) -> None:
         """One reference less on each block of ``hashes`` (those in ``keep``
         excepted); the blocks left unreferenced go idle now, in that order
-        (appended to their class's LRU order), as one release."""
+        (appended to their class's LRU order), as one release. A run of
+        distinct blocks of one class that one owner alone holds (a released
+        request's or shadow chunk's, the usual case) goes idle in two
+        ``dict.update`` over one shared state."""
         blocks, idle = self._blocks, self._idle
         release = self._num_releases + 1
         idle_state = ((False, 0, now_s, release), (True, 0, now_s, release))
+        hashes = list(hashes)
+        if not keep and len(hashes) >= 4:
+            kinds = set(map(_SHADOW_REF, map(blocks.__getitem__, hashes)))
+            if len(kinds) == 1 and (kind := kinds.pop())[1] == 1 and len(set(hashes)) == len(hashes):
+                blocks.update(zip(hashes, repeat(idle_state[kind[0]])))
+                idle[_KV_CLASS[kind[0]]].update(zip(hashes, repeat(now_s)))
+                self._new_release(release, len(hashes), now_s)
+                return
         num_idle = 0
         for h in hashes:
             shadow, ref, since, rel = blocks[h]

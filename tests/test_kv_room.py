@@ -118,3 +118,19 @@ def test_a_spilled_run_keeps_the_host_tier_an_lru_of_single_spills() -> None:
     kv.release("two", 5.0)
     assert kv.allocate("fill", [], 8, KVClass.NORMAL, 6.0) is not None  # evicts 8 then 7: pushes out 3, then 2
     assert [h for h in (1, 2, 3, 7, 8) if kv.in_host(h)] == [1, 7, 8]
+
+
+def test_a_released_run_goes_idle_only_where_no_other_owner_holds_it() -> None:
+    """A release of a chain that another owner also holds leaves its blocks
+    in use (not idle, not evictable); the last holder's release makes the
+    chain idle, tail first."""
+    kv = KVClassManager(16, 4, KVClassPolicy())
+    chain = [21, 22, 23, 24, 25, 26]
+    assert kv.allocate("a", chain, 0, KVClass.NORMAL, 0.0) is not None
+    assert kv.allocate("b", chain, 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("a", 1.0)
+    assert kv.idle_order(KVClass.NORMAL) == []
+    assert kv.allocate("c", [], 10, KVClass.NORMAL, 2.0) is not None  # the free blocks
+    assert kv.allocate("d", [], 1, KVClass.NORMAL, 2.0) is None  # the chain is held by b
+    kv.release("b", 3.0)
+    assert kv.idle_order(KVClass.NORMAL) == [26, 25, 24, 23, 22, 21]

@@ -126,7 +126,8 @@ MUTATIONS: dict[str, tuple] = {
                    "deque(map(blocks.pop, victims), 0)"),
     # the KV manager's run-at-once paths (issue 17): a spilled run is an LRU of single spills; a hit block leaves
     # its release's (or the cold) count; a chain goes idle at once only when its owner alone holds the head; a
-    # normal hit on a run promotes its shadow blocks
+    # normal hit on a run promotes its shadow blocks; a released run goes idle at once only where its owner alone
+    # holds it
     "spill-run": ("tests/test_kv_room.py", "test_a_spilled_run_keeps_the_host_tier_an_lru_of_single_spills",
                   "shadowcore/kv.py", "host.update(zip(victims[len(victims) - capacity :], repeat(kv_class)))",
                   "host.update(zip(victims[:capacity], repeat(kv_class)))"),
@@ -134,6 +135,10 @@ MUTATIONS: dict[str, tuple] = {
                    "            self._leave_idle(compress(states, idle_flags))\n", ""),
     "evict-releases": ("tests/test_kv_room.py", "test_shadow_room_matches_definition", "shadowcore/kv.py",
                        "j = n if releases[-1] == release else bisect.bisect_right(releases, release, i)", "j = n"),
+    "release-shared": ("tests/test_kv_room.py", "test_a_released_run_goes_idle_only_where_no_other_owner_holds_it",
+                       "shadowcore/kv.py",
+                       "if len(kinds) == 1 and (kind := kinds.pop())[1] == 1 and len(set(hashes)) == len(hashes):",
+                       "if len(kinds) == 1 and (kind := kinds.pop())[1] >= 1 and len(set(hashes)) == len(hashes):"),
     "chain-shared-head": ("tests/sim/test_speed_equivalence_kv.py", "test_composites_equal_the_calls_they_replace",
                           "shadowcore/kv.py", "_SOLE_NORMAL_HOLDER = {(False, 1)}",
                           "_SOLE_NORMAL_HOLDER = {(False, 1), (False, 2)}"),
