@@ -26,6 +26,27 @@ Invariants (each has a property test):
   was used. ``num_shadow_blocks_used`` counts these hits, on the device and on
   the host tier alike (a host hit reloads the block as normal), once per block;
   it is THE "shadow tokens used" of the results (times the block size).
+
+Cost (issue 17): the manager works on runs of blocks, not block by block in
+Python. Sessions' calls carry thousands of blocks, so an allocation, a
+release, a finished request's caching, an eviction and its spill to the host
+tier each run as a few C-level passes (``dict.update``, ``map``,
+``takewhile``) over the run, with Python work per run of one state:
+
+* Blocks in the same state share one state tuple: every block one release
+  made idle holds ``(shadow, 0, time, release id)``, so a run changes state
+  by one ``dict.update`` over a repeated tuple.
+* A release is the unit of coldness: its blocks go idle together and turn
+  cold together once it is older than ``cold_age_s``; the manager keeps per
+  release the count of its blocks still idle (O(1) per release to turn cold;
+  blocks leaving idle leave their release's count, per run of one release).
+* Each class's idle order is its release order, so a run of victims of one
+  class is sorted by release.
+* Device and host tier are disjoint, so a spilled run enters the host tier in
+  one update with one capacity check (exactly an LRU of single spills).
+* A fast path only takes a run whose blocks are distinct and alike (one
+  class, one owner holding them); anything else goes block by block, with
+  the same result.
 """
 
 from __future__ import annotations
