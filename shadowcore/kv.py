@@ -222,11 +222,9 @@ class Allocation:
 _KV_CLASS = (KVClass.NORMAL, KVClass.SHADOW)  # by the shadow flag
 _HELD = {KVClass.NORMAL: (False, 1, 0.0, -1), KVClass.SHADOW: (True, 1, 0.0, -1)}
 _KV_CLASS_FLAG = itemgetter(0)
-_REF, _RELEASE = itemgetter(1), itemgetter(3)
-_SHADOW_REF = itemgetter(0, 1)
+_REF, _SINCE, _RELEASE = itemgetter(1), itemgetter(2), itemgetter(3)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _OWNER_CLASS = attrgetter("kv_class")
-_SOLE_NORMAL_HOLDER = {(False, 1)}  # a normal block one owner holds
 
 
 def _run_length(keys: Container[int], hashes: Sequence[int]) -> int:
@@ -346,14 +344,14 @@ class KVClassManager:
         self._live[release] = num_idle
         self._cold_queue.append((now_s, release))
 
-    def _leave_idle(self, states: Iterator[tuple]) -> None:
-        """Blocks in these states (all idle) leave idle: out of their release's
+    def _leave_idle(self, releases: Iterator[int]) -> None:
+        """Idle blocks of these releases leave idle: out of their release's
         live count, or out of the cold count once their release is cold. A
         release's blocks usually come together (eviction takes them in release
         order; a hit takes a chain one release made idle), so this counts
         runs of one release."""
         live = self._live
-        for release, group in itertools.groupby(map(_RELEASE, states)):  # a run per release: O(runs) in Python
+        for release, group in itertools.groupby(releases):  # a run per release: O(runs) in Python
             n = len(list(group))
             left = live.get(release)
             if left is None:
@@ -491,10 +489,14 @@ class KVClassManager:
         idle_state = ((False, 0, now_s, release), (True, 0, now_s, release))
         hashes = list(hashes)
         if not keep and len(hashes) >= 4:
-            kinds = set(map(_SHADOW_REF, map(blocks.__getitem__, hashes)))
-            if len(kinds) == 1 and (kind := kinds.pop())[1] == 1 and len(set(hashes)) == len(hashes):
-                blocks.update(zip(hashes, repeat(idle_state[kind[0]])))
-                idle[_KV_CLASS[kind[0]]].update(zip(hashes, repeat(now_s)))
+            states = list(map(blocks.__getitem__, hashes))
+            n = len(hashes)
+            num_shadow = sum(map(_KV_CLASS_FLAG, states))
+            if (list(map(_REF, states)).count(1) == n and num_shadow in (0, n)  # one class, one holder each
+                    and len(set(hashes)) == n):
+                shadow = num_shadow > 0
+                blocks.update(zip(hashes, repeat(idle_state[shadow])))
+                idle[_KV_CLASS[shadow]].update(zip(hashes, repeat(now_s)))
                 self._new_release(release, len(hashes), now_s)
                 return
         num_idle = 0
@@ -551,7 +553,7 @@ class KVClassManager:
                 self.num_shadow_blocks -= 1
                 used += 1
             blocks[h] = (shadow, ref, since, rel)
-        self._leave_idle(left_idle)
+        self._leave_idle(map(_RELEASE, left_idle))
         self.num_shadow_blocks_used += used
         self.num_reloaded_blocks += match.num_host_blocks
         for h in fresh:
@@ -588,7 +590,8 @@ class KVClassManager:
             deque(map(host.pop, tail, repeat(None)), 0)
         release = self._num_releases + 1
         idle_state = (False, 0, now_s, release)
-        if k == 0 or set(map(_SHADOW_REF, map(blocks.__getitem__, head))) == _SOLE_NORMAL_HOLDER:
+        head_states = list(map(blocks.__getitem__, head))
+        if k == 0 or (list(map(_REF, head_states)).count(1) == k and not any(map(_KV_CLASS_FLAG, head_states))):
             order = list(reversed(hashes))  # tail last block first, then the head last block first
             if order:
                 blocks.update(zip(order, repeat(idle_state)))
@@ -643,6 +646,8 @@ class KVClassManager:
         blocks = self._blocks
         states = list(map(blocks.__getitem__, hits))
         refs = list(map(_REF, states))
+        if requester is KVClass.NORMAL and refs.count(0) == len(refs):  # a normal hit on idle blocks: the usual
+            return self._ref_idle_hits(hits, states)
         if 0 in refs:  # some are idle
             shadows = list(map(_KV_CLASS_FLAG, states))
             idle_flags = list(map(not_, refs))
@@ -652,7 +657,7 @@ class KVClassManager:
                 deque(map(self._idle[KVClass.SHADOW].pop, compress(hits, idle_shadow)), 0)
             if n_idle > n_idle_shadow:  # idle and normal: idle flag above the shadow flag
                 deque(map(self._idle[KVClass.NORMAL].pop, compress(hits, map(gt, idle_flags, shadows))), 0)
-            self._leave_idle(compress(states, idle_flags))
+            self._leave_idle(map(_RELEASE, compress(states, idle_flags)))
         normal = requester is KVClass.NORMAL
         new = {s: (s[0] and not normal, s[1] + 1, s[2], s[3]) for s in set(states)}
         used = 0
@@ -661,6 +666,28 @@ class KVClassManager:
             self.num_shadow_blocks -= used
             self.num_shadow_blocks_used += used
         blocks.update(zip(hits, map(new.__getitem__, states)))
+        return used
+
+    def _ref_idle_hits(self, hits: Sequence[int], states: list[tuple]) -> int:
+        """:meth:`_ref_hits` of a normal requester when every block is idle:
+        the blocks one release made idle share their idle time, so the new
+        (held, normal) states are one per release."""
+        shadows = list(map(_KV_CLASS_FLAG, states))
+        used = sum(shadows)
+        idle = self._idle
+        if used == 0:
+            deque(map(idle[KVClass.NORMAL].pop, hits), 0)
+        elif used == len(hits):
+            deque(map(idle[KVClass.SHADOW].pop, hits), 0)
+        else:
+            deque(map(idle[KVClass.SHADOW].pop, compress(hits, shadows)), 0)
+            deque(map(idle[KVClass.NORMAL].pop, compress(hits, map(not_, shadows))), 0)
+        releases = list(map(_RELEASE, states))
+        self._leave_idle(releases)
+        new = {release: (False, 1, since, release) for release, since in dict(zip(releases, map(_SINCE, states))).items()}
+        self._blocks.update(zip(hits, map(new.__getitem__, releases)))
+        self.num_shadow_blocks -= used
+        self.num_shadow_blocks_used += used
         return used
 
     def _ref_hits_one_by_one(self, hits: Sequence[int], requester: KVClass) -> int:

@@ -134,3 +134,25 @@ def test_a_released_run_goes_idle_only_where_no_other_owner_holds_it() -> None:
     assert kv.allocate("d", [], 1, KVClass.NORMAL, 2.0) is None  # the chain is held by b
     kv.release("b", 3.0)
     assert kv.idle_order(KVClass.NORMAL) == [26, 25, 24, 23, 22, 21]
+
+
+def test_a_normal_hit_on_a_released_mixed_run_promotes_its_shadow_blocks() -> None:
+    """A normal owner hitting an idle run of both classes promotes exactly
+    its shadow blocks (counted used once each); its normal blocks stay
+    normal."""
+    kv = KVClassManager(16, 4, KVClassPolicy(shadow_cap_fraction=0.5))
+    assert kv.allocate("n", [1, 2, 3], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("n", 0.0)
+    assert kv.allocate("s", [1, 2, 3, 4, 5, 6], 0, KVClass.SHADOW, 1.0) is not None  # 4-6 are new shadow blocks
+    kv.release("s", 1.0)
+    assert [kv.class_of(h) for h in range(1, 7)] == [KVClass.NORMAL] * 3 + [KVClass.SHADOW] * 3
+    alloc = kv.allocate("call", [1, 2, 3, 4, 5, 6, 7, 8], 0, KVClass.NORMAL, 2.0)
+    assert alloc is not None and alloc.num_device_hit_blocks == 6 and alloc.num_shadow_blocks_used == 3
+    assert [kv.class_of(h) for h in range(1, 9)] == [KVClass.NORMAL] * 8
+    assert kv.num_shadow_blocks == 0 and kv.num_shadow_blocks_used == 3
+    assert kv.allocate("s2", [11, 12, 13, 14, 15], 0, KVClass.SHADOW, 3.0) is not None
+    kv.release("s2", 3.0)
+    assert kv.allocate("s3", [11, 12], 0, KVClass.SHADOW, 3.0) is not None  # a shadow chunk still holds 11-12
+    alloc = kv.allocate("call2", [11, 12, 13, 14, 15], 0, KVClass.NORMAL, 4.0)  # held and idle shadow blocks
+    assert alloc is not None and alloc.num_shadow_blocks_used == 5
+    assert [kv.class_of(h) for h in range(11, 16)] == [KVClass.NORMAL] * 5 and kv.num_shadow_blocks == 0
