@@ -70,6 +70,8 @@ class SessionHistory:
     num_tokens: int = 0
     token_ids: array | None = None  # token_array()
     _hash_cache: dict[int, list[int]] = attrs.field(factory=dict, repr=False)
+    _base: int = attrs.field(default=0, repr=False, init=False)  # _count_base's digest of _base_key
+    _base_key: tuple | None = attrs.field(default=None, repr=False, init=False)
 
     def append(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         if num_tokens < 0:
@@ -105,13 +107,25 @@ class SessionHistory:
         return self.num_tokens // block_size
 
     def block_hashes(self, block_size: int, num_blocks: int | None = None) -> list[int]:
-        """Hashes of the first ``num_blocks`` full blocks (default: all)."""
-        full = self.num_full_blocks(block_size)
-        n = full if num_blocks is None else min(num_blocks, full)
+        """Hashes of the first ``num_blocks`` full blocks (default: all), a new list."""
+        full = self.num_tokens // block_size
+        n = full if num_blocks is None or num_blocks > full else num_blocks
+        if self.token_ids is None and type(self)._hashes is SessionHistory._hashes:
+            base = self._count_base()  # (session, epoch, i): built in C from one cached digest, no per-size cache
+            if base + n <= _MASK64:
+                return list(range(base + 1, base + n + 1))
         cache = self._hash_cache.setdefault(block_size, [])
         if len(cache) < n:
             cache.extend(self._hashes(block_size, len(cache), n, cache[-1] if cache else 0))
         return cache[:n]
+
+    def _count_base(self) -> int:
+        """The 64-bit digest of (session, epoch) that count-only block hashes offset (one digest per epoch)."""
+        key = (self.session_id, self.epoch)
+        if self._base_key != key:
+            self._base = _digest(f"{self.session_id}\x00{self.epoch}".encode())
+            self._base_key = key
+        return self._base
 
     def _hashes(self, block_size: int, start: int, end: int, parent: int) -> Iterable[int]:
         if self.token_ids is None:
@@ -119,7 +133,7 @@ class SessionHistory:
             # distinct within an epoch, independent across them; one digest per call, not per block. Consecutive
             # values on purpose: a chain's blocks then sit in neighbouring slots of the KV manager's dicts
             # (Python hashes an int to itself mod 2**61 - 1), which keeps its per-block work in cache.
-            base = _digest(f"{self.session_id}\x00{self.epoch}".encode())
+            base = self._count_base()
             if base + end <= _MASK64:  # no wrap (all but ~end / 2**64 of bases): the same values, built in C
                 return list(range(base + start + 1, base + end + 1))
             return [(base + i + 1) & _MASK64 for i in range(start, end)]

@@ -107,6 +107,8 @@ class EngineRequest:
     # >= 0: in the instance's lazy decode cohort; num_computed_tokens, num_generated and the history lag
     # by (instance's steady iteration count - lazy_base) tokens until the instance materialises them.
     lazy_base: int = -1
+    _owner: str = attrs.field(default="", init=False, repr=False)  # owner_id of admission _owner_of
+    _owner_of: int = attrs.field(default=-1, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -114,7 +116,11 @@ class EngineRequest:
 
     @property
     def owner_id(self) -> str:
-        return f"{self.request_id}@{self.num_admissions}"
+        """The KV owner of this admission: ``{request_id}@{num_admissions}`` (built once per admission)."""
+        if self._owner_of != self.num_admissions:
+            self._owner = f"{self.request_id}@{self.num_admissions}"
+            self._owner_of = self.num_admissions
+        return self._owner
 
     @property
     def is_decoding(self) -> bool:
@@ -737,7 +743,7 @@ class EngineInstance:
         skip = _fastpath.skip_accounting(self.hook) if self.hook is not None else None
         nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
         next_finish = finish[0][0] if finish else math.inf
-        room = kv.num_free_blocks + kv.num_idle_blocks  # what reservations here may take
+        room = -2  # what reservations here may take: free and idle blocks, read at the first boundary
         needs: list[tuple[str, int]] = []
         t, last, d, busy, num = now_s, now_s, self._steady_s, self.busy_s, 0  # t: the in-flight iteration's end
         try:
@@ -746,6 +752,8 @@ class EngineInstance:
                 if c >= next_finish:
                     break
                 if lazy_due and lazy_due[0][0] <= c:
+                    if room == -2:  # nothing changes the pool in this loop: the same value as at its start
+                        room = kv.num_free_blocks + kv.num_idle_blocks
                     room = self._reserve_due(c, room, needs)
                     if room < 0:
                         break
@@ -1055,14 +1063,26 @@ def _lazy_eligible(req: EngineRequest) -> bool:
 _CLASSIC = object()  # _start_agg: run the slow path
 
 
-@contextlib.contextmanager
+class _ValidatorsOff:
+    """attrs validators off inside the block, as before it after (a plain
+    context manager: cheaper than ``attrs.validators.disabled()``'s generator)."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self) -> None:
+        self._before = attrs.validators.get_disabled()
+        attrs.validators.set_disabled(True)
+
+    def __exit__(self, *exc: object) -> None:
+        attrs.validators.set_disabled(self._before)
+
+
+_VALIDATORS_ON = contextlib.nullcontext()
+
+
 def _validation(enabled: bool):
     """Run attrs validators or not (values built by trusted engine code only)."""
-    if enabled:
-        yield
-        return
-    with attrs.validators.disabled():
-        yield
+    return _VALIDATORS_ON if enabled else _ValidatorsOff()
 
 
 def _shadow_owner(g) -> str:
