@@ -452,10 +452,10 @@ class EngineInstance:
         hook = self.hook
         why = None
         if hook is not None and not _fastpath.plans_nothing(hook):
-            room = self.kv.shadow_room_blocks(now_s) * self.kv.block_size
-            why = _fastpath.empty_plan_reason(hook, self._summary(now_s, entries, blocked, used, room))
+            room = _ShadowRoom(self.kv, now_s)  # asked only when a plan's size depends on it
+            why = _fastpath.empty_plan_reason(hook, self._summary(now_s, entries, blocked, used), room)
             if why is None:
-                return self._start_agg_planned(now_s, entries, blocked, used, room)
+                return self._start_agg_planned(now_s, entries, blocked, used, room())
             _fastpath.count_empty_plan(hook, why)
         reload_s = 0.0
         for r, _ in entries:  # decodes have none pending (consumed at their admission)
@@ -519,16 +519,17 @@ class EngineInstance:
             t = self.latency.predict_s(BatchShape(prefills, ctx))
         return t
 
-    def _summary(self, now_s: float, entries: list, blocked: bool, used: int, room: int) -> StepSnapshot:
+    def _summary(self, now_s: float, entries: list, blocked: bool, used: int) -> StepSnapshot:
         """The snapshot with the cohort as a DecodeAggregate: views of the
-        eager decodes and the entries only (for empty_plan_reason)."""
+        eager decodes and the entries only (for empty_plan_reason, which is
+        given the shadow room apart: the field here is 0, never read)."""
         eager = self._eager
         members = len(self.running) - len(self._prefilling) - len(eager)
         total = self._ctx_total - sum(r.num_computed_tokens for r in eager)
         with _validation(self.validate_values):
             return StepSnapshot(
                 self.instance_id, self.iteration, now_s, [r.view(1) for r in eager] + [r.view(n) for r, n in entries],
-                len(self.waiting), blocked, self.tpot_slo_s, max(0, self.limits.token_budget - used), room,
+                len(self.waiting), blocked, self.tpot_slo_s, max(0, self.limits.token_budget - used), 0,
                 DecodeAggregate(members, total, self._cohort_max(), self._cohort_min_slack_s))
 
     def _cohort_min_slack_s(self, now_s: float, margin: float) -> float:
@@ -1061,6 +1062,22 @@ def _lazy_eligible(req: EngineRequest) -> bool:
 
 
 _CLASSIC = object()  # _start_agg: run the slow path
+
+
+class _ShadowRoom:
+    """The KV manager's shadow room at ``now_s`` in tokens, computed on the
+    first call (``shadow_room_blocks`` only counts: asking later at the same
+    instant, with nothing allocated in between, gives the same value)."""
+
+    __slots__ = ("_kv", "_now_s", "_tokens")
+
+    def __init__(self, kv: KVClassManager, now_s: float) -> None:
+        self._kv, self._now_s, self._tokens = kv, now_s, -1
+
+    def __call__(self) -> int:
+        if self._tokens < 0:
+            self._tokens = self._kv.shadow_room_blocks(self._now_s) * self._kv.block_size
+        return self._tokens
 
 
 class _ValidatorsOff:
