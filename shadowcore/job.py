@@ -70,8 +70,8 @@ class SessionHistory:
     num_tokens: int = 0
     token_ids: array | None = None  # token_array()
     _hash_cache: dict[int, list[int]] = attrs.field(factory=dict, repr=False)
-    _base: int = attrs.field(default=0, repr=False, init=False)  # _count_base's digest of _base_key
-    _base_key: tuple | None = attrs.field(default=None, repr=False, init=False)
+    _base: int = attrs.field(default=0, repr=False, init=False)  # _count_base's digest for epoch _base_epoch
+    _base_epoch: int = attrs.field(default=-1, repr=False, init=False)
 
     def append(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         if num_tokens < 0:
@@ -121,10 +121,9 @@ class SessionHistory:
 
     def _count_base(self) -> int:
         """The 64-bit digest of (session, epoch) that count-only block hashes offset (one digest per epoch)."""
-        key = (self.session_id, self.epoch)
-        if self._base_key != key:
+        if self._base_epoch != self.epoch:  # session_id never changes
             self._base = _digest(f"{self.session_id}\x00{self.epoch}".encode())
-            self._base_key = key
+            self._base_epoch = self.epoch
         return self._base
 
     def _hashes(self, block_size: int, start: int, end: int, parent: int) -> Iterable[int]:

@@ -659,9 +659,11 @@ class EngineInstance:
         return now_s + duration
 
     def _decode_needs(self) -> list[int]:
-        """Blocks each request of the due list needs for its next decode."""
-        bs = self.kv.block_size
-        return [-(-(self._context(req) + 2) // bs) - req.num_blocks for req in self._due]
+        """Blocks each request of the due list needs for its next decode (its
+        context now, as _context gives it, + 2 slots, in whole blocks)."""
+        bs, clock = self.kv.block_size, self.num_fast_iterations
+        return [-(-((r.num_computed_tokens if r.lazy_base < 0 else r.num_computed_tokens + clock - r.lazy_base) + 2)
+                  // bs) - r.num_blocks for r in self._due]
 
     def _reserve_decodes(self, needs: list[int], now_s: float) -> bool:
         """The due list's blocks (``needs``), or False with nothing changed.
@@ -669,14 +671,16 @@ class EngineInstance:
         owner may evict any idle block), so the slow path would preempt nobody
         either; in running order, as _schedule reserves (one go: extend_private)."""
         due, bs = self._due, self.kv.block_size
-        if not self.kv.extend_private([(req.owner_id, need) for req, need in zip(due, needs, strict=True)
-                                       if need > 0], now_s):
+        if len(due) != len(needs):
+            raise ValueError(f"{self.instance_id}: {len(needs)} needs for {len(due)} due requests")
+        if not self.kv.extend_private([(req.owner_id, need) for req, need in zip(due, needs) if need > 0], now_s):
             return False
-        for req, need in zip(due, needs, strict=True):
-            req.num_blocks += max(0, need)
+        lazy_due, push = self._lazy_due, heapq.heappush
+        for req, need in zip(due, needs):
+            if need > 0:
+                req.num_blocks += need
             if req.lazy_base >= 0:  # its next block boundary
-                heapq.heappush(self._lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens,
-                                                req.run_seq, req))
+                push(lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens, req.run_seq, req))
         due.clear()
         return True
 
