@@ -744,6 +744,8 @@ class EngineInstance:
         regard to time or owner order, so one call leaves exactly the state of
         the calls one by one (``tests/sim/test_speed_equivalence_macro.py``)."""
         finish, lazy_due = self._lazy_finish, self._lazy_due
+        if finish and finish[0][0] <= self.num_fast_iterations + 1:  # the end in flight finishes a member
+            return now_s, 0, now_s
         predict, kv = self.latency.predict_decodes_s, self.kv
         skip = _fastpath.skip_accounting(self.hook) if self.hook is not None else None
         nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
