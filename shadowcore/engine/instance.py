@@ -846,12 +846,30 @@ class EngineInstance:
     def _advance_cohort(self, now_s: float) -> None:
         """The eager requests one by one and the cohort's finishes, merged in
         running order; then the aggregates from the heaps."""
-        clock, bs = self.num_fast_iterations, self.kv.block_size
+        clock = self.num_fast_iterations
         total = self._ctx_total + len(self.running) - len(self._prefilling)  # every decode's context + 1
-        finish = self._lazy_finish
-        done = []
-        while finish and finish[0][0] == clock:
-            done.append(heapq.heappop(finish)[2])
+        finish, due, eager_max = self._lazy_finish, self._due, 0
+        if self._eager:
+            done = []
+            while finish and finish[0][0] == clock:
+                done.append(heapq.heappop(finish)[2])
+            total, eager_max = self._advance_eager(done, total, now_s)
+        else:  # the cohort's finishes alone, in running order (nothing here pushes onto the heap)
+            while finish and finish[0][0] == clock:
+                total -= self._finish_lazy(heapq.heappop(finish)[2], clock, now_s)
+        lazy_due = self._lazy_due
+        while lazy_due and lazy_due[0][0] <= clock:
+            req = heapq.heappop(lazy_due)[2]
+            if req.finish_s is None:
+                due.append(req)
+        if len(due) > 1:
+            due.sort(key=_run_seq)
+        self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
+
+    def _advance_eager(self, done: list, total: int, now_s: float) -> tuple[int, int]:
+        """_advance_cohort's merge: the eager requests one by one and the
+        finishing members ``done``, in running order; (total, longest eager)."""
+        clock, bs = self.num_fast_iterations, self.kv.block_size
         i, eager, due, eager_max = 0, [], self._due, 0
         for req in self._eager:
             while i < len(done) and done[i].run_seq < req.run_seq:
@@ -869,14 +887,7 @@ class EngineInstance:
         for req in done[i:]:
             total -= self._finish_lazy(req, clock, now_s)
         self._eager = eager
-        lazy_due = self._lazy_due
-        while lazy_due and lazy_due[0][0] <= clock:
-            req = heapq.heappop(lazy_due)[2]
-            if req.finish_s is None:
-                due.append(req)
-        if len(due) > 1:
-            due.sort(key=_run_seq)
-        self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
+        return total, eager_max
 
     def _cohort_max(self) -> int:
         """The longest context among the cohort's members (0 with none)."""
