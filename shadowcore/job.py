@@ -108,12 +108,8 @@ class SessionHistory:
 
     def block_hashes(self, block_size: int, num_blocks: int | None = None) -> list[int]:
         """Hashes of the first ``num_blocks`` full blocks (default: all), a new list."""
-        full = self.num_tokens // block_size
-        n = full if num_blocks is None or num_blocks > full else num_blocks
-        if self.token_ids is None and type(self)._hashes is SessionHistory._hashes:
-            base = self._count_base()  # (session, epoch, i): built in C from one cached digest, no per-size cache
-            if base + n <= _MASK64:
-                return list(range(base + 1, base + n + 1))
+        full = self.num_full_blocks(block_size)
+        n = full if num_blocks is None else min(num_blocks, full)
         cache = self._hash_cache.setdefault(block_size, [])
         if len(cache) < n:
             cache.extend(self._hashes(block_size, len(cache), n, cache[-1] if cache else 0))
@@ -134,7 +130,7 @@ class SessionHistory:
             # (Python hashes an int to itself mod 2**61 - 1), which keeps its per-block work in cache.
             base = self._count_base()
             if base + end <= _MASK64:  # no wrap (all but ~end / 2**64 of bases): the same values, built in C
-                return list(range(base + start + 1, base + end + 1))
+                return range(base + start + 1, base + end + 1)  # the cache's extend makes the ints
             return [(base + i + 1) & _MASK64 for i in range(start, end)]
         out = []
         for i in range(start, end):
