@@ -171,6 +171,9 @@ MUTATIONS: dict[str, tuple] = {
     "join-due": ("tests/sim/test_speed_equivalence.py", "test_kv_reservations_identical_every_iteration",
                  "shadowcore/engine/instance.py", "        due = c + 2 > req.num_blocks * bs\n",
                  "        due = False\n"),
+    # a decode-only iteration's memoised time is keyed by everything it depends on (table cell and batch size)
+    "decode-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_aggregate_is_bit_identical_and_raises_alike",
+                    "backends/shadow_sim/vidur_latency.py", 'key = cell * rt["memo_stride"] + nd', "key = nd"),
     "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
                     "shadowcore/engine/_fastpath.py", '        return "no_jobs"\n', '        return "no_room"\n'),
     # the gateway: a client never reaches another client's session; bad input never reaches an engine
