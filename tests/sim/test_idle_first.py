@@ -26,7 +26,7 @@ def test_policy_loads_with_its_defaults_and_names_bad_arguments() -> None:
     assert spec.targeting == ExpectedBenefitTargets(0.1, 2) and spec.predictor.cls is PopulationBackoffPredictor
     assert load_policy(PluginRef("idle-first-host", {"eviction_order": "shadow-first"})).kv.eviction_order \
         == "shadow-first"
-    for bad, field in (({"n_min": -1}, "n_min"), ({"gate": 2.0}, "gate"), ({"beta": 0}, "beta"),
+    for bad, field in (({"n_min": -1}, "n_min"), ({"gate": 2.0}, "gate"), ({"beta": 0}, "beta"), ({"beta": 1.5}, "beta"),
                        ({"shadow_cap": 0}, "shadow_cap"), ({"top_k": 1}, "top_k")):
         with pytest.raises(ConfigError) as info:
             load_policy(PluginRef("idle-first-host", bad))
