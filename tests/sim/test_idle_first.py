@@ -70,7 +70,9 @@ def test_completes_the_tail_that_the_paper_n_min_defers() -> None:
     ours = missed(_ab_run(PluginRef("idle-first-host")))
     paper_n_min = missed(_ab_run(PluginRef("idle-first-host", {"n_min": 256})))
     assert len(ours) == 4 and all(m <= 0 for m in ours), ours
-    assert all(m > 0 for m in paper_n_min), paper_n_min
+    # the first shadow is the first prompt plus its output (more than 256 together); after it, each
+    # switch call's missing tokens are the previous call's output alone
+    assert all(m > 0 for m in paper_n_min[1:]), paper_n_min
 
 
 class RoutedGrants:
