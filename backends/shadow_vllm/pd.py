@@ -91,10 +91,9 @@ from shadow_vllm import vllm_internals
 from shadow_vllm.connector_loads import ConnectorLoads
 from shadow_vllm.engine_config import EngineShadowConfig, PDEngineConfig
 from shadow_vllm.kvpool import ShadowKVBridge
-from shadow_vllm.scheduler import ShadowSchedulerMixin, _end_name, _NoCluster
+from shadow_vllm.scheduler import ShadowSchedulerMixin, _NoCluster, finish_shadows
 from shadow_vllm.vllm_internals import (
     AsyncScheduler,
-    EngineCoreOutput,
     EngineCoreOutputs,
     Request,
     RequestStatus,
@@ -460,19 +459,7 @@ class DecodePushMixin(ConnectorLoads):
 
     def _shadow_finish(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         todo, self.shadow_to_finish = self.shadow_to_finish, {}
-        for rid, (status, reason) in todo.items():
-            request = self.requests.get(rid)
-            if request is None or request.is_finished():
-                continue
-            request.stop_reason = reason
-            end = _end_name(reason)
-            self.shadow_push_stats.num_ended[end] = self.shadow_push_stats.num_ended.get(end, 0) + 1
-            for finished in self.finish_requests(rid, status):
-                eco = outputs.setdefault(finished.client_index, EngineCoreOutputs(outputs=[]))
-                eco.outputs.append(EngineCoreOutput(
-                    request_id=rid, new_token_ids=[], finish_reason=finished.get_finished_reason(),
-                    stop_reason=reason, events=finished.take_events(), trace_headers=finished.trace_headers,
-                ))
+        finish_shadows(self, todo, outputs, self.shadow_push_stats.num_ended)
 
 
 class DecodeShadowScheduler(DecodePushMixin, Scheduler):

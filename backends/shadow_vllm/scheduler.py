@@ -625,22 +625,36 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         if not self.shadow_to_finish:
             return
         todo, self.shadow_to_finish = self.shadow_to_finish, {}
-        for rid, (status, reason) in todo.items():
-            request = self.requests.get(rid)
-            if request is None or request.is_finished():
-                continue
-            request.stop_reason = reason
-            end = _end_name(reason)
-            self.shadow_stats.num_ended[end] = self.shadow_stats.num_ended.get(end, 0) + 1
-            for finished in self.finish_requests(rid, status):
-                if status == RequestStatus.FINISHED_STOPPED:
-                    self.shadow_stats.num_finished += 1
-                eco = outputs.setdefault(finished.client_index, EngineCoreOutputs(outputs=[]))
-                eco.outputs.append(EngineCoreOutput(
-                    request_id=rid, new_token_ids=[], finish_reason=finished.get_finished_reason(),
-                    stop_reason=reason, events=finished.take_events(), trace_headers=finished.trace_headers,
-                    kv_transfer_params=self.shadow_kv_params.pop(rid, None),
-                ))
+        self.shadow_stats.num_finished += finish_shadows(self, todo, outputs, self.shadow_stats.num_ended,
+                                                         self.shadow_kv_params)
+
+
+def finish_shadows(scheduler: Any, todo: dict[str, tuple[RequestStatus, str]],
+                   outputs: dict[int, EngineCoreOutputs], num_ended: dict[str, int],
+                   kv_params: dict[str, dict] | None = None) -> int:
+    """Finish the shadow requests of ``todo`` (request id -> (status, stop reason)) through vLLM's
+    ``finish_requests``, each with an empty output carrying its stop reason (and its connector handle
+    from ``kv_params``, popped) in ``outputs``; count each by its end in ``num_ended``. Requests gone or
+    already finished are skipped. Returns how many finished with ``FINISHED_STOPPED``. The one finish
+    path of both the shadow scheduler and the P/D decode side (:mod:`shadow_vllm.pd`)."""
+    stopped = 0
+    for rid, (status, reason) in todo.items():
+        request = scheduler.requests.get(rid)
+        if request is None or request.is_finished():
+            continue
+        request.stop_reason = reason
+        end = _end_name(reason)
+        num_ended[end] = num_ended.get(end, 0) + 1
+        for finished in scheduler.finish_requests(rid, status):
+            if status == RequestStatus.FINISHED_STOPPED:
+                stopped += 1
+            eco = outputs.setdefault(finished.client_index, EngineCoreOutputs(outputs=[]))
+            eco.outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=[], finish_reason=finished.get_finished_reason(),
+                stop_reason=reason, events=finished.take_events(), trace_headers=finished.trace_headers,
+                kv_transfer_params=None if kv_params is None else kv_params.pop(rid, None),
+            ))
+    return stopped
 
 
 def _end_name(stop_reason: str) -> str:

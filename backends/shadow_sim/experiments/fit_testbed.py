@@ -30,12 +30,13 @@ import tempfile
 from pathlib import Path
 
 from shadow_sim.experiments.calibrate import ProbeSettings, calibrate
+from shadow_sim.experiments.paper_numbers import TESTBED_CAPACITY
 from shadow_sim.experiments.spec import SIMULATE_DEFAULT, Experiment
 from shadow_sim.latency import PROFILES_DIR
 from shadowcore.calibration import LatencyProfile
 
 #: Appendix D.1: measured capacity per instance (requests/s) on the H100 testbed.
-TESTBED = {"Qwen2.5-7B": 12.8, "Llama-3.1-8B": 11.0, "Llama-3.1-70B": 3.8}
+TESTBED = {m: TESTBED_CAPACITY[m] for m in ("Qwen2.5-7B", "Llama-3.1-8B", "Llama-3.1-70B")}  # Appendix D.1
 NAME = "paper-testbed-h100"
 
 

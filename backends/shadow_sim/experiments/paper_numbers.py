@@ -34,3 +34,23 @@ PAPER: dict[str, tuple[float, str, str]] = {
     "n5_top1_unused": (0.730, "Appendix C / Fig. 16e", "N=5, top-1 target: unused shadow tokens"),
     "n2_unused": (0.686, "Appendix C / Fig. 16e", "N=2: unused shadow tokens"),
 }
+
+#: Appendix D.1: capacity per instance (requests/s) on the H100 testbed.
+TESTBED_CAPACITY: dict[str, float] = {
+    "Qwen2.5-7B": 12.8, "Llama-3.1-8B": 11.0, "Llama-3.1-70B": 3.8,
+    "SWE-agent-LM-7B": 13.3, "SWE-agent-LM-32B": 4.8, "Qwen2.5-72B": 3.8,
+}
+
+#: The GPU testbed's numbers (Section 6, Appendix D; ``reproduce --testbed``): key -> (paper value,
+#: where, what); fractions. "dir" rows compare a sign only.
+PAPER_TESTBED: dict[str, tuple[float, str, str]] = {
+    "switch_ttft_red": (0.619, "§6 / Fig. 10", "switch-call TTFT reduction, mean over pairs"),
+    "task_time_red_fb": (0.121, "§6", "LLM time per task reduction, FusionBench pairs"),
+    "task_time_red_all": (0.070, "§6", "LLM time per task reduction, all pairs"),
+    "token_cost_red": (0.204, "§6 / Fig. 12", "routed token cost reduction, mean over pairs"),
+    "energy_inc": (0.014, "§6 / Fig. 13", "energy per SLO-compliant request, change"),
+    "call_latency_red_q7": (0.137, "Fig. 11 / 17", "LLM-call latency reduction, Q7/L70, rho 0.3"),
+    "call_latency_red_l8": (0.106, "Fig. 11 / 17", "LLM-call latency reduction, L8/L70, rho 0.3"),
+    "rho05_fb_keeps": (1.0, "App. D / Fig. 17", "rho 0.5: FusionBench pairs keep a reduction (sign)"),
+    "rho05_s32_slows": (-1.0, "App. D / Fig. 17", "rho 0.5: S7/S32 slows (sign; paper -35.1%)"),
+}

@@ -36,14 +36,9 @@ from typing import Any
 
 import attrs
 
+from shadow_sim.experiments.paper_numbers import PAPER_TESTBED, TESTBED_CAPACITY
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.latency import chunked_prefill_s
-
-#: Appendix D.1: capacity per instance (requests/s) on the H100 testbed.
-PAPER_CAPACITY: dict[str, float] = {
-    "Qwen2.5-7B": 12.8, "Llama-3.1-8B": 11.0, "Llama-3.1-70B": 3.8,
-    "SWE-agent-LM-7B": 13.3, "SWE-agent-LM-32B": 4.8, "Qwen2.5-72B": 3.8,
-}
 
 
 @attrs.frozen
@@ -114,7 +109,7 @@ def draw(ex: Any, seed: int) -> Any:
     """The simulator's run of ``ex`` (not started): its workload, latency models, KV pools and SLOs."""
     from shadow_sim.experiments.spec import ExperimentRun
 
-    capacity = {m: PAPER_CAPACITY[m] for m in ex.models}
+    capacity = {m: TESTBED_CAPACITY[m] for m in ex.models}
     return ExperimentRun(ex.sim_scenario(seed), ShadowConfig(PluginRef(BASELINE), seed=seed), experiment=ex,
                          capacity=capacity)
 
@@ -226,18 +221,6 @@ def run_point(pair: TestbedPair, rho: float, seed: int, settings: TestbedSetting
 
 # -- the paper's numbers and the side-by-side table ---------------------------------------
 
-#: key -> (paper value, where, what); fractions. "dir" rows compare a sign only.
-PAPER_TESTBED: dict[str, tuple[float, str, str]] = {
-    "switch_ttft_red": (0.619, "§6 / Fig. 10", "switch-call TTFT reduction, mean over pairs"),
-    "task_time_red_fb": (0.121, "§6", "LLM time per task reduction, FusionBench pairs"),
-    "task_time_red_all": (0.070, "§6", "LLM time per task reduction, all pairs"),
-    "token_cost_red": (0.204, "§6 / Fig. 12", "routed token cost reduction, mean over pairs"),
-    "energy_inc": (0.014, "§6 / Fig. 13", "energy per SLO-compliant request, change"),
-    "call_latency_red_q7": (0.137, "Fig. 11 / 17", "LLM-call latency reduction, Q7/L70, rho 0.3"),
-    "call_latency_red_l8": (0.106, "Fig. 11 / 17", "LLM-call latency reduction, L8/L70, rho 0.3"),
-    "rho05_fb_keeps": (1.0, "App. D / Fig. 17", "rho 0.5: FusionBench pairs keep a reduction (sign)"),
-    "rho05_s32_slows": (-1.0, "App. D / Fig. 17", "rho 0.5: S7/S32 slows (sign; paper -35.1%)"),
-}
 TOLERANCE = 0.30
 
 
