@@ -6,6 +6,8 @@ on an iteration that carries a routed call."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from shadow_policies.benefit import ExpectedBenefitTargets, PopulationBackoffPredictor
 from shadow_policies.idle import N_MIN_TOKENS
@@ -62,7 +64,7 @@ def test_completes_the_tail_that_the_paper_n_min_defers() -> None:
         calls = sorted(run.calls, key=lambda c: c.call_index)
         bs = run.scenario.block_size
         out = []
-        for prev, call in zip(calls, calls[1:]):
+        for prev, call in itertools.pairwise(calls):
             history = prev.num_prompt_tokens + run.workload.sessions[0].calls[prev.call_index].num_output_tokens
             out.append(history - history % bs - call.num_cached_tokens)
         return out
