@@ -29,7 +29,10 @@ load, and the issue's targets beside the measured values (issue 17):
 
 Our ratio to Vidur at this per-instance load (Vidur simulates one instance)
 is ``benchmarks/sim_vs_vidur.py``'s, which runs both simulators side by side
-at the trace's rate and at ``--rho 0.7`` of the model's shipped capacity.
+at the trace's rate and at ``--rho 0.7`` of the model's shipped capacity;
+``--vidur`` runs it here (Vidur's metrics off, one interleaved run each) and
+prints its target lines with the others (needs the ``sim`` extra and the
+Azure conversation trace, ``--vidur-trace``).
 """
 
 from __future__ import annotations
@@ -139,6 +142,24 @@ def growth(rows: list[dict], first: int) -> list[str]:
     return out
 
 
+def vidur_targets(trace: str | None) -> list[str]:
+    """``benchmarks/sim_vs_vidur.py``'s issue-17 target lines (Vidur's metrics
+    off, at the trace's rate and at rho 0.7 per instance), run in a child."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, os.path.join(here, "sim_vs_vidur.py"), "--vidur-metrics", "off", "--repeat", "1",
+           "--rho", "0.7"] + (["--trace", trace] if trace else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=False)
+    if out.returncode != 0:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-3:]
+        return ["Vidur comparison did not run (benchmarks/sim_vs_vidur.py): " + " | ".join(tail)]
+    lines = out.stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("targets (issue 17)")), None)
+    if start is None:
+        return ["Vidur comparison printed no targets (benchmarks/sim_vs_vidur.py)"]
+    return ["Vidur (benchmarks/sim_vs_vidur.py, one instance): " + lines[start]] + [
+        line for line in lines[start + 1:] if line.startswith("  ")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -147,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rhos", default="0.3,0.7,0.9", help="loads at the first instance count")
     ap.add_argument("--duration", type=float, default=HOUR_S, help="seconds of arrivals after the warm-up")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vidur", action="store_true",
+                    help="also run benchmarks/sim_vs_vidur.py (metrics off, rho 0.7) and print its target lines")
+    ap.add_argument("--vidur-trace", default=None, help="the Azure conversation trace for --vidur "
+                                                       "(default: sim_vs_vidur.py's)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -164,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: (policies.index(r["policy"]), r["rho"] != 0.7, r["instances"], r["rho"]))
     print(table(rows))
     print("\n".join(growth(rows, counts[0])))
+    if a.vidur:
+        print("\n".join(vidur_targets(a.vidur_trace)))
     return 0
 
 

@@ -110,7 +110,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
+#: ``$SHADOWPREFILL_TRACES`` (as the tests read it) or ``../shared/traces`` beside the checkout
+DEFAULT_TRACE = (Path(os.environ.get("SHADOWPREFILL_TRACES") or ROOT.parent / "shared" / "traces")
+                 / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv")
 TRACE_DATE = "2023-11-16"  # any constant: Vidur's trace_replay keeps the rows of one Date
 
 Request = tuple[float, int, int]  # (arrival_s, prompt tokens, output tokens)

@@ -70,6 +70,8 @@ class SessionHistory:
     num_tokens: int = 0
     token_ids: array | None = None  # token_array()
     _hash_cache: dict[int, list[int]] = attrs.field(factory=dict, repr=False)
+    _base: int = attrs.field(default=0, repr=False, init=False)  # _count_base's digest for epoch _base_epoch
+    _base_epoch: int = attrs.field(default=-1, repr=False, init=False)
 
     def append(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         if num_tokens < 0:
@@ -105,7 +107,7 @@ class SessionHistory:
         return self.num_tokens // block_size
 
     def block_hashes(self, block_size: int, num_blocks: int | None = None) -> list[int]:
-        """Hashes of the first ``num_blocks`` full blocks (default: all)."""
+        """Hashes of the first ``num_blocks`` full blocks (default: all), a new list."""
         full = self.num_full_blocks(block_size)
         n = full if num_blocks is None else min(num_blocks, full)
         cache = self._hash_cache.setdefault(block_size, [])
@@ -113,15 +115,22 @@ class SessionHistory:
             cache.extend(self._hashes(block_size, len(cache), n, cache[-1] if cache else 0))
         return cache[:n]
 
+    def _count_base(self) -> int:
+        """The 64-bit digest of (session, epoch) that count-only block hashes offset (one digest per epoch)."""
+        if self._base_epoch != self.epoch:  # session_id never changes
+            self._base = _digest(f"{self.session_id}\x00{self.epoch}".encode())
+            self._base_epoch = self.epoch
+        return self._base
+
     def _hashes(self, block_size: int, start: int, end: int, parent: int) -> Iterable[int]:
         if self.token_ids is None:
             # (session, epoch, i): a 64-bit digest of (session, epoch) plus i + 1 mod 2**64 (a bijection of i):
             # distinct within an epoch, independent across them; one digest per call, not per block. Consecutive
             # values on purpose: a chain's blocks then sit in neighbouring slots of the KV manager's dicts
             # (Python hashes an int to itself mod 2**61 - 1), which keeps its per-block work in cache.
-            base = _digest(f"{self.session_id}\x00{self.epoch}".encode())
+            base = self._count_base()
             if base + end <= _MASK64:  # no wrap (all but ~end / 2**64 of bases): the same values, built in C
-                return list(range(base + start + 1, base + end + 1))
+                return range(base + start + 1, base + end + 1)  # the cache's extend makes the ints
             return [(base + i + 1) & _MASK64 for i in range(start, end)]
         out = []
         for i in range(start, end):

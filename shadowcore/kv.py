@@ -26,17 +26,39 @@ Invariants (each has a property test):
   was used. ``num_shadow_blocks_used`` counts these hits, on the device and on
   the host tier alike (a host hit reloads the block as normal), once per block;
   it is THE "shadow tokens used" of the results (times the block size).
+
+Cost (issue 17): the manager works on runs of blocks, not block by block in
+Python. Sessions' calls carry thousands of blocks, so an allocation, a
+release, a finished request's caching, an eviction and its spill to the host
+tier each run as a few C-level passes (``dict.update``, ``map``,
+``takewhile``) over the run, with Python work per run of one state:
+
+* Blocks in the same state share one state tuple: every block one release
+  made idle holds ``(shadow, 0, time, release id)``, so a run changes state
+  by one ``dict.update`` over a repeated tuple.
+* A release is the unit of coldness: its blocks go idle together and turn
+  cold together once it is older than ``cold_age_s``; the manager keeps per
+  release the count of its blocks still idle (O(1) per release to turn cold;
+  blocks leaving idle leave their release's count, per run of one release).
+* Each class's idle order is its release order, so a run of victims of one
+  class is sorted by release.
+* Device and host tier are disjoint, so a spilled run enters the host tier in
+  one update with one capacity check (exactly an LRU of single spills).
+* A fast path only takes a run whose blocks are distinct and alike (one
+  class, one owner holding them); anything else goes block by block, with
+  the same result.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import heapq
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterator, Mapping, Sequence
-from itertools import repeat
-from operator import itemgetter
+from itertools import compress, islice, repeat, takewhile
+from operator import and_, attrgetter, gt, is_, itemgetter, not_
 from typing import TypeVar
 
 import attrs
@@ -187,17 +209,27 @@ class Allocation:
     num_shadow_blocks_used: int  # shadow blocks a normal owner hit, device or host tier (now promoted)
 
 
-# A cached block's state is one tuple ``(shadow, ref_count, idle_since_s, idle_token, cold)``:
+# A cached block's state is one tuple ``(shadow, ref_count, idle_since_s, release)``:
 #   shadow        its class (True: KVClass.SHADOW); a bool, so the tuple holds atomic values only and the
 #                 garbage collector stops tracking it at its first collection (no object per block to scan)
 #   ref_count     owners holding it; 0: idle, in its class's LRU order
 #   idle_since_s  when it last went idle (0.0 if never since cached)
-#   idle_token    which release made it idle (-1 if never; stale cold-queue entries mismatch)
-#   cold          idle and counted in _num_cold_idle
-# A change replaces the tuple; a new held block of a class is one shared constant tuple.
+#   release       the id of the release that made it idle (-1 if never)
+# While idle, a block is cold (counted in _num_cold_idle) iff its release has aged past the cold age
+# (_refresh_cold): its id has left _live. A change replaces the tuple; blocks in the same state share one
+# tuple (a new held block of a class, the blocks one release made idle), so a run of blocks changes state
+# in one dict.update over a repeated tuple.
 _KV_CLASS = (KVClass.NORMAL, KVClass.SHADOW)  # by the shadow flag
-_HELD = {KVClass.NORMAL: (False, 1, 0.0, -1, False), KVClass.SHADOW: (True, 1, 0.0, -1, False)}
-_is_cold = itemgetter(4)
+_HELD = {KVClass.NORMAL: (False, 1, 0.0, -1), KVClass.SHADOW: (True, 1, 0.0, -1)}
+_KV_CLASS_FLAG = itemgetter(0)
+_REF, _SINCE, _RELEASE = itemgetter(1), itemgetter(2), itemgetter(3)
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_OWNER_CLASS = attrgetter("kv_class")
+
+
+def _run_length(keys: Container[int], hashes: Sequence[int]) -> int:
+    """How many of ``hashes``, from the first, are in ``keys`` (a C-level scan)."""
+    return len(list(takewhile(keys.__contains__, hashes)))
 
 
 @attrs.define(eq=False)
@@ -225,8 +257,11 @@ class KVClassManager:
     _idle: dict[KVClass, OrderedDict[int, float]] = attrs.field(init=False)  # hash -> idle since, release order
     _owners: dict[str, _Owner] = attrs.field(init=False, factory=dict)
     _host: OrderedDict[int, KVClass] = attrs.field(init=False, factory=OrderedDict)
-    # Idle blocks in release order; a block turns cold once, stays cold while idle.
+    # Releases not yet cold, in order, as (time, release id); _live[id]: the blocks still idle from that
+    # release. A release leaves both once older than the cold age (_refresh_cold); its blocks still idle are
+    # then cold: counted in _num_cold_idle until they leave idle (O(1) per release, not per block).
     _cold_queue: deque = attrs.field(init=False, factory=deque)
+    _live: dict[int, int] = attrs.field(init=False, factory=dict)
     _num_cold_idle: int = attrs.field(init=False, default=0)
     _num_releases: int = attrs.field(init=False, default=0)
 
@@ -281,16 +316,8 @@ class KVClassManager:
         return self._blocks[block_hash][2]
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
-        n_dev = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            n_dev += 1
-        n_host = 0
-        for h in hashes[n_dev:]:
-            if h not in self._host:
-                break
-            n_host += 1
+        n_dev = _run_length(self._blocks, hashes)
+        n_host = _run_length(self._host, itertools.islice(hashes, n_dev, None)) if self._host else 0
         return PrefixMatch(n_dev, n_host)
 
     def shadow_room_blocks(self, now_s: float) -> int:
@@ -304,21 +331,54 @@ class KVClassManager:
         return min(room, self.num_free_blocks + self._num_cold_idle)
 
     def _refresh_cold(self, now_s: float) -> None:
-        """Count idle blocks that became cold since the last call (amortised
-        O(1) per released block). A queue entry is one release: its time, the
-        blocks it made idle in order, and the token before the first of them
-        (the i-th got token + 1 + i); a block idle again since, or in use, no
-        longer carries that token."""
-        q = self._cold_queue
-        blocks = self._blocks
+        """Count idle blocks that became cold since the last call: O(1) per
+        release (a release's blocks go idle at its time, so they turn cold
+        together; those that left idle since have left its live count)."""
+        q, live = self._cold_queue, self._live
         while q and self.policy.shadow_may_displace(q[0][0], now_s):
-            _, hashes, token = q.popleft()
-            for h in hashes:
-                token += 1
-                block = blocks.get(h)
-                if block is not None and block[1] == 0 and block[3] == token and not block[4]:
-                    blocks[h] = (*block[:4], True)
-                    self._num_cold_idle += 1
+            self._num_cold_idle += live.pop(q.popleft()[1])
+
+    def _new_release(self, release: int, num_idle: int, now_s: float) -> None:
+        """Record release ``release`` (the next id) that made ``num_idle`` > 0 blocks idle at ``now_s``."""
+        self._num_releases = release
+        self._live[release] = num_idle
+        self._cold_queue.append((now_s, release))
+
+    def _leave_idle(self, releases: Iterator[int]) -> None:
+        """Idle blocks of these releases leave idle: out of their release's
+        live count, or out of the cold count once their release is cold. A
+        release's blocks usually come together (eviction takes them in release
+        order; a hit takes a chain one release made idle), so this counts
+        runs of one release."""
+        live = self._live
+        for release, group in itertools.groupby(releases):  # a run per release: O(runs) in Python
+            n = len(list(group))
+            left = live.get(release)
+            if left is None:
+                self._num_cold_idle -= n
+            else:
+                live[release] = left - n
+
+    def _evicted_from_idle(self, releases: list[int]) -> None:
+        """:meth:`_leave_idle` for the releases of evicted blocks of one
+        class, in eviction order: a class's idle order is its release order,
+        so ``releases`` is sorted and its runs are found by bisection (Python
+        work per release, not per block)."""
+        live, i, n = self._live, 0, len(releases)
+        while i < n:
+            release = releases[i]
+            j = n if releases[-1] == release else bisect.bisect_right(releases, release, i)
+            left = live.get(release)
+            if left is None:
+                self._num_cold_idle -= j - i
+            else:
+                live[release] = left - (j - i)
+            i = j
+
+    def _cold(self, block_hash: int) -> bool:
+        """Idle and counted cold (for tests: the cold count is this, summed)."""
+        _, ref, _, release = self._blocks[block_hash]
+        return ref == 0 and release not in self._live
 
     # -- allocation --------------------------------------------------------------
     def allocate(
@@ -354,8 +414,8 @@ class KVClassManager:
             return None
         used = self._ref_hits(hits, kv_class)
         if kv_class is KVClass.NORMAL and self._host:  # a host-tier shadow block served to a normal owner: used
-            host_used = sum(self._host.get(h) is KVClass.SHADOW
-                            for h in hashes[match.num_device_blocks : match.num_blocks])
+            host_used = sum(map(is_, map(self._host.get, hashes[match.num_device_blocks : match.num_blocks]),
+                                repeat(KVClass.SHADOW)))
             self.num_shadow_blocks_used += host_used
             used += host_used
         self._ref_hits(shared, kv_class)
@@ -364,8 +424,7 @@ class KVClassManager:
         self._take(num_new, kv_class, now_s, protect=())
         host_hits = hashes[match.num_device_blocks : match.num_blocks]
         if self._host:
-            for h in fresh:
-                self._host.pop(h, None)  # device and host tier stay disjoint
+            deque(map(self._host.pop, fresh, repeat(None)), 0)  # device and host tier stay disjoint
         blocks.update(zip(fresh, repeat(_HELD[kv_class])))
         self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks)
         self.num_reloaded_blocks += len(host_hits)
@@ -379,16 +438,16 @@ class KVClassManager:
             self.num_free_blocks -= num_private_blocks  # the general path below, when only free blocks are taken
             owner.num_private_blocks += num_private_blocks
             return True
-        fresh = [h for h in hashes if h not in self._blocks]
-        shared = [h for h in hashes if h in self._blocks]
+        fresh = list(itertools.filterfalse(self._blocks.__contains__, hashes))
+        shared = list(filter(self._blocks.__contains__, hashes))
         num_new = len(fresh) + num_private_blocks
         if not self._can_take(num_new, owner.kv_class, now_s, exclude=shared):
             return False
         self._ref_hits(shared, owner.kv_class)
         self._take(num_new, owner.kv_class, now_s, protect=())  # as in allocate: nothing of hashes is idle
-        for h in fresh:
-            self._host.pop(h, None)
-            self._blocks[h] = _HELD[owner.kv_class]
+        if self._host:
+            deque(map(self._host.pop, fresh, repeat(None)), 0)
+        self._blocks.update(zip(fresh, repeat(_HELD[owner.kv_class])))
         owner.hashes.extend(hashes)
         owner.num_private_blocks += num_private_blocks
         return True
@@ -400,14 +459,15 @@ class KVClassManager:
         otherwise. Taken in one go: free blocks first,
         then LRU evictions, as the calls one by one would. A shadow owner is an
         error (its cap rules differ)."""
-        owners = self._owners
-        if any(owners[o].kv_class is not KVClass.NORMAL for o, _ in needs):
+        grown = list(map(self._owners.__getitem__, map(_FIRST, needs)))
+        if KVClass.SHADOW in map(_OWNER_CLASS, grown):
             raise ValueError("extend_private grows normal owners only")
-        total = sum(n for _, n in needs)
+        counts = list(map(_SECOND, needs))
+        total = sum(counts)
         if total > self.num_free_blocks + self.num_idle_blocks:
             return False
-        for o, n in needs:
-            owners[o].num_private_blocks += n
+        for owner, n in zip(grown, counts):
+            owner.num_private_blocks += n
         self._take(total, KVClass.NORMAL, now_s, protect=())
         return True
 
@@ -419,25 +479,39 @@ class KVClassManager:
 
     def _unref(self, hashes, keep: set[int] | tuple, now_s: float) -> None:
         """One reference less on each block of ``hashes`` (those in ``keep``
-        excepted); a block left unreferenced goes idle now, appended to its
-        class's LRU order, with the next release token."""
+        excepted); the blocks left unreferenced go idle now, in that order
+        (appended to their class's LRU order), as one release. A run of
+        distinct blocks of one class that one owner alone holds (a released
+        request's or shadow chunk's, the usual case) goes idle in two
+        ``dict.update`` over one shared state."""
         blocks, idle = self._blocks, self._idle
-        token = first = self._num_releases
-        newly_idle = []
+        release = self._num_releases + 1
+        idle_state = ((False, 0, now_s, release), (True, 0, now_s, release))
+        hashes = list(hashes)
+        if not keep and len(hashes) >= 4:
+            states = list(map(blocks.__getitem__, hashes))
+            n = len(hashes)
+            num_shadow = sum(map(_KV_CLASS_FLAG, states))
+            if (list(map(_REF, states)).count(1) == n and num_shadow in (0, n)  # one class, one holder each
+                    and len(set(hashes)) == n):
+                shadow = num_shadow > 0
+                blocks.update(zip(hashes, repeat(idle_state[shadow])))
+                idle[_KV_CLASS[shadow]].update(zip(hashes, repeat(now_s)))
+                self._new_release(release, len(hashes), now_s)
+                return
+        num_idle = 0
         for h in hashes:
-            shadow, ref, since, tok, cold = blocks[h]
+            shadow, ref, since, rel = blocks[h]
             if not keep or h not in keep:
                 ref -= 1
             if ref == 0:
-                token += 1
-                blocks[h] = (shadow, 0, now_s, token, cold)
-                newly_idle.append(h)
+                num_idle += 1
+                blocks[h] = idle_state[shadow]
                 idle[_KV_CLASS[shadow]][h] = now_s
             else:
-                blocks[h] = (shadow, ref, since, tok, cold)
-        self._num_releases = token
-        if newly_idle:
-            self._cold_queue.append((now_s, tuple(newly_idle), first))  # ints only: the collector untracks it
+                blocks[h] = (shadow, ref, since, rel)
+        if num_idle:
+            self._new_release(release, num_idle, now_s)
 
     def release_and_cache(self, owner_id: str, hashes: Sequence[int], cache_owner_id: str, now_s: float) -> None:
         """A finished request: exactly ``release(owner_id)``, then, if it fits,
@@ -464,22 +538,22 @@ class KVClassManager:
         self.num_free_blocks += owner.num_private_blocks - len(fresh)
         used = 0
         hits = set()  # allocate's hits besides the owner's own blocks: +1 there, -1 in the last release
+        left_idle = []
         for h in hashes:
             block = blocks.get(h)
             if block is None or h in held:
                 continue
             hits.add(h)
-            shadow, ref, since, tok, cold = block
+            shadow, ref, since, rel = block
             if ref == 0:
                 del self._idle[_KV_CLASS[shadow]][h]
-                if cold:
-                    cold = False
-                    self._num_cold_idle -= 1
+                left_idle.append(block)
             if shadow:
                 shadow = False
                 self.num_shadow_blocks -= 1
                 used += 1
-            blocks[h] = (shadow, ref, since, tok, cold)
+            blocks[h] = (shadow, ref, since, rel)
+        self._leave_idle(map(_RELEASE, left_idle))
         self.num_shadow_blocks_used += used
         self.num_reloaded_blocks += match.num_host_blocks
         for h in fresh:
@@ -488,17 +562,21 @@ class KVClassManager:
         self._unref(reversed(hashes), hits, now_s)  # the cache owner's release
 
     def _release_and_cache_chain(self, owner_id: str, owner: _Owner, hashes: Sequence[int], now_s: float) -> bool:
-        """release_and_cache's usual case, in one pass per block: a normal
-        owner whose blocks are the head of ``hashes`` (no repeats) and whose
-        tail is not cached at all and fits in free blocks plus the owner's
-        private ones. The general short way would find the head held, no
-        other hit, the tail fresh; the cache owner's release then makes the
-        tail idle (last block first) and the head loses the owner's reference,
-        in that order, with consecutive release tokens. False (nothing
-        changed) when the case does not apply."""
-        k = len(owner.hashes)
+        """release_and_cache's usual case, a chain at once: a normal owner
+        whose blocks are the head of ``hashes`` (no repeats) and whose tail is
+        not cached at all and fits in free blocks plus the owner's private
+        ones. The general short way would find the head held, no other hit,
+        the tail fresh; the cache owner's release then makes the tail idle
+        (last block first) and the head loses the owner's reference, in that
+        order, as one release. When the owner alone holds its head (each block
+        normal with one reference: the usual case), the whole chain goes idle
+        last block first in two ``dict.update`` over one shared state, no
+        Python step per block. False (nothing changed) when the case does not
+        apply."""
+        head = owner.hashes
+        k = len(head)
         blocks = self._blocks
-        if owner.kv_class is not KVClass.NORMAL or len(hashes) < k or list(hashes[:k]) != owner.hashes:
+        if owner.kv_class is not KVClass.NORMAL or len(hashes) < k or list(hashes[:k]) != head:
             return False
         tail = hashes[k:]
         if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not blocks.keys().isdisjoint(tail)
@@ -508,33 +586,33 @@ class KVClassManager:
         self.num_free_blocks += owner.num_private_blocks - len(tail)
         host = self._host
         if host:
-            n_host = 0
-            for h in tail:  # match_prefix's host part: the tail's cached run in the host tier
-                if h not in host:
-                    break
-                n_host += 1
-            self.num_reloaded_blocks += n_host
-            for h in tail:
-                host.pop(h, None)
+            self.num_reloaded_blocks += _run_length(host, tail)  # match_prefix's host part: the tail's run there
+            deque(map(host.pop, tail, repeat(None)), 0)
+        release = self._num_releases + 1
+        idle_state = (False, 0, now_s, release)
+        head_states = list(map(blocks.__getitem__, head))
+        if k == 0 or (list(map(_REF, head_states)).count(1) == k and not any(map(_KV_CLASS_FLAG, head_states))):
+            order = list(reversed(hashes))  # tail last block first, then the head last block first
+            if order:
+                blocks.update(zip(order, repeat(idle_state)))
+                self._idle[KVClass.NORMAL].update(zip(order, repeat(now_s)))
+                self._new_release(release, len(order), now_s)
+            return True
+        newly_idle = list(reversed(tail))  # the tail goes idle last block first
+        blocks.update(zip(newly_idle, repeat(idle_state)))
         idle = self._idle
-        normal_idle = idle[KVClass.NORMAL]
-        first = self._num_releases
-        newly_idle = list(reversed(tail))  # the tail goes idle last block first, tokens first + 1, ...
-        token = first + len(newly_idle)
-        blocks.update(zip(newly_idle, [(False, 0, now_s, t, False) for t in range(first + 1, token + 1)]))
-        normal_idle.update(zip(newly_idle, repeat(now_s)))
-        for h in reversed(owner.hashes):  # then the head loses the owner's reference, last block first
-            shadow, ref, since, tok, cold = blocks[h]
+        idle[KVClass.NORMAL].update(zip(newly_idle, repeat(now_s)))
+        num_idle = len(newly_idle)
+        for h in reversed(head):  # then the head loses the owner's reference, last block first
+            shadow, ref, since, rel = blocks[h]
             if ref == 1:
-                token += 1
-                blocks[h] = (shadow, 0, now_s, token, cold)
-                newly_idle.append(h)
+                num_idle += 1
+                blocks[h] = idle_state if not shadow else (True, 0, now_s, release)
                 idle[_KV_CLASS[shadow]][h] = now_s
             else:
-                blocks[h] = (shadow, ref - 1, since, tok, cold)
-        self._num_releases = token
-        if newly_idle:
-            self._cold_queue.append((now_s, tuple(newly_idle), first))  # ints only: the collector untracks it
+                blocks[h] = (shadow, ref - 1, since, rel)
+        if num_idle:
+            self._new_release(release, num_idle, now_s)
         return True
 
     def reload_seconds(self, num_blocks: int) -> float:
@@ -549,7 +627,7 @@ class KVClassManager:
             return False
         if num <= self.num_free_blocks:
             return True
-        excluded = {h for h in exclude if self._blocks[h][1] == 0}
+        excluded = set(compress(exclude, map(not_, map(_REF, map(self._blocks.__getitem__, exclude)))))  # the idle
         if kv_class is KVClass.NORMAL:  # any idle block but the excluded ones (all idle: ref count 0)
             return self.num_free_blocks + self.num_idle_blocks - len(excluded) >= num
         wanted = num - self.num_free_blocks
@@ -557,20 +635,79 @@ class KVClassManager:
         return sum(1 for _ in itertools.islice(victims, wanted)) == wanted
 
     def _ref_hits(self, hits: Sequence[int], requester: KVClass) -> int:
-        used = 0
+        """One reference more on each cached block of ``hits``: an idle one
+        leaves its class's LRU order (and its release's or the cold count); a
+        normal requester promotes a shadow block to normal (used; the count
+        is returned). In C-level passes over the run when its blocks are
+        distinct (a chain's are), with one new state per distinct old state
+        (a run released together shares one)."""
+        if len(hits) < 4 or len(set(hits)) != len(hits):
+            return self._ref_hits_one_by_one(hits, requester)
         blocks = self._blocks
+        states = list(map(blocks.__getitem__, hits))
+        refs = list(map(_REF, states))
+        if requester is KVClass.NORMAL and refs.count(0) == len(refs):  # a normal hit on idle blocks: the usual
+            return self._ref_idle_hits(hits, states)
+        if 0 in refs:  # some are idle
+            shadows = list(map(_KV_CLASS_FLAG, states))
+            idle_flags = list(map(not_, refs))
+            idle_shadow = list(map(and_, idle_flags, shadows))
+            n_idle, n_idle_shadow = sum(idle_flags), sum(idle_shadow)
+            if n_idle_shadow:
+                deque(map(self._idle[KVClass.SHADOW].pop, compress(hits, idle_shadow)), 0)
+            if n_idle > n_idle_shadow:  # idle and normal: idle flag above the shadow flag
+                deque(map(self._idle[KVClass.NORMAL].pop, compress(hits, map(gt, idle_flags, shadows))), 0)
+            self._leave_idle(map(_RELEASE, compress(states, idle_flags)))
+        normal = requester is KVClass.NORMAL
+        new = {s: (s[0] and not normal, s[1] + 1, s[2], s[3]) for s in set(states)}
+        used = 0
+        if normal:
+            used = sum(map(_KV_CLASS_FLAG, states))
+            self.num_shadow_blocks -= used
+            self.num_shadow_blocks_used += used
+        blocks.update(zip(hits, map(new.__getitem__, states)))
+        return used
+
+    def _ref_idle_hits(self, hits: Sequence[int], states: list[tuple]) -> int:
+        """:meth:`_ref_hits` of a normal requester when every block is idle:
+        the blocks one release made idle share their idle time, so the new
+        (held, normal) states are one per release."""
+        shadows = list(map(_KV_CLASS_FLAG, states))
+        used = sum(shadows)
+        idle = self._idle
+        if used == 0:
+            deque(map(idle[KVClass.NORMAL].pop, hits), 0)
+        elif used == len(hits):
+            deque(map(idle[KVClass.SHADOW].pop, hits), 0)
+        else:
+            deque(map(idle[KVClass.SHADOW].pop, compress(hits, shadows)), 0)
+            deque(map(idle[KVClass.NORMAL].pop, compress(hits, map(not_, shadows))), 0)
+        releases = list(map(_RELEASE, states))
+        self._leave_idle(releases)
+        new = {release: (False, 1, since, release) for release, since in dict(zip(releases, map(_SINCE, states))).items()}
+        self._blocks.update(zip(hits, map(new.__getitem__, releases)))
+        self.num_shadow_blocks -= used
+        self.num_shadow_blocks_used += used
+        return used
+
+    def _ref_hits_one_by_one(self, hits: Sequence[int], requester: KVClass) -> int:
+        """:meth:`_ref_hits` a block at a time (short or repeating runs)."""
+        used = 0
+        blocks, live = self._blocks, self._live
         for h in hits:
-            shadow, ref, since, tok, cold = blocks[h]
+            shadow, ref, since, rel = blocks[h]
             if ref == 0:
                 del self._idle[_KV_CLASS[shadow]][h]
-                if cold:
-                    cold = False
+                left = live.get(rel)
+                if left is None:
                     self._num_cold_idle -= 1
+                else:
+                    live[rel] = left - 1
             if requester is KVClass.NORMAL and shadow:
                 shadow = False
                 self.num_shadow_blocks -= 1
                 used += 1
-            blocks[h] = (shadow, ref + 1, since, tok, cold)
+            blocks[h] = (shadow, ref + 1, since, rel)
         self.num_shadow_blocks_used += used
         return used
 
@@ -586,39 +723,44 @@ class KVClassManager:
         """Evict the first ``num`` of the policy's victims for ``requester``
         (:meth:`KVClassPolicy.victim_runs`), in that order."""
         runs = self.policy.victim_runs(self._idle, requester, num, now_s, protect)
-        if sum(len(run) for _, run in runs) < num:
+        if sum(map(len, map(_SECOND, runs))) < num:
             raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
         for cls, run in runs:  # in order (the host tier keeps its own LRU)
             self._evict_blocks(run, cls)
 
     def _evict_blocks(self, victims: list[int], cls: KVClass) -> None:
-        """Drop idle blocks of one class from the device, in order (to the host tier if any)."""
+        """Drop a run of idle blocks of one class from the device, in order
+        (to the host tier if any): one C-level pass per step, not a Python
+        call per block."""
         idle, blocks = self._idle[cls], self._blocks
-        if self.policy.host is None:
-            deque(map(idle.pop, victims), 0)
-            if self._num_cold_idle:
-                self._num_cold_idle -= sum(map(_is_cold, map(blocks.pop, victims)))  # those counted cold
-            else:  # no block is cold
-                deque(map(blocks.pop, victims), 0)
-        else:
-            for h in victims:
-                del idle[h]
-                if blocks.pop(h)[4]:  # it was counted cold
-                    self._num_cold_idle -= 1
-                self._spill(h, cls)
+        deque(map(idle.pop, victims), 0)
+        self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
+        if self.policy.host is not None:
+            self._spill(victims, cls)
         if cls is KVClass.SHADOW:
             self.num_shadow_blocks -= len(victims)
         self.num_evicted_blocks[cls] += len(victims)
         self.eviction_count += len(victims)
 
-    def _spill(self, block_hash: int, kv_class: KVClass) -> None:
+    def _spill(self, victims: list[int], kv_class: KVClass) -> None:
+        """Put evicted blocks of one class in the host tier, in order, each as
+        its most recent entry, trimming its least recent to capacity: exactly
+        one block at a time with a trim after each (an LRU keeps the last
+        ``capacity`` of its insertions either way), with one capacity check.
+        The victims were on the device, so none is in the host tier
+        (device and host tier are disjoint)."""
         capacity = self.host_capacity_blocks
         if capacity == 0:
             return
-        self._host[block_hash] = kv_class
-        self._host.move_to_end(block_hash)
-        while len(self._host) > capacity:
-            self._host.popitem(last=False)
+        host = self._host
+        if len(victims) >= capacity:  # the run alone fills the tier: only its last ``capacity`` stay
+            host.clear()
+            host.update(zip(victims[len(victims) - capacity :], repeat(kv_class)))
+            return
+        host.update(zip(victims, repeat(kv_class)))
+        excess = len(host) - capacity
+        if excess > 0:  # the least recent leave first
+            deque(map(host.pop, list(islice(host, excess))), 0)
 
     def _free(self, num_private: int, kv_class: KVClass) -> None:
         self.num_free_blocks += num_private

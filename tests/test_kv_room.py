@@ -43,6 +43,10 @@ ops = st.lists(
 # (pinned: random search finds this only sometimes).
 @example(ops=[("alloc", 0, 8), ("release", 0, 1), ("tick", 0, 2), ("alloc", 1, 8)], cap=1.0, cold_age=1.0,
          num_blocks=8)
+# One eviction taking blocks of a cold release and of a young one must take each from its own count (pinned:
+# the manager counts evicted blocks per release).
+@example(ops=[("alloc", 0, 2), ("release", 0, 1), ("tick", 0, 2), ("alloc", 1, 2), ("release", 0, 1),
+              ("alloc", 2, 7)], cap=1.0, cold_age=1.0, num_blocks=8)
 def test_shadow_room_matches_definition(ops, cap, cold_age, num_blocks) -> None:
     kv = KVClassManager(num_blocks, 4, KVClassPolicy(cap, cold_age))
     now, owners = 0.0, []
@@ -92,3 +96,63 @@ def test_victim_runs_are_the_first_victims_grouped_by_class(entries, order, requ
     assert [(block, cls) for cls, run in runs for block in run] == expected
     assert all(run for _, run in runs)
     assert all(a[0] is not b[0] for a, b in zip(runs, runs[1:]))  # maximal runs
+
+
+def test_a_spilled_run_keeps_the_host_tier_an_lru_of_single_spills() -> None:
+    """An eviction spills its victims to the host tier as one run; the tier
+    must end as if they went one at a time, each trimming the least recent:
+    a run longer than the tier leaves its last blocks (a chain's head, since
+    the tail goes first), a shorter one pushes out the oldest entries."""
+    from shadowcore.kv import HostTierParams
+
+    kv = KVClassManager(8, 4, KVClassPolicy(host=HostTierParams(capacity_bytes=3 * 4 * 131072.0)))
+    chain = [1, 2, 3, 4, 5, 6]
+    assert kv.allocate("ctx", chain, 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("ctx", 1.0)
+    assert kv.allocate("big", [], 8, KVClass.NORMAL, 2.0) is not None  # 2 free + the whole chain, tail first
+    assert kv.host_capacity_blocks == 3 and kv.num_host_blocks == 3
+    assert [kv.in_host(h) for h in chain] == [True, True, True, False, False, False]
+    assert kv.match_prefix(chain).num_host_blocks == 3
+    kv.release("big", 3.0)  # private blocks: back to free
+    assert kv.allocate("two", [7, 8], 0, KVClass.NORMAL, 4.0) is not None
+    kv.release("two", 5.0)
+    assert kv.allocate("fill", [], 8, KVClass.NORMAL, 6.0) is not None  # evicts 8 then 7: pushes out 3, then 2
+    assert [h for h in (1, 2, 3, 7, 8) if kv.in_host(h)] == [1, 7, 8]
+
+
+def test_a_released_run_goes_idle_only_where_no_other_owner_holds_it() -> None:
+    """A release of a chain that another owner also holds leaves its blocks
+    in use (not idle, not evictable); the last holder's release makes the
+    chain idle, tail first."""
+    kv = KVClassManager(16, 4, KVClassPolicy())
+    chain = [21, 22, 23, 24, 25, 26]
+    assert kv.allocate("a", chain, 0, KVClass.NORMAL, 0.0) is not None
+    assert kv.allocate("b", chain, 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("a", 1.0)
+    assert kv.idle_order(KVClass.NORMAL) == []
+    assert kv.allocate("c", [], 10, KVClass.NORMAL, 2.0) is not None  # the free blocks
+    assert kv.allocate("d", [], 1, KVClass.NORMAL, 2.0) is None  # the chain is held by b
+    kv.release("b", 3.0)
+    assert kv.idle_order(KVClass.NORMAL) == [26, 25, 24, 23, 22, 21]
+
+
+def test_a_normal_hit_on_a_released_mixed_run_promotes_its_shadow_blocks() -> None:
+    """A normal owner hitting an idle run of both classes promotes exactly
+    its shadow blocks (counted used once each); its normal blocks stay
+    normal."""
+    kv = KVClassManager(16, 4, KVClassPolicy(shadow_cap_fraction=0.5))
+    assert kv.allocate("n", [1, 2, 3], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("n", 0.0)
+    assert kv.allocate("s", [1, 2, 3, 4, 5, 6], 0, KVClass.SHADOW, 1.0) is not None  # 4-6 are new shadow blocks
+    kv.release("s", 1.0)
+    assert [kv.class_of(h) for h in range(1, 7)] == [KVClass.NORMAL] * 3 + [KVClass.SHADOW] * 3
+    alloc = kv.allocate("call", [1, 2, 3, 4, 5, 6, 7, 8], 0, KVClass.NORMAL, 2.0)
+    assert alloc is not None and alloc.num_device_hit_blocks == 6 and alloc.num_shadow_blocks_used == 3
+    assert [kv.class_of(h) for h in range(1, 9)] == [KVClass.NORMAL] * 8
+    assert kv.num_shadow_blocks == 0 and kv.num_shadow_blocks_used == 3
+    assert kv.allocate("s2", [11, 12, 13, 14, 15], 0, KVClass.SHADOW, 3.0) is not None
+    kv.release("s2", 3.0)
+    assert kv.allocate("s3", [11, 12], 0, KVClass.SHADOW, 3.0) is not None  # a shadow chunk still holds 11-12
+    alloc = kv.allocate("call2", [11, 12, 13, 14, 15], 0, KVClass.NORMAL, 4.0)  # held and idle shadow blocks
+    assert alloc is not None and alloc.num_shadow_blocks_used == 5
+    assert [kv.class_of(h) for h in range(11, 16)] == [KVClass.NORMAL] * 5 and kv.num_shadow_blocks == 0

@@ -596,6 +596,10 @@ class VidurLatencyModel:
             "head_read_s": head_read_s,
             "head_row_s": head_row_s,
             "seq_s": sample_row_s,
+            # predict_decodes_s's results by decode-table cell and batch size: a decode-only iteration's time is
+            # a function of those two (the same float operations on the same values), so computed once each
+            "decode_memo": {},
+            "memo_stride": bmax + 1,
         }
 
     # ------------------------------------------------------------ Protocol
@@ -665,10 +669,16 @@ class VidurLatencyModel:
             )
         total = total_context
         j = (total + 255) >> 8 if total <= _DENSE_S else 257 + bisect.bisect_left(rt["geo"], total)
-        t = rt["decode"][(nd - 1) * rt["decode_cols"] + j]
-        if nd > rt["limit"]:
-            raise ProfileCoverageError("batch tokens", nd, f"beyond the tables' max_batch_tokens {rt['limit']}")
-        return self._total_s(t, nd, nd, nd)
+        cell = (nd - 1) * rt["decode_cols"] + j
+        key = cell * rt["memo_stride"] + nd  # nd <= bmax: one key per (cell, nd)
+        memo = rt["decode_memo"]
+        s = memo.get(key)
+        if s is None:
+            t = rt["decode"][cell]
+            if nd > rt["limit"]:
+                raise ProfileCoverageError("batch tokens", nd, f"beyond the tables' max_batch_tokens {rt['limit']}")
+            s = memo[key] = self._total_s(t, nd, nd, nd)
+        return s
 
     def _total_s(self, attention_s: float, tokens: int, seqs: int, num_decodes: int) -> float:
         """An iteration's time from its attention time: the per-token ops, the

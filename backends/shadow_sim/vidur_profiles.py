@@ -613,13 +613,35 @@ def build_profiles(
     grid: ProfileGrid | None = None,
     bandwidth: BandwidthModel | None = None,
 ) -> VidurProfiles:
-    """Build Vidur's ``mlp.csv``, ``attention.csv`` (and ``all_reduce.csv`` if tp > 1)."""
+    """Build Vidur's ``mlp.csv``, ``attention.csv`` (and ``all_reduce.csv`` if tp > 1).
+
+    Pure in its arguments, so a process builds each configuration once
+    (``_BUILT``: every engine instance of a run asks for its model's tables,
+    whose cache key hashes these CSV texts; rendering them is most of the
+    cost of building a run)."""
     model = get_model(model) if isinstance(model, str) else model
     device = get_device(device) if isinstance(device, str) else device
     grid = grid or ProfileGrid()
     if tp not in (1, 2, 4, 8):
         raise ConfigError("tensor_parallel", tp, "must be 1, 2, 4 or 8 (the all-reduce tables' sizes)")
-    b = _ProfileBuilder(model, device, tp, grid, bandwidth or BandwidthModel())
+    bandwidth = bandwidth or BandwidthModel()
+    try:
+        key = (model, device, tp, grid, bandwidth)
+        built = _BUILT.get(key)
+    except TypeError:  # an unhashable field somewhere: build it
+        return _build_profiles(model, device, tp, grid, bandwidth)
+    if built is None:
+        built = _BUILT[key] = _build_profiles(model, device, tp, grid, bandwidth)
+    return built
+
+
+#: build_profiles' results in this process, by (model, device, tp, grid, bandwidth); VidurProfiles are frozen.
+_BUILT: dict[tuple, VidurProfiles] = {}
+
+
+def _build_profiles(model: ModelConfig, device: DeviceSpec, tp: int, grid: ProfileGrid,
+                    bandwidth: BandwidthModel) -> VidurProfiles:
+    b = _ProfileBuilder(model, device, tp, grid, bandwidth)
     mlp = b.mlp_table()
     prefill_rows, decode_rows = b.attention_tables()
     csv = {"mlp.csv": _to_csv(mlp), "attention.csv": _to_csv(_concat(prefill_rows, decode_rows))}

@@ -162,7 +162,8 @@ def skip_step(hook: EngineHook, duration_s: float, decode_only: bool, routed: bo
 _BUDGET_ON_AGGREGATE = (SloSlackController, HarvestController, EagerController, PrefillInstanceController)
 
 
-def empty_plan_reason(hook: EngineHook, snapshot: StepSnapshot) -> str | None:
+def empty_plan_reason(hook: EngineHook, snapshot: StepSnapshot,
+                      room_tokens: Callable[[], int] | None = None) -> str | None:
     """The reason ``hook.begin_step`` would count for the iteration
     ``snapshot`` stands for (its decode aggregate in place of those views),
     when it would plan no grant and change no state but that count, the job
@@ -175,7 +176,12 @@ def empty_plan_reason(hook: EngineHook, snapshot: StepSnapshot) -> str | None:
     counts ``no_jobs``; pending jobs for which the hook's own ``_size`` grants
     nothing (timed from the aggregates by ``predict_batch_s``, bit-identical;
     without it only when ``EngineHook._grant_range`` leaves no range, which
-    needs no latency lookup) count ``EngineHook._empty_reason``."""
+    needs no latency lookup) count ``EngineHook._empty_reason``.
+
+    ``room_tokens``: the snapshot's ``num_shadow_room_tokens`` on demand
+    (then that field is not read): only the sizing of pending jobs under a
+    positive budget needs it, so an engine whose KV manager computes the room
+    (``shadow_room_blocks``) leaves that out for the other iterations."""
     if _may_skip(hook) is None or type(hook.slack) not in _BUDGET_ON_AGGREGATE:
         return None
     budget = hook.slack.budget(snapshot, hook.latency)
@@ -184,7 +190,8 @@ def empty_plan_reason(hook: EngineHook, snapshot: StepSnapshot) -> str | None:
     jobs = hook._refreshed_jobs()  # as begin_step does next (then, with nothing left to refresh, again)
     if not jobs:
         return "no_jobs"
-    limit = min(snapshot.num_free_token_budget, snapshot.num_shadow_room_tokens)
+    room = snapshot.num_shadow_room_tokens if room_tokens is None else room_tokens()
+    limit = min(snapshot.num_free_token_budget, room)
     upper, smallest = hook._grant_range(jobs, limit)
     if upper <= 0 or smallest > upper:
         return hook._empty_reason(limit)

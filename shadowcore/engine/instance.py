@@ -107,6 +107,8 @@ class EngineRequest:
     # >= 0: in the instance's lazy decode cohort; num_computed_tokens, num_generated and the history lag
     # by (instance's steady iteration count - lazy_base) tokens until the instance materialises them.
     lazy_base: int = -1
+    _owner: str = attrs.field(default="", init=False, repr=False)  # owner_id of admission _owner_of
+    _owner_of: int = attrs.field(default=-1, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -114,7 +116,11 @@ class EngineRequest:
 
     @property
     def owner_id(self) -> str:
-        return f"{self.request_id}@{self.num_admissions}"
+        """The KV owner of this admission: ``{request_id}@{num_admissions}`` (built once per admission)."""
+        if self._owner_of != self.num_admissions:
+            self._owner = f"{self.request_id}@{self.num_admissions}"
+            self._owner_of = self.num_admissions
+        return self._owner
 
     @property
     def is_decoding(self) -> bool:
@@ -446,10 +452,10 @@ class EngineInstance:
         hook = self.hook
         why = None
         if hook is not None and not _fastpath.plans_nothing(hook):
-            room = self.kv.shadow_room_blocks(now_s) * self.kv.block_size
-            why = _fastpath.empty_plan_reason(hook, self._summary(now_s, entries, blocked, used, room))
+            room = _ShadowRoom(self.kv, now_s)  # asked only when a plan's size depends on it
+            why = _fastpath.empty_plan_reason(hook, self._summary(now_s, entries, blocked, used), room)
             if why is None:
-                return self._start_agg_planned(now_s, entries, blocked, used, room)
+                return self._start_agg_planned(now_s, entries, blocked, used, room())
             _fastpath.count_empty_plan(hook, why)
         reload_s = 0.0
         for r, _ in entries:  # decodes have none pending (consumed at their admission)
@@ -513,16 +519,17 @@ class EngineInstance:
             t = self.latency.predict_s(BatchShape(prefills, ctx))
         return t
 
-    def _summary(self, now_s: float, entries: list, blocked: bool, used: int, room: int) -> StepSnapshot:
+    def _summary(self, now_s: float, entries: list, blocked: bool, used: int) -> StepSnapshot:
         """The snapshot with the cohort as a DecodeAggregate: views of the
-        eager decodes and the entries only (for empty_plan_reason)."""
+        eager decodes and the entries only (for empty_plan_reason, which is
+        given the shadow room apart: the field here is 0, never read)."""
         eager = self._eager
         members = len(self.running) - len(self._prefilling) - len(eager)
         total = self._ctx_total - sum(r.num_computed_tokens for r in eager)
         with _validation(self.validate_values):
             return StepSnapshot(
                 self.instance_id, self.iteration, now_s, [r.view(1) for r in eager] + [r.view(n) for r, n in entries],
-                len(self.waiting), blocked, self.tpot_slo_s, max(0, self.limits.token_budget - used), room,
+                len(self.waiting), blocked, self.tpot_slo_s, max(0, self.limits.token_budget - used), 0,
                 DecodeAggregate(members, total, self._cohort_max(), self._cohort_min_slack_s))
 
     def _cohort_min_slack_s(self, now_s: float, margin: float) -> float:
@@ -652,9 +659,11 @@ class EngineInstance:
         return now_s + duration
 
     def _decode_needs(self) -> list[int]:
-        """Blocks each request of the due list needs for its next decode."""
-        bs = self.kv.block_size
-        return [-(-(self._context(req) + 2) // bs) - req.num_blocks for req in self._due]
+        """Blocks each request of the due list needs for its next decode (its
+        context now, as _context gives it, + 2 slots, in whole blocks)."""
+        bs, clock = self.kv.block_size, self.num_fast_iterations
+        return [-(-((r.num_computed_tokens if r.lazy_base < 0 else r.num_computed_tokens + clock - r.lazy_base) + 2)
+                  // bs) - r.num_blocks for r in self._due]
 
     def _reserve_decodes(self, needs: list[int], now_s: float) -> bool:
         """The due list's blocks (``needs``), or False with nothing changed.
@@ -662,14 +671,16 @@ class EngineInstance:
         owner may evict any idle block), so the slow path would preempt nobody
         either; in running order, as _schedule reserves (one go: extend_private)."""
         due, bs = self._due, self.kv.block_size
-        if not self.kv.extend_private([(req.owner_id, need) for req, need in zip(due, needs, strict=True)
-                                       if need > 0], now_s):
+        if len(due) != len(needs):
+            raise ValueError(f"{self.instance_id}: {len(needs)} needs for {len(due)} due requests")
+        if not self.kv.extend_private([(req.owner_id, need) for req, need in zip(due, needs) if need > 0], now_s):
             return False
-        for req, need in zip(due, needs, strict=True):
-            req.num_blocks += max(0, need)
+        lazy_due, push = self._lazy_due, heapq.heappush
+        for req, need in zip(due, needs):
+            if need > 0:
+                req.num_blocks += need
             if req.lazy_base >= 0:  # its next block boundary
-                heapq.heappush(self._lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens,
-                                                req.run_seq, req))
+                push(lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens, req.run_seq, req))
         due.clear()
         return True
 
@@ -733,11 +744,13 @@ class EngineInstance:
         regard to time or owner order, so one call leaves exactly the state of
         the calls one by one (``tests/sim/test_speed_equivalence_macro.py``)."""
         finish, lazy_due = self._lazy_finish, self._lazy_due
+        if finish and finish[0][0] <= self.num_fast_iterations + 1:  # the end in flight finishes a member
+            return now_s, 0, now_s
         predict, kv = self.latency.predict_decodes_s, self.kv
         skip = _fastpath.skip_accounting(self.hook) if self.hook is not None else None
         nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
         next_finish = finish[0][0] if finish else math.inf
-        room = kv.num_free_blocks + kv.num_idle_blocks  # what reservations here may take
+        room = -2  # what reservations here may take: free and idle blocks, read at the first boundary
         needs: list[tuple[str, int]] = []
         t, last, d, busy, num = now_s, now_s, self._steady_s, self.busy_s, 0  # t: the in-flight iteration's end
         try:
@@ -746,6 +759,8 @@ class EngineInstance:
                 if c >= next_finish:
                     break
                 if lazy_due and lazy_due[0][0] <= c:
+                    if room == -2:  # nothing changes the pool in this loop: the same value as at its start
+                        room = kv.num_free_blocks + kv.num_idle_blocks
                     room = self._reserve_due(c, room, needs)
                     if room < 0:
                         break
@@ -831,12 +846,30 @@ class EngineInstance:
     def _advance_cohort(self, now_s: float) -> None:
         """The eager requests one by one and the cohort's finishes, merged in
         running order; then the aggregates from the heaps."""
-        clock, bs = self.num_fast_iterations, self.kv.block_size
+        clock = self.num_fast_iterations
         total = self._ctx_total + len(self.running) - len(self._prefilling)  # every decode's context + 1
-        finish = self._lazy_finish
-        done = []
-        while finish and finish[0][0] == clock:
-            done.append(heapq.heappop(finish)[2])
+        finish, due, eager_max = self._lazy_finish, self._due, 0
+        if self._eager:
+            done = []
+            while finish and finish[0][0] == clock:
+                done.append(heapq.heappop(finish)[2])
+            total, eager_max = self._advance_eager(done, total, now_s)
+        else:  # the cohort's finishes alone, in running order (nothing here pushes onto the heap)
+            while finish and finish[0][0] == clock:
+                total -= self._finish_lazy(heapq.heappop(finish)[2], clock, now_s)
+        lazy_due = self._lazy_due
+        while lazy_due and lazy_due[0][0] <= clock:
+            req = heapq.heappop(lazy_due)[2]
+            if req.finish_s is None:
+                due.append(req)
+        if len(due) > 1:
+            due.sort(key=_run_seq)
+        self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
+
+    def _advance_eager(self, done: list, total: int, now_s: float) -> tuple[int, int]:
+        """_advance_cohort's merge: the eager requests one by one and the
+        finishing members ``done``, in running order; (total, longest eager)."""
+        clock, bs = self.num_fast_iterations, self.kv.block_size
         i, eager, due, eager_max = 0, [], self._due, 0
         for req in self._eager:
             while i < len(done) and done[i].run_seq < req.run_seq:
@@ -854,14 +887,7 @@ class EngineInstance:
         for req in done[i:]:
             total -= self._finish_lazy(req, clock, now_s)
         self._eager = eager
-        lazy_due = self._lazy_due
-        while lazy_due and lazy_due[0][0] <= clock:
-            req = heapq.heappop(lazy_due)[2]
-            if req.finish_s is None:
-                due.append(req)
-        if len(due) > 1:
-            due.sort(key=_run_seq)
-        self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
+        return total, eager_max
 
     def _cohort_max(self) -> int:
         """The longest context among the cohort's members (0 with none)."""
@@ -1055,14 +1081,42 @@ def _lazy_eligible(req: EngineRequest) -> bool:
 _CLASSIC = object()  # _start_agg: run the slow path
 
 
-@contextlib.contextmanager
+class _ShadowRoom:
+    """The KV manager's shadow room at ``now_s`` in tokens, computed on the
+    first call (``shadow_room_blocks`` only counts: asking later at the same
+    instant, with nothing allocated in between, gives the same value)."""
+
+    __slots__ = ("_kv", "_now_s", "_tokens")
+
+    def __init__(self, kv: KVClassManager, now_s: float) -> None:
+        self._kv, self._now_s, self._tokens = kv, now_s, -1
+
+    def __call__(self) -> int:
+        if self._tokens < 0:
+            self._tokens = self._kv.shadow_room_blocks(self._now_s) * self._kv.block_size
+        return self._tokens
+
+
+class _ValidatorsOff:
+    """attrs validators off inside the block, as before it after (a plain
+    context manager: cheaper than ``attrs.validators.disabled()``'s generator)."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self) -> None:
+        self._before = attrs.validators.get_disabled()
+        attrs.validators.set_disabled(True)
+
+    def __exit__(self, *exc: object) -> None:
+        attrs.validators.set_disabled(self._before)
+
+
+_VALIDATORS_ON = contextlib.nullcontext()
+
+
 def _validation(enabled: bool):
     """Run attrs validators or not (values built by trusted engine code only)."""
-    if enabled:
-        yield
-        return
-    with attrs.validators.disabled():
-        yield
+    return _VALIDATORS_ON if enabled else _ValidatorsOff()
 
 
 def _shadow_owner(g) -> str:

@@ -73,6 +73,8 @@ class ScenarioRun:
     normal_tokens: list[tuple[float, int, int]] = attrs.field(init=False, factory=list)
     rejected_normal: list[str] = attrs.field(init=False, factory=list)  # longer than a whole KV pool
     _dedicated: set[str] = attrs.field(init=False, factory=set)
+    #: (instance id, prompt tokens) -> its isolated prefill time (pure in both: computed once)
+    _isolated_s: dict[tuple[str, int], float] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         sc = self.scenario
@@ -178,7 +180,11 @@ class ScenarioRun:
         req = EngineRequest(request_id, RequestKind.NORMAL, history, num_prompt_tokens, num_output_tokens,
                             self.loop.now_s, inst.tpot_slo_s * 40, inst.tpot_slo_s,
                             on_token=append_output_to_history, on_finish=self._normal_done)
-        isolated = chunked_prefill_s(inst.latency, num_prompt_tokens, inst.limits.token_budget)
+        key = (instance_id, num_prompt_tokens)
+        isolated = self._isolated_s.get(key)
+        if isolated is None:
+            isolated = self._isolated_s[key] = chunked_prefill_s(inst.latency, num_prompt_tokens,
+                                                                 inst.limits.token_budget)
         req.ttft_slo_s = max(self.scenario.slo.ttft_s, 5 * isolated)
         self._enqueue(inst, req)
 

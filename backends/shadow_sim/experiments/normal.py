@@ -294,9 +294,9 @@ def poisson(rng: np.random.Generator, rate_per_s: float, end_s: float,
     times = times[times < end_s]
     if prefixes:
         p, o, pre = lengths.draw(rng, len(times), prefixes=True)
-        return [(float(t), int(a), int(b), x) for t, a, b, x in zip(times, p, o, pre)]
+        return list(zip(times.tolist(), p.tolist(), o.tolist(), pre))  # float64 / int64 as Python floats / ints
     p, o = lengths.draw(rng, len(times))
-    return [(float(t), int(a), int(b)) for t, a, b in zip(times, p, o)]
+    return list(zip(times.tolist(), p.tolist(), o.tolist()))
 
 
 def replay(path: str, window: str, peak_rate_per_s: float, end_s: float, instance_index: int,
