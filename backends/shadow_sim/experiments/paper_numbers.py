@@ -3,6 +3,8 @@ the section it comes from (arXiv 2611.13176). Fractions, not percent."""
 
 from __future__ import annotations
 
+import math
+
 #: key -> (value, where, what). Benchmarks = the 16 xRouteBench/FusionBench/Router-R1 pairs.
 PAPER: dict[str, tuple[float, str, str]] = {
     "switch_latency_red": (0.104, "§5.2", "Harvest-SLO+Host switch-call latency reduction, benchmark pairs"),
@@ -54,3 +56,21 @@ PAPER_TESTBED: dict[str, tuple[float, str, str]] = {
     "rho05_fb_keeps": (1.0, "App. D / Fig. 17", "rho 0.5: FusionBench pairs keep a reduction (sign)"),
     "rho05_s32_slows": (-1.0, "App. D / Fig. 17", "rho 0.5: S7/S32 slows (sign; paper -35.1%)"),
 }
+
+# -- judging ours against the paper's (shared by ``reproduce`` and ``reproduce --testbed``) --
+
+#: Issue 16's bar: ours within +-30% of the paper's number, relative to the paper's.
+TOLERANCE = 0.30
+
+
+def verdict(paper: float, value: float, sign_only: bool = False, tolerance: float = TOLERANCE) -> str:
+    """``value`` judged against ``paper``: "within 30%" when ``|value - paper| <= tolerance x
+    |paper|`` (so a paper number of 0 needs ours exactly 0), else "outside 30%"; with
+    ``sign_only`` (rows that publish a direction) "same direction" or "opposite" by sign; a NaN
+    ``value`` (not measured) is "not run". The percent in the text is ``tolerance``'s."""
+    if value is None or math.isnan(value):
+        return "not run"
+    if sign_only:
+        return "same direction" if math.copysign(1.0, value) == math.copysign(1.0, paper) else "opposite"
+    word = "within" if abs(value - paper) <= tolerance * abs(paper) else "outside"
+    return f"{word} {100 * tolerance:.0f}%"

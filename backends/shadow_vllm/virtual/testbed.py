@@ -35,8 +35,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-
 from shadow_sim.experiments.paper_numbers import PAPER_TESTBED, TESTBED_CAPACITY
+from shadow_sim.experiments.paper_numbers import verdict as _judged
+
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.latency import chunked_prefill_s
 
@@ -221,8 +222,6 @@ def run_point(pair: TestbedPair, rho: float, seed: int, settings: TestbedSetting
 
 # -- the paper's numbers and the side-by-side table ---------------------------------------
 
-TOLERANCE = 0.30
-
 
 def _mean(xs: Sequence[float]) -> float:
     v = [x for x in xs if not math.isnan(x)]
@@ -252,11 +251,9 @@ def ours(results: Mapping[tuple[str, float], Mapping[str, Mapping[str, float]]],
 
 
 def verdict(paper: float, value: float, sign_only: bool) -> str:
-    if math.isnan(value):
-        return "not run"
-    if sign_only:
-        return "same direction" if value == paper else "opposite"
-    return "within 30%" if abs(value - paper) <= TOLERANCE * abs(paper) else "outside 30%"
+    """The +-30% judgement ``reproduce`` uses too (one helper:
+    :func:`shadow_sim.experiments.paper_numbers.verdict`)."""
+    return _judged(paper, value, sign_only)
 
 
 def table(results: Mapping[tuple[str, float], Mapping[str, Mapping[str, float]]], arms: Sequence[str]) -> str:
