@@ -68,8 +68,8 @@ from shadowcore.kv import KVClassManager
 from shadowcore.latency import BatchShape, LatencyModel
 from shadowcore.types import RequestKind
 
-#: arm -> (policy, host tier on the engines)
-ARMS: dict[str, tuple[str, bool]] = {
+#: arm -> (policy: a registered name or a PluginRef with arguments, host tier on the engines)
+ARMS: dict[str, tuple[str | PluginRef, bool]] = {
     "no-shadow": ("no-shadow", False),
     "request-level": ("no-shadow", False),  # routed side plans nothing; shadows are requests
     "harvest-slo": ("harvest-slo", False),
@@ -193,14 +193,24 @@ class SimRequestLevelRun(SimEffectRun):
         self.shadower.pump()
 
 
-def run_sim(arm: str, scenario: FakeScenario, sessions: Sequence[Any], latency: Mapping[str, LatencyModel]
-            ) -> list[CallRecord]:
-    """The arm's routed calls in the simulator."""
-    policy, _ = ARMS[arm]
+def _ref(policy: str | PluginRef) -> PluginRef:
+    return policy if isinstance(policy, PluginRef) else PluginRef(policy)
+
+
+def run_sim(arm: str, scenario: FakeScenario, sessions: Sequence[Any], latency: Mapping[str, LatencyModel],
+            arms: Mapping[str, tuple[str | PluginRef, bool]] = ARMS) -> list[CallRecord]:
+    """The arm's routed calls in the simulator (``arms``: where the arm's policy is looked up)."""
+    return list(sim_run(arm, scenario, sessions, latency, arms).calls)
+
+
+def sim_run(arm: str, scenario: FakeScenario, sessions: Sequence[Any], latency: Mapping[str, LatencyModel],
+            arms: Mapping[str, tuple[str | PluginRef, bool]] = ARMS) -> SimEffectRun:
+    """The arm's finished simulator run (its ``calls`` and ``normal`` requests)."""
+    policy, _ = arms[arm]
     cls = SimRequestLevelRun if arm == "request-level" else SimEffectRun
-    run = cls(scenario, ShadowConfig(PluginRef(policy)), sessions=tuple(sessions), latency_models=latency)
+    run = cls(scenario, ShadowConfig(_ref(policy)), sessions=tuple(sessions), latency_models=latency)
     run.run()
-    return list(run.calls)
+    return run
 
 
 # -- vLLM virtual time ---------------------------------------------------------------------
@@ -251,17 +261,26 @@ def host_tier_config(scenario: FakeScenario) -> dict[str, Any]:
 
 
 def run_virtual(arm: str, scenario: FakeScenario, sessions: Sequence[Any], latency: Mapping[str, LatencyModel],
-                latency_spec: Callable[[str], dict[str, Any]], keep_tails_below_n_min: bool = True
-                ) -> list[CallRecord]:
+                latency_spec: Callable[[str], dict[str, Any]], keep_tails_below_n_min: bool = True,
+                arms: Mapping[str, tuple[str | PluginRef, bool]] = ARMS) -> list[CallRecord]:
     """The arm's routed calls on vLLM's scheduler in virtual time. ``latency_spec(model)``: the
     ``{"name", "args"}`` plugin reference the shadow scheduler rebuilds ``latency[model]`` from.
     ``keep_tails_below_n_min``: the shadow scheduler's option (``docs/vllm.md``, "Tails below
-    n_min"); true by default here, as the feeder (``TaggedShadowFeeder``) ends shadows itself."""
+    n_min"); true by default here, as the feeder (``TaggedShadowFeeder``) ends shadows itself.
+    ``arms``: where the arm's policy is looked up."""
+    return list(virtual_run(arm, scenario, sessions, latency, latency_spec, keep_tails_below_n_min, arms).calls)
+
+
+def virtual_run(arm: str, scenario: FakeScenario, sessions: Sequence[Any], latency: Mapping[str, LatencyModel],
+                latency_spec: Callable[[str], dict[str, Any]], keep_tails_below_n_min: bool = True,
+                arms: Mapping[str, tuple[str | PluginRef, bool]] = ARMS) -> Any:
+    """:func:`run_virtual`'s finished :class:`~shadow_vllm.virtual.VirtualScenarioRun` (its ``calls``
+    and ``normal`` requests)."""
     from shadow_vllm import virtual
     from shadow_vllm.scheduler import ShadowScheduler
 
-    policy, host = ARMS[arm]
-    shadow = ShadowConfig(PluginRef(policy))
+    policy, host = arms[arm]
+    shadow = ShadowConfig(_ref(policy))
     engine_level = arm not in ("no-shadow", "request-level")
     configs = {}
     for m in scenario.models:
@@ -281,8 +300,7 @@ def run_virtual(arm: str, scenario: FakeScenario, sessions: Sequence[Any], laten
     feeder = virtual.TaggedShadowFeeder() if engine_level else RequestLevelFeeder() if arm == "request-level" else None
     vrun = virtual.VirtualScenarioRun(scenario, shadow, latency, configs, sessions=tuple(sessions),
                                       scheduler_cls=ShadowScheduler if engine_level else None, shadow_feeder=feeder)
-    vrun.run()
-    return list(vrun.calls)
+    return vrun.run()
 
 
 # -- the workload ------------------------------------------------------------------------
@@ -385,4 +403,4 @@ def table(rows: Sequence[ArmAgreement]) -> str:
 
 __all__ = ["ARMS", "TOLERANCE", "ArmAgreement", "PriorityInstance", "RequestLevelFeeder", "SimEffectRun",
            "SimRequestLevelRun", "compare", "compared_effects", "effects", "host_tier_config", "run_sim",
-           "run_virtual", "table", "tpot_slo_s", "within", "write_session_file"]
+           "run_virtual", "sim_run", "table", "tpot_slo_s", "virtual_run", "within", "write_session_file"]

@@ -4,8 +4,8 @@ Markdown table of our numbers next to the paper's (:mod:`paper_numbers`).
 
 The grid: a main study (pairs x policies), a load study (rho), a switch-rate
 study (Markov router) and a models-per-router study (N = 2, 3, 5 small models,
-all targets vs top-1 vs our ``adaptive-host`` and ``benefit-host``). ``--quick`` shrinks the grid and
-the measurement (2 instances per model, 180 s measured, one seed, peak window)
+all targets vs top-1 vs our ``adaptive-host``, ``benefit-host`` and
+``idle-first-host``). ``--quick`` shrinks the grid and the measurement (2 instances per model, 180 s measured, one seed, peak window)
 to finish in under 30 minutes on 2 cores; the full grid uses the paper's
 settings (4 instances, 600 s after 120 s warm-up, 3 seeds x 3 windows).
 ``--studies``/``--pairs``/``--seeds``/``--windows``/``--only-policies`` run part
@@ -49,7 +49,7 @@ from shadowcore.config import PluginRef, policy_label
 from shadowcore.errors import ConfigError, PluginError
 
 MAIN_POLICIES = ("no-shadow", "host-tier", "harvest", "harvest-slo", "harvest-slo-host", "adaptive-host",
-                 "benefit-host", "oracle", "oracle-host")
+                 "benefit-host", "idle-first-host", "oracle", "oracle-host")
 SHORT = ("no-shadow", "harvest-slo", "harvest-slo-host", "oracle-host")
 N_MODELS = ("Qwen2.5-7B", "Mistral-7B", "Llama-3.1-8B", "Mistral-Nemo-12B", "gpt-oss-20b")
 
@@ -83,7 +83,8 @@ def studies(quick: bool, override: Mapping[str, Any] | None = None, extra: Seque
                                                       "input_tokens_median": 1000}}, refs(SHORT)))
     nm = {**base, "instances_per_model": base.get("instances_per_model", 2) // 2 or 1}
     n_policies = (PluginRef("no-shadow"), PluginRef("harvest-slo-host"), PluginRef("harvest-slo-host", {"top_k": 1}),
-                  PluginRef("adaptive-host"), PluginRef("benefit-host"), PluginRef("oracle-host"))
+                  PluginRef("adaptive-host"), PluginRef("benefit-host"), PluginRef("idle-first-host"),
+                  PluginRef("oracle-host"))
     for n in ((2, 5) if quick else (2, 3, 4, 5)):
         out.append(("nmodels", f"N={n}", {**nm, "models": list(N_MODELS[:n])}, _joined(n_policies, added)))
     return out
@@ -227,7 +228,8 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path, extra: Seq
         save(fig, name)
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    over = ["harvest", "harvest-slo", "harvest-slo-host", "adaptive-host", "benefit-host", "oracle-host", *extra]
+    over = ["harvest", "harvest-slo", "harvest-slo-host", "adaptive-host", "benefit-host", "idle-first-host",
+            "oracle-host", *extra]
     for ax, (metric, title, scale) in zip(axes, (
             ("prefill_tput_inc", "(a) Prefill tok/s change incl. shadow (%)", 100.0),
             ("energy_inc", "(b) Energy per good request change (%)", 100.0),
@@ -258,7 +260,8 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path, extra: Seq
 
     nm = sorted(((int(k.split("=")[1]), c) for k, (s, c) in results.items() if s == "nmodels"), key=lambda x: x[0])
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
-    names = ["harvest-slo-host", "harvest-slo-host(top_k=1)", "adaptive-host", "benefit-host", *extra, "oracle-host"]
+    names = ["harvest-slo-host", "harvest-slo-host(top_k=1)", "adaptive-host", "benefit-host", "idle-first-host",
+             *extra, "oracle-host"]
     _lines(axes[0], nm, names, "call_latency_red", "(d) LLM-call latency reduction (%)", "models per router")
     _lines(axes[1], nm, names[:-1], "shadow_unused_share", "(e) Unused shadow tokens (%)", "models per router")
     axes[0].legend(fontsize=7)
@@ -361,6 +364,12 @@ def ours(results: Mapping[str, tuple[str, Comparison]]) -> dict[str, float]:
     out["adaptive_oracle_gain_switch"] = _avg(main, "adaptive-host", "oracle_gain_switch")
     out["benefit_switch_latency_red"] = _avg(main, "benefit-host", "switch_latency_red")
     out["benefit_call_latency_red"] = _avg(main, "benefit-host", "call_latency_red")
+    i = "idle-first-host"  # issue 16 item 7: >= 75% of the oracle's switch-call gain, SLO not lower, energy <= +1%
+    out["idle_oracle_gain_switch"] = _avg(main, i, "oracle_gain_switch")
+    out["idle_switch_latency_red"] = _avg(main, i, "switch_latency_red")
+    out["idle_switch_ttft_red"] = _avg(main, i, "switch_ttft_red")
+    out["idle_normal_slo_pp_low"] = min((_get(c, i, "normal_slo_pp")[0] for c in main), default=math.nan)
+    out["idle_energy_inc"] = _avg(main, i, "energy_inc")
     return out
 
 
@@ -386,6 +395,11 @@ OURS_ONLY = {
     "n5_benefit_wasted_vs_all": "N=5, benefit-host (ours): unused shadow tokens, absolute, relative to all targets'",
     "benefit_switch_latency_red": "benefit-host (ours) switch-call latency reduction, main pairs",
     "benefit_call_latency_red": "benefit-host (ours) LLM-call latency reduction, main pairs",
+    "idle_oracle_gain_switch": "idle-first-host (ours) share of the oracle's switch-call gain, main pairs (target >= 75%)",
+    "idle_switch_latency_red": "idle-first-host (ours) switch-call latency reduction, main pairs",
+    "idle_switch_ttft_red": "idle-first-host (ours) switch-call TTFT reduction, main pairs",
+    "idle_normal_slo_pp_low": "idle-first-host (ours) normal SLO change, lowest pair (pp/100; target >= 0)",
+    "idle_energy_inc": "idle-first-host (ours) energy per good request change, main pairs (target <= +1%)",
 }
 
 

@@ -1,0 +1,82 @@
+"""Our third policy: complete shadows, kept like normal KV, in large chunks on
+idle and slack time only (``idle-first-host``), built on ``benefit-host``.
+
+What the request-level baseline (the paper's prototype, Appendix D.1) does
+better than the engine-level design, measured on the effect harness
+(``benchmarks/idle_first.py``; simulator and vLLM virtual time agree): its
+shadow of a session is the whole context of the call that just completed, and
+vLLM's prefix cache keeps it in one LRU with every other block. The
+engine-level design loses on both counts:
+
+* **The tail is never computed.** A shadow trails its session by the output
+  of the current call; once the call completes, what is missing is that
+  output (tens to a few hundred tokens), below the paper's ``n_min`` of 256,
+  so Algorithm 1 line 12 defers it until the next call adds more, which for
+  a switch call is too late: the switch call prefills it itself (and, with a
+  partial block, the whole last block). ``idle-first-host`` sets ``n_min``
+  to one block (16 tokens), so every shadow is completed to its last whole
+  block as soon as there is any slack.
+* **Shadows are evicted first.** The paper's evict-first shadow class throws
+  a shadow away at the next normal allocation once the never-used blocks are
+  gone, usually before its switch call arrives, while normal blocks nobody
+  hits again stay cached; with the host tier the shadow then comes back over
+  PCIe at the switch call, on its critical path. ``idle-first-host`` uses one
+  LRU over both classes (``eviction_order="lru"``), so a shadow stays as long
+  as a normal block would (the shadow cap and the cold age still bound it).
+
+A third change matters under load (the simulator at the paper's settings):
+
+* **The whole iteration budget where no routed call is.** Algorithm 1 caps
+  an idle or slack-paid iteration at ``beta * T`` with the paper's
+  ``beta = 0.5``; ``idle-first-host`` uses ``beta = 1`` (the largest budget
+  the core's contract allows: an iteration with shadow work is never longer
+  than the TPOT SLO ``T``, and on a busy batch never longer than its smallest
+  Eq. 1 slack), so a shadow is prefilled in a few large chunks while the
+  instance has room, ahead of the switch call.
+
+It keeps what makes ``benefit-host`` ours: no routed-step credit
+(``delta = 0``: a routed call's own iterations never carry shadow work, so
+shadows use only idle iterations and the SLO slack of iterations without a
+routed call), expected-benefit targeting and the population-backoff predictor
+(:mod:`shadow_policies.benefit`).
+
+Guarantees (the core's invariants, none weakened; the conformance check and
+``tests/sim/test_idle_first.py`` test them):
+
+* no shadow token while a request waits or an admission is blocked;
+* no shadow token in an iteration that carries a routed call (``delta = 0``);
+* an iteration with shadow work is predicted to fit ``beta * T`` (idle) or
+  the batch's smallest Eq. 1 slack, capped at ``beta * T`` (busy), so every
+  request in it stays within its SLO margin; ``beta <= 1`` keeps it within
+  ``T`` (the conformance check's ``bounded`` rule);
+* shadow KV stays within the shadow cap; blocks a request is using are
+  never evicted; deterministic (no clock, no RNG).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from shadow_policies.benefit import benefit_host
+from shadow_policies.building import user_args
+from shadowcore.errors import ConfigError
+from shadowcore.policy import PolicySpec
+
+#: The smallest shadow chunk: one block of the default block size (every
+#: shadow is completed to its last whole block).
+N_MIN_TOKENS = 16
+
+
+@user_args
+def idle_first_host(gate: float = 0.1, max_k: int = 2, prior_strength: float = 4.0, session_weight: float = 2.0,
+                    beta: float = 1.0, delta: float = 0.0, n_min: int = N_MIN_TOKENS, margin: float = 0.1,
+                    chunk_tokens: int = 2048, eviction_order: str = "lru", **kv) -> PolicySpec:
+    if not isinstance(beta, bool) and isinstance(beta, (int, float)) and beta > 1:
+        raise ConfigError("beta", beta, "must be in (0, 1]: a shadow iteration is never longer than the TPOT SLO")
+    spec = benefit_host(gate=gate, max_k=max_k, prior_strength=prior_strength, session_weight=session_weight,
+                        beta=beta, delta=delta, n_min=n_min, margin=margin, chunk_tokens=chunk_tokens,
+                        eviction_order=eviction_order, **kv)
+    return attrs.evolve(spec, name="idle-first-host", description=(
+        "benefit-host that completes every shadow to its last block (n_min one block), keeps shadows in "
+        "one LRU with normal blocks, and shadows only on idle iterations and the SLO slack of iterations "
+        "without a routed call (delta = 0), up to the whole TPOT SLO (beta = 1)."))

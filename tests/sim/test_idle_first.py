@@ -1,0 +1,127 @@
+"""Our idle-first-host policy: it loads with its defaults (one-block n_min, one
+LRU over both KV classes, host tier, no routed-step credit, benefit-host's
+targeting and predictor) and clear argument errors; it conforms; it completes a
+shadow's sub-n_min tail that benefit-host defers; and it never puts shadow work
+on an iteration that carries a routed call."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from shadow_policies.benefit import ExpectedBenefitTargets, PopulationBackoffPredictor
+from shadow_policies.idle import N_MIN_TOKENS
+
+from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.engine.scenario import FakeRun, FakeScenario
+from shadowcore.engine.workload import session as scripted_session
+from shadowcore.errors import ConfigError
+from shadowcore.policy import load_policy
+from shadowcore.slack import SloSlackController
+
+
+def test_policy_loads_with_its_defaults_and_names_bad_arguments() -> None:
+    spec = load_policy(PluginRef("idle-first-host"))
+    assert spec.name == "idle-first-host" and spec.kv.host is not None and spec.kv.eviction_order == "lru"
+    assert spec.slack.cls is SloSlackController
+    assert spec.slack.kwargs["delta"] == 0.0 and spec.slack.kwargs["n_min"] == N_MIN_TOKENS == 16
+    assert spec.targeting == ExpectedBenefitTargets(0.1, 2) and spec.predictor.cls is PopulationBackoffPredictor
+    assert load_policy(PluginRef("idle-first-host", {"eviction_order": "shadow-first"})).kv.eviction_order \
+        == "shadow-first"
+    for bad, field in (({"n_min": -1}, "n_min"), ({"gate": 2.0}, "gate"), ({"beta": 0}, "beta"), ({"beta": 1.5}, "beta"),
+                       ({"shadow_cap": 0}, "shadow_cap"), ({"top_k": 1}, "top_k")):
+        with pytest.raises(ConfigError) as info:
+            load_policy(PluginRef("idle-first-host", bad))
+        assert info.value.field == f"policy.args.{field}", info.value
+
+
+def test_conforms() -> None:
+    from shadowcore.testing.conformance import check_policy
+
+    report = check_policy("idle-first-host")
+    assert report.policy == "idle-first-host" and report.num_shadow_plans > 0
+
+
+def _ab_run(policy: PluginRef) -> FakeRun:
+    """One session A -> B -> A -> B whose calls end with outputs below the paper's n_min (256) and
+    whose inputs are above it; no normal traffic. ``idle-first-host``'s targeting needs a switch
+    probability of at least its gate (1/2 before anything is learnt, then the session's own A<->B
+    transitions)."""
+    s = scripted_session("s0", 1.0, ("A", "B", "A", "B", "A"), (1000, 600, 500, 400, 300), (120, 90, 100, 80, 60),
+                         gap_s=3.0)
+    scenario = {"models": ["A", "B"], "latency_scale": [1.0, 1.0], "instances_per_model": 1,
+                "normal_rate_per_s": 0.0, "duration_s": 30.0, "warmup_s": 0.0}
+    run = FakeRun(FakeScenario.from_dict(scenario), ShadowConfig(policy, seed=0), sessions=(s,))
+    run.run()
+    return run
+
+
+def test_completes_the_tail_that_the_paper_n_min_defers() -> None:
+    """Each switch call finds the whole history before it cached (block-aligned) under idle-first-host;
+    under the same policy with the paper's n_min the completed call's output (< 256 tokens) is
+    deferred, so the switch calls miss it."""
+    def missed(run: FakeRun) -> list[int]:
+        calls = sorted(run.calls, key=lambda c: c.call_index)
+        bs = run.scenario.block_size
+        out = []
+        for prev, call in itertools.pairwise(calls):
+            history = prev.num_prompt_tokens + run.workload.sessions[0].calls[prev.call_index].num_output_tokens
+            out.append(history - history % bs - call.num_cached_tokens)
+        return out
+
+    ours = missed(_ab_run(PluginRef("idle-first-host")))
+    paper_n_min = missed(_ab_run(PluginRef("idle-first-host", {"n_min": 256})))
+    assert len(ours) == 4 and all(m <= 0 for m in ours), ours
+    # the first shadow is the first prompt plus its output (more than 256 together); after it, each
+    # switch call's missing tokens are the previous call's output alone
+    assert all(m > 0 for m in paper_n_min[1:]), paper_n_min
+
+
+class RoutedGrants:
+    """Shadow tokens planned on iterations that carry a routed call."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.plans = 0
+
+    def on_plan(self, snapshot, plan) -> None:
+        self.plans += bool(plan.grants)
+        if snapshot.has_routed:
+            self.tokens += plan.num_shadow_tokens
+
+
+@pytest.mark.parametrize(("args", "routed_free"), [({}, True), ({"delta": 0.1}, False)])
+def test_no_shadow_work_on_routed_iterations(args: dict, routed_free: bool) -> None:
+    """delta = 0: never a shadow token next to a routed call (with a credit, the check does see some)."""
+    from shadowcore.testing.conformance import SMALL_SCENARIO
+
+    scenario = {**SMALL_SCENARIO, "normal_rate_per_s": 6.0, "duration_s": 30.0}
+    run = FakeRun(FakeScenario.from_dict(scenario), ShadowConfig(PluginRef("idle-first-host", args), seed=0))
+    log = RoutedGrants()
+    run.runtime.observers.add(log)
+    run.run()
+    assert log.plans > 0
+    assert (log.tokens == 0) == routed_free, log.tokens
+
+
+def test_reproduce_reports_idle_first_host_against_the_oracle() -> None:
+    """reproduce's main and models-per-router studies run idle-first-host, and its paper-comparison
+    table has its item 7 rows (fed synthetic comparisons, no simulation)."""
+    from shadow_sim.experiments.reproduce import markdown, studies
+    from shadow_sim.experiments.runner import COLUMNS, Comparison, policy_label
+
+    results = {}
+    for study, label, _fields, refs in studies(True):
+        names = tuple(policy_label(r) for r in refs)
+        gain = {n: (0.8 if n == "idle-first-host" else 0.5) for n in names}
+        summary = {n: {**{key: (0.0, 0.0) for key, _title, _kind in COLUMNS}, "oracle_gain_switch": (gain[n], 0.0),
+                       "energy_inc": (0.004, 0.0), "normal_slo_pp": (0.001, 0.0), "calls": (120.0, 0.0),
+                       "switch_calls": (30.0, 0.0)} for n in names}
+        results[f"{study}:{label}"] = (study, Comparison(label, names, names[0], "oracle-host", (), summary))
+    assert "idle-first-host" in results["main:Q7/L70"][1].policies
+    assert "idle-first-host" in results["nmodels:N=5"][1].policies
+    table = markdown(results, quick=True)
+    assert "| idle-first-host (ours) share of the oracle's switch-call gain, main pairs (target >= 75%) | ours | – | 80.0% |" \
+        in table
+    assert "| idle-first-host (ours) energy per good request change, main pairs (target <= +1%) | ours | – | 0.4% |" \
+        in table
