@@ -278,5 +278,15 @@ def prediction_errors(model: LatencyModel, steps: Sequence[MeasuredStep]) -> np.
     return np.array([(model.predict_s(s.batch) - s.duration_s) / s.duration_s for s in steps])
 
 
-__all__ = ["CalibratedLatencyModel", "LatencyProfile", "MeasuredStep", "PROFILE_VERSION", "fit_linear",
-           "fit_profile", "nnls", "prediction_errors", "read_steps", "write_steps"]
+__all__ = [
+    "PROFILE_VERSION",
+    "CalibratedLatencyModel",
+    "LatencyProfile",
+    "MeasuredStep",
+    "fit_linear",
+    "fit_profile",
+    "nnls",
+    "prediction_errors",
+    "read_steps",
+    "write_steps",
+]

@@ -64,7 +64,7 @@ class PluginRef:
             raise ConfigError(field, value, "must be a plugin name or {'name': ..., 'args': {...}}")
         unknown = set(value) - {"name", "args"}
         if unknown:
-            raise ConfigError(f"{field}.{sorted(unknown)[0]}", value[sorted(unknown)[0]], "unknown field")
+            raise ConfigError(f"{field}.{min(unknown)}", value[min(unknown)], "unknown field")
         try:
             return cls(value.get("name", ""), value.get("args", {}))
         except ConfigError as e:
@@ -198,7 +198,7 @@ class ShadowConfig:
             raise ConfigError(field, data, "must be a mapping")
         unknown = set(data) - {"policy", "seed", "observers"}
         if unknown:
-            k = sorted(unknown)[0]
+            k = min(unknown)
             raise ConfigError(f"{field}.{k}", data[k], "unknown field")
         policy = PluginRef.parse(f"{field}.policy", data.get("policy", "harvest-slo"))
         observers = tuple(

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -169,7 +170,7 @@ class EmpiricalSwitchPredictor(SwitchPredictor):
         for session_id, task, calls in sessions:
             self._task_memory.pin(task)
             own = self._fitted.setdefault(session_id, defaultdict(lambda: defaultdict(float)))
-            for a, b in zip(calls, calls[1:]):
+            for a, b in itertools.pairwise(calls):
                 self._counts[(task, a)][b] += 1.0
                 own[(task, a)][b] += 1.0
         return self

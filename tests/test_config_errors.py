@@ -9,11 +9,11 @@ import math
 import pytest
 
 from shadowcore.config import PluginRef, ShadowConfig, SloConfig, build_attrs
-from shadowcore.errors import ConfigError, ShadowError
-from shadowcore.policy import load_policy
 from shadowcore.engine.run import ScenarioRun
 from shadowcore.engine.scenario import FakeBackend, FakeScenario
 from shadowcore.engine.workload import Workload
+from shadowcore.errors import ConfigError, ShadowError
+from shadowcore.policy import load_policy
 
 
 def raises_one(fn, field: str, value_text: str) -> ConfigError:

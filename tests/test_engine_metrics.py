@@ -11,6 +11,7 @@ import pytest
 prometheus_client = pytest.importorskip("prometheus_client")
 
 from shadow_vllm.metrics import ENV, EngineMetrics, prepare_env
+
 from shadowcore.kv import KVClass
 
 

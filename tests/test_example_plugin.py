@@ -16,12 +16,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.engine.scenario import FakeBackend
 from shadowcore.errors import ConfigError
 from shadowcore.policy import PolicySpec, load_policy
 from shadowcore.registry import POLICY_GROUP, Registry, load_reference
 from shadowcore.slack import SloSlackController
 from shadowcore.switch import EmpiricalSwitchPredictor, Target, Targeting
-from shadowcore.engine.scenario import FakeBackend
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "third_party_policy"
 REF = "example_shadow_policy.policy:example_gated_top1"

@@ -5,6 +5,7 @@ conformance check over every paper policy and the import boundary of the core.""
 from __future__ import annotations
 
 import ast
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from shadowcore.config import PluginRef, ShadowConfig
-from shadowcore.testing.conformance import SMALL_SCENARIO, check_policy
 from shadowcore.engine.scenario import FakeRun, FakeScenario
 from shadowcore.engine.workload import session as scripted_session
+from shadowcore.testing.conformance import SMALL_SCENARIO, check_policy
 from shadowcore.types import JobKey
 
 PAPER_POLICIES = (
@@ -67,12 +68,12 @@ def _run(policy: str | PluginRef, scenario: dict, sessions=None, seed: int = 0) 
 def test_no_token_prefilled_twice_on_target() -> None:
     """A shadow chunk starts at the target's cached prefix, and two chunks of
     one session never overlap unless the instance evicted in between."""
-    run, log = _run("harvest-slo", {**SMALL_SCENARIO, "num_blocks": 1024})
+    _, log = _run("harvest-slo", {**SMALL_SCENARIO, "num_blocks": 1024})
     assert len(log.grants) > 50, "the scenario must exercise shadow work"
     assert not log.misaligned, log.misaligned[:5]
     for key, chunks in log.computed.items():
         chunks.sort()
-        for (s0, e0, ev0), (s1, e1, ev1) in zip(chunks, chunks[1:]):
+        for (s0, e0, ev0), (s1, e1, ev1) in itertools.pairwise(chunks):
             assert s1 >= e0 or ev1 != ev0, f"{key}: [{s0},{e0}) and [{s1},{e1}) overlap without an eviction"
 
 
@@ -84,11 +85,11 @@ def test_abab_computes_only_deltas() -> None:
     scenario = {"models": ["A", "B"], "latency_scale": [1.0, 2.0], "instances_per_model": 1,
                 "normal_rate_per_s": 0.0, "tool_gap_s": 5.0, "duration_s": 10.0, "warmup_s": 0.0}
     # n_min of one block: with the paper's 256 the last sub-256 delta is deferred by design
-    run, log = _run(PluginRef("harvest-slo", {"n_min": 16}), scenario, sessions=(session,))
+    run, _ = _run(PluginRef("harvest-slo", {"n_min": 16}), scenario, sessions=(session,))
     bs = run.scenario.block_size
     calls = sorted(run.calls, key=lambda c: c.call_index)
     assert [c.is_switch for c in calls] == [False, True, True, True]
-    for prev, call in zip(calls, calls[1:]):  # the whole history before the call, block-aligned
+    for prev, call in itertools.pairwise(calls):  # the whole history before the call, block-aligned
         history_before = prev.num_prompt_tokens + session.outputs[prev.call_index]
         assert call.num_cached_tokens >= history_before - history_before % bs, call
     total = session_total = sum(session.inputs) + sum(session.outputs)

@@ -95,7 +95,7 @@ def test_victim_runs_are_the_first_victims_grouped_by_class(entries, order, requ
     runs = policy.victim_runs(idle, requester, num, now_s, protect)
     assert [(block, cls) for cls, run in runs for block in run] == expected
     assert all(run for _, run in runs)
-    assert all(a[0] is not b[0] for a, b in zip(runs, runs[1:]))  # maximal runs
+    assert all(a[0] is not b[0] for a, b in itertools.pairwise(runs))  # maximal runs
 
 
 def test_a_spilled_run_keeps_the_host_tier_an_lru_of_single_spills() -> None:

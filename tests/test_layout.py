@@ -10,6 +10,7 @@ left out). An import names the deepest module of this tree it reaches:
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def test_no_import_cycle() -> None:
     assert len(graph) > 60 and graph["shadow_sim.backend"]  # the walk found the tree and its imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(
-        f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+        f"{a} (line {graph[a][b]})" for a, b in itertools.pairwise(cycle)) + f" -> {cycle[-1]}"
 
 
 def test_cycle_finder_names_a_cycle() -> None:

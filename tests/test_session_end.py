@@ -4,9 +4,9 @@ is bounded by ``max_tasks``, and a predictor can learn P(another call)."""
 from __future__ import annotations
 
 import pytest
-
 from shadow_policies.adaptive import SessionAwarePredictor
 from shadow_policies.benefit import PopulationBackoffPredictor
+
 from shadowcore.manager import ShadowManager
 from shadowcore.switch import AllOthers, EmpiricalSwitchPredictor, SwitchPredictor, TaskMemory
 from shadowcore.types import CallArrival

@@ -33,10 +33,9 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import time
 from array import array
+from collections.abc import Sequence
 
 import attrs
 

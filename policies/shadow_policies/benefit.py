@@ -56,8 +56,8 @@ from shadowcore.switch import (
     ProbabilityGate,
     SwitchPredictor,
     Target,
-    TaskMemory,
     Targeting,
+    TaskMemory,
     TopK,
     next_model_distribution_from_counts,
 )

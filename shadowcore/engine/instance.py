@@ -1130,4 +1130,4 @@ def pool_blocks(hbm_bytes_total: float, weight_bytes: float, kv_bytes_per_token:
     free = hbm_bytes_total * memory_utilization - weight_bytes
     if free <= 0:
         raise ValueError(f"weights ({weight_bytes:.3g} B) leave no KV memory in {hbm_bytes_total:.3g} B")
-    return max(1, int(math.floor(free / (block_size * kv_bytes_per_token))))
+    return max(1, math.floor(free / (block_size * kv_bytes_per_token)))

@@ -209,7 +209,7 @@ class ScenarioSpec:
 
 
 def _lognormal(rng: np.random.Generator, median: float, sigma: float = 0.6) -> int:
-    return max(1, int(round(median * float(np.exp(sigma * rng.standard_normal())))))
+    return max(1, round(median * float(np.exp(sigma * rng.standard_normal()))))
 
 
 def draw_sessions(sc: ScenarioSpec) -> list[SessionPlan]:

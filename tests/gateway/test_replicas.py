@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-
 NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
 if NGINX is None:
     if os.environ.get("CI") == "true":

@@ -106,8 +106,8 @@ def test_wasted_tokens_are_shadow_tokens_times_the_unused_share() -> None:
 def _targets_per_retarget(policy: PluginRef, scenario: dict, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Open shadow jobs of the session after each of its calls, on the fake engine."""
     from shadowcore.config import ShadowConfig
-    from shadowcore.manager import ShadowManager
     from shadowcore.engine.scenario import FakeRun, FakeScenario
+    from shadowcore.manager import ShadowManager
 
     counts: list[int] = []
     retarget = ShadowManager._retarget

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-from shadowcore.config import PluginRef
 from shadow_sim.experiments import calibrate as cal
 from shadow_sim.experiments.runner import (
     compare,
@@ -18,6 +17,8 @@ from shadow_sim.experiments.runner import (
     with_progress,
 )
 from shadow_sim.experiments.spec import Experiment
+
+from shadowcore.config import PluginRef
 
 BURST, PERIOD_MS, BURSTS = 24, 10_000, 12  # 24 requests within 0.1 s every 10 s
 SETTINGS = cal.ProbeSettings(warmup_s=5.0, measure_s=40.0, start_per_s=2.0, rel_tol=0.05)

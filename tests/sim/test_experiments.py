@@ -148,10 +148,10 @@ def test_placement_estimate_splits_queued_work_at_the_window() -> None:
     longer than the model's window); at or under the window it is the base estimate."""
     from types import SimpleNamespace
 
+    from shadowcore.engine.cluster import EngineCluster
+    from shadowcore.engine.instance import EngineLimits
     from shadowcore.events import EventLoop
     from shadowcore.latency import LinearLatencyModel, chunked_prefill_s
-    from shadowcore.engine.instance import EngineLimits
-    from shadowcore.engine.cluster import EngineCluster
 
     lat = LinearLatencyModel(attention_s_per_token_pair=1e-9)  # context makes chunks dearer
     inst = SimpleNamespace(latency=lat, limits=EngineLimits(token_budget=1000), queued_prefill_tokens=2500)

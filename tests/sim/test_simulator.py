@@ -5,10 +5,10 @@ bad scenarios fail with one error naming the field and the valid choices."""
 from __future__ import annotations
 
 import pytest
-
-from shadow_sim.models import get_model
 from shadow_sim.backend import SimBackend
+from shadow_sim.models import get_model
 from shadow_sim.simulator import SimRun, SimScenario
+
 from shadowcore.config import PluginRef, ShadowConfig
 from shadowcore.errors import ConfigError
 from shadowcore.registry import policies

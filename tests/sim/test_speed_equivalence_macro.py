@@ -22,8 +22,8 @@ import pytest
 from shadow_sim.simulator import SimRun, SimScenario
 
 from shadowcore.config import PluginRef, ShadowConfig
-from shadowcore.kv import KVClass
 from shadowcore.engine.scenario import FakeRun, FakeScenario
+from shadowcore.kv import KVClass
 
 from .test_speed_equivalence import _same
 

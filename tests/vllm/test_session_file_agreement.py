@@ -9,9 +9,9 @@ import attrs
 from shadow_vllm import virtual  # vLLM itself is imported lazily; conftest guards the folder
 from test_virtual_agreement import MODELS, SCENARIO, RooflineRun
 
-from shadowcore.config import PluginRef, ShadowConfig
 from shadow_traces.agent_loaders import load_call_csv
 from shadow_traces.replay import trace_plans
+from shadowcore.config import PluginRef, ShadowConfig
 
 
 def test_a_session_file_replays_identically_in_the_simulator_and_in_vllm_virtual_time(tmp_path) -> None:

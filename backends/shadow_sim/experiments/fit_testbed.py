@@ -70,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prefill x{s:<4g} " + "  ".join(f"{m} {c:6.2f}" for m, c in caps.items())
                   + f"   sum sq log err {rows[-1][2]:.4f}", flush=True)
     best = min(rows, key=lambda r: r[2])
-    s, caps, err = best
-    print(f"paper testbed: " + "  ".join(f"{m} {c:6.2f}" for m, c in TESTBED.items()))
+    s, caps, _err = best
+    print("paper testbed: " + "  ".join(f"{m} {c:6.2f}" for m, c in TESTBED.items()))
     print(f"best: prefill x{s:g} ({', '.join(f'{m} {caps[m] / TESTBED[m] - 1:+.1%}' for m in TESTBED)})")
     if a.write:
-        source = (f"fitted to the paper's H100 testbed capacities (Appendix D.1: "
+        source = ("fitted to the paper's H100 testbed capacities (Appendix D.1: "
                   + ", ".join(f"{m} {TESTBED[m]}" for m in TESTBED)
                   + " req/s per instance) over the one-parameter family prefill_scale; at the fit: "
                   + ", ".join(f"{m} {caps[m]:.2f}" for m in TESTBED)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from shadow_sim.experiments.calibrate import capacities
 from shadow_sim.experiments.metrics import mean_se
+from shadow_sim.experiments.output import no_nan
 from shadow_sim.experiments.reproduce import N_MODELS, studies
 from shadow_sim.experiments.runner import compare, format_table, summary_json, tasks_for, with_progress
 from shadow_sim.experiments.spec import Experiment
-from shadow_sim.experiments.output import no_nan
 from shadow_sim.experiments.sweep import csv_list
 from shadowcore.cli import HelpFormatter, add_policy_options, describe, exit_on_sigterm, policies_from_args
 from shadowcore.errors import ConfigError, PluginError
