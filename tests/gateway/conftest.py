@@ -71,7 +71,9 @@ def vllm_python_or_skip() -> str:
                 allow_module_level=True)
 
 
-def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition") -> None:
+def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
+    """Poll until ``predicate()`` holds; fail after ``timeout_s`` (generous: a loaded 2-core CI machine
+    runs the gateway, its fakes and other tests at once; a condition that never holds still fails)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
