@@ -295,6 +295,27 @@ def test_evict_shadow_before_normal_and_lru_within_class():
     """C3: eviction removes idle shadow blocks before normal ones and is LRU
     within each class (policies drawn with either eviction order: under
     ``"lru"`` one LRU over both classes instead)."""
+    # Pinned, every run (the machine finds an LRU violation only by chance): three normal blocks
+    # released at t = 0, 1, 2 and a shadow one at t = 3 fill the pool; each new block evicts the least
+    # recently released idle block, idle shadow blocks first under shadow-first, one LRU under "lru".
+    for order in ("shadow-first", "lru"):
+        kv = KVClassManager(4, 1, KVClassPolicy(1.0, 0.0, None, order))
+        for t, h in enumerate((11, 12, 13)):
+            assert kv.allocate(f"n{h}", [h], 0, KVClass.NORMAL, float(t)) is not None
+            kv.release(f"n{h}", float(t))
+        assert kv.allocate("s", [20], 0, KVClass.SHADOW, 3.0) is not None
+        kv.release("s", 3.0)
+        assert kv.allocate("m", [], 1, KVClass.NORMAL, 4.0) is not None
+        gone = [h for h in (11, 12, 13, 20) if not kv.is_cached(h)]
+        assert gone == ([20] if order == "shadow-first" else [11]), (order, gone)
+        assert kv.allocate("m2", [], 1, KVClass.NORMAL, 4.0) is not None
+        gone = [h for h in (11, 12, 13, 20) if not kv.is_cached(h)]
+        assert gone == ([11, 20] if order == "shadow-first" else [11, 12]), (order, gone)
+        # The rule itself, as the vLLM bridge reads it (normal and shadow requesters)
+        idle = {KVClass.SHADOW: {20: 3.0, 21: 5.0}, KVClass.NORMAL: {11: 0.0, 12: 1.0, 13: 4.0}}
+        want = [20, 21, 11, 12, 13] if order == "shadow-first" else [11, 12, 20, 13, 21]
+        assert [b for b, _ in KVClassPolicy(1.0, 0.0, None, order).victims(idle, KVClass.NORMAL)] == want
+        assert [b for b, _ in KVClassPolicy(1.0, 0.0, None, order).victims(idle, KVClass.SHADOW, 9.0)] == want
     _run(_EvictionOrderMachine, 60, 35)
 
 
