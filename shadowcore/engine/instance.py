@@ -261,11 +261,7 @@ class EngineInstance:
                 self.hook.end_step(StepOutcome(self.instance_id, self.iteration, 0.0, results))
             self.iteration += 1
             return None
-        for r, _ in batch:
-            reload_s += r.pending_reload_s
-            r.pending_reload_s = 0.0
-        duration = self.latency.predict_s(snapshot.batch_shape.with_prefills(chunks)) + reload_s
-        self.last_batch_tokens = used + sum(c.num_new_tokens for c in chunks)
+        duration = self._duration(batch, snapshot, chunks, used, reload_s)
         self._step = (batch, results, duration, None)
         self.busy = True
         return now_s + duration
@@ -555,11 +551,7 @@ class EngineInstance:
             )
         plan = self.hook.begin_step(snapshot)
         results, chunks, reload_s = self._run_shadow(plan, now_s)
-        for r, _ in entries:
-            reload_s += r.pending_reload_s
-            r.pending_reload_s = 0.0
-        duration = self.latency.predict_s(snapshot.batch_shape.with_prefills(chunks)) + reload_s
-        self.last_batch_tokens = used + sum(c.num_new_tokens for c in chunks)
+        duration = self._duration(entries, snapshot, chunks, used, reload_s)
         self._agg = (entries, results, duration, None)
         self.num_agg_iterations += 1
         self.num_agg_snapshots += 1
@@ -1035,6 +1027,15 @@ class EngineInstance:
                     for c in results if c.num_computed_tokens]
         return BatchReport(self.instance_id, self.iteration, tuple(entries), self.kv.num_shadow_blocks,
                            self.kv.cap_blocks)
+
+    def _duration(self, entries: list, snapshot: StepSnapshot, chunks: tuple, used: int, reload_s: float) -> float:
+        """The iteration's predicted duration: the batch with the plan's chunks, plus the host-tier
+        reloads of ``entries`` (taken: each is paid once) and of the chunks; records the tokens run."""
+        for r, _ in entries:
+            reload_s += r.pending_reload_s
+            r.pending_reload_s = 0.0
+        self.last_batch_tokens = used + sum(c.num_new_tokens for c in chunks)
+        return self.latency.predict_s(snapshot.batch_shape.with_prefills(chunks)) + reload_s
 
     def _run_shadow(self, plan: StepPlan | None, now_s: float) -> tuple[list[ChunkResult], tuple, float]:
         results: list[ChunkResult] = []
