@@ -58,7 +58,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat, takewhile
-from operator import and_, attrgetter, gt, is_, itemgetter, not_
+from operator import and_, attrgetter, is_, itemgetter, not_
 from typing import TypeVar
 
 import attrs
@@ -150,13 +150,16 @@ class KVClassPolicy:
         needs ``num`` blocks evicts, class by class. Exactly
         ``groupby(islice(victims(...), num))``; the common case (shadow-first,
         a normal requester, nothing protected: each class's release order from
-        its head) slices the idle maps directly."""
+        its head) slices the idle maps directly: an idle map that has a
+        ``first(num)`` method (the manager's: equal to
+        ``list(islice(m, num))``) is asked for it."""
         if self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect:
             runs = []
             for cls in _SHADOW_FIRST:
                 if num <= 0:
                     break
-                head = list(itertools.islice(idle[cls], num))
+                first = getattr(idle[cls], "first", None)
+                head = first(num) if first is not None else list(itertools.islice(idle[cls], num))
                 if head:
                     runs.append((cls, head))
                     num -= len(head)
@@ -232,6 +235,166 @@ def _run_length(keys: Container[int], hashes: Sequence[int]) -> int:
     return len(list(takewhile(keys.__contains__, hashes)))
 
 
+#: Stale entries an idle order may hold beyond its live ones before it compacts (see _IdleRuns).
+_COMPACT_SLACK = 1024
+
+
+class _IdleRuns(Mapping):
+    """One class's idle blocks in release order, as the runs releases
+    appended: ``Mapping[hash, idle since]`` for :meth:`KVClassPolicy.victims`.
+
+    A release appends its blocks of this class as one run ``(state,
+    hashes)``, ``state`` the one state tuple every block of the run got (the
+    manager's blocks one release made idle share it). An entry is live while
+    its block still holds that very tuple (``blocks.get(h) is state``): a hit
+    or an eviction changes or drops the block's state and so leaves its entry
+    stale with no work here; the caller only says how many blocks of the
+    class left (:meth:`left`). So a release costs O(1) here and a hit or an
+    eviction nothing per block, where an ordered dict costs a node per block
+    on each.
+
+    Invariants: ``count`` is the number of live entries; iteration yields
+    the live ones in run order, which is the release order (the order an
+    ordered dict of the same insertions and deletions has); stale entries
+    are skipped, trimmed from the head as iteration reaches them, and
+    dropped all at once when they outnumber the live ones by more than
+    ``_COMPACT_SLACK`` (amortised O(1) per stale entry). The owner must not
+    change the order while it iterates."""
+
+    __slots__ = ("_blocks", "_pos", "_releases", "_runs", "_shadow", "_stored", "count")
+
+    def __init__(self, blocks: dict[int, tuple], shadow: bool, releases: Container[int]) -> None:
+        self._blocks, self._shadow, self._releases = blocks, shadow, releases
+        self._runs: deque[tuple[tuple, list[int]]] = deque()
+        self._pos = 0  # the head run's first entry not yet trimmed
+        self.count = 0  # live entries
+        self._stored = 0  # entries from the head position on, live or stale
+
+    def append(self, state: tuple, hashes: list[int]) -> None:
+        """Blocks that just went idle in this class, in order, each now
+        holding ``state`` (not to be changed while they stay idle)."""
+        if hashes:
+            self._runs.append((state, hashes))
+            self.count += len(hashes)
+            self._stored += len(hashes)
+
+    def left(self, num: int) -> None:
+        """``num`` live entries' blocks left idle (hit or evicted)."""
+        self.count -= num
+        if self._stored - self.count > self.count + _COMPACT_SLACK:
+            self._compact()
+
+    def _live(self, state: tuple, hashes: Sequence[int], start: int = 0) -> Iterator[int]:
+        return compress(islice(hashes, start, None), map(is_, map(self._blocks.get, islice(hashes, start, None)),
+                                                         repeat(state)))
+
+    def _trim(self) -> None:
+        """Drop the stale entries at the head (each once)."""
+        runs, get, releases = self._runs, self._blocks.get, self._releases
+        while runs:
+            state, hashes = runs[0]
+            pos, n = self._pos, len(hashes)
+            if state[3] not in releases:  # nothing of its release is idle: a dead run, dropped unread
+                runs.popleft()
+                self._stored -= n - pos
+                self._pos = 0
+                continue
+            if pos < n and get(hashes[pos]) is state:
+                return
+            if pos + 1 < n and get(hashes[pos + 1]) is state:  # the usual: the head was just evicted
+                self._stored -= 1
+                self._pos = pos + 1
+                return
+            i = next(compress(itertools.count(pos), map(is_, map(get, islice(hashes, pos, None)), repeat(state))),
+                     -1)
+            if i >= 0:
+                self._stored -= i - pos
+                self._pos = i
+                return
+            runs.popleft()
+            self._stored -= len(hashes) - pos
+            self._pos = 0
+
+    def _compact(self) -> None:
+        runs, pos = deque(), self._pos
+        for k, (state, hashes) in enumerate(self._runs):
+            if state[3] not in self._releases:
+                continue
+            live = list(self._live(state, hashes, pos if k == 0 else 0))
+            if live:
+                runs.append((state, live))
+        self._runs, self._pos, self._stored = runs, 0, self.count
+
+    def first(self, num: int) -> list[int]:
+        """``list(islice(self, num))``: the next ``num`` to evict, in order
+        (fewer when there are not that many); a slice of the head run when
+        they are its next entries (the usual case)."""
+        if not self.count:
+            return []
+        if num < self.count:
+            self._trim()
+            state, hashes = self._runs[0]
+            pos = self._pos
+            if pos + num <= len(hashes):
+                head = hashes[pos : pos + num]
+                if num == 1 or all(map(is_, map(self._blocks.get, head), repeat(state))):  # trimmed: [0] is live
+                    return head
+        return list(islice(self, num))
+
+    def __iter__(self) -> Iterator[int]:
+        self._trim()
+        runs = self._runs
+        if not runs:
+            return iter(())
+        state, hashes = runs[0]
+        head = self._live(state, hashes, self._pos)
+        if len(runs) == 1:
+            return head
+        releases = self._releases
+        return itertools.chain(head, itertools.chain.from_iterable(
+            itertools.starmap(self._live, (run for run in islice(runs, 1, None) if run[0][3] in releases))))
+
+    def __reversed__(self) -> Iterator[int]:
+        return reversed(list(self))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __contains__(self, block_hash: object) -> bool:
+        state = self._blocks.get(block_hash)
+        return state is not None and state[1] == 0 and state[0] is self._shadow
+
+    def __getitem__(self, block_hash: int) -> float:
+        if block_hash not in self:
+            raise KeyError(block_hash)
+        return self._blocks[block_hash][2]
+
+    def values(self) -> Iterator[float]:
+        return map(_SINCE, map(self._blocks.__getitem__, iter(self)))
+
+    def items(self) -> _IdleItems:
+        return _IdleItems(self)
+
+
+class _IdleItems:
+    """``_IdleRuns.items()``: (hash, idle since) in release order, lazily (reversible)."""
+
+    __slots__ = ("_idle",)
+
+    def __init__(self, idle: _IdleRuns) -> None:
+        self._idle = idle
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        idle = self._idle
+        return zip(iter(idle), idle.values())  # both trim first: the same live order
+
+    def __reversed__(self) -> Iterator[tuple[int, float]]:
+        return reversed(list(self))
+
+    def __len__(self) -> int:
+        return self._idle.count
+
+
 @attrs.define(eq=False)
 class _Owner:
     kv_class: KVClass
@@ -254,7 +417,7 @@ class KVClassManager:
     num_shadow_blocks_used: int = attrs.field(init=False, default=0)
     num_reloaded_blocks: int = attrs.field(init=False, default=0)
     _blocks: dict[int, tuple] = attrs.field(init=False, factory=dict)  # hash -> state (see _HELD)
-    _idle: dict[KVClass, OrderedDict[int, float]] = attrs.field(init=False)  # hash -> idle since, release order
+    _idle: dict[KVClass, _IdleRuns] = attrs.field(init=False)  # hash -> idle since, release order
     _owners: dict[str, _Owner] = attrs.field(init=False, factory=dict)
     _host: OrderedDict[int, KVClass] = attrs.field(init=False, factory=OrderedDict)
     # Releases not yet cold, in order, as (time, release id); _live[id]: the blocks still idle from that
@@ -263,11 +426,14 @@ class KVClassManager:
     _cold_queue: deque = attrs.field(init=False, factory=deque)
     _live: dict[int, int] = attrs.field(init=False, factory=dict)
     _num_cold_idle: int = attrs.field(init=False, default=0)
+    # Per release, its blocks still idle, cold or not (the idle orders skip a release's run once it has none).
+    _idle_left: dict[int, int] = attrs.field(init=False, factory=dict)
     _num_releases: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
-        self._idle = {KVClass.SHADOW: OrderedDict(), KVClass.NORMAL: OrderedDict()}
+        self._idle = {KVClass.SHADOW: _IdleRuns(self._blocks, True, self._idle_left),
+                      KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left)}
         self.num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
 
     # -- queries -----------------------------------------------------------------
@@ -292,7 +458,8 @@ class KVClassManager:
     def num_idle_blocks(self) -> int:
         """Cached blocks no owner holds (both classes): what a normal
         allocation may evict."""
-        return len(self._idle[KVClass.SHADOW]) + len(self._idle[KVClass.NORMAL])
+        idle = self._idle
+        return idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count
 
     @property
     def num_cached_blocks(self) -> int:
@@ -342,6 +509,7 @@ class KVClassManager:
         """Record release ``release`` (the next id) that made ``num_idle`` > 0 blocks idle at ``now_s``."""
         self._num_releases = release
         self._live[release] = num_idle
+        self._idle_left[release] = num_idle
         self._cold_queue.append((now_s, release))
 
     def _leave_idle(self, releases: Iterator[int]) -> None:
@@ -350,7 +518,7 @@ class KVClassManager:
         release's blocks usually come together (eviction takes them in release
         order; a hit takes a chain one release made idle), so this counts
         runs of one release."""
-        live = self._live
+        live, idle_left = self._live, self._idle_left
         for release, group in itertools.groupby(releases):  # a run per release: O(runs) in Python
             n = len(list(group))
             left = live.get(release)
@@ -358,13 +526,18 @@ class KVClassManager:
                 self._num_cold_idle -= n
             else:
                 live[release] = left - n
+            left = idle_left[release] - n
+            if left:
+                idle_left[release] = left
+            else:
+                del idle_left[release]
 
     def _evicted_from_idle(self, releases: list[int]) -> None:
         """:meth:`_leave_idle` for the releases of evicted blocks of one
         class, in eviction order: a class's idle order is its release order,
         so ``releases`` is sorted and its runs are found by bisection (Python
         work per release, not per block)."""
-        live, i, n = self._live, 0, len(releases)
+        live, idle_left, i, n = self._live, self._idle_left, 0, len(releases)
         while i < n:
             release = releases[i]
             j = n if releases[-1] == release else bisect.bisect_right(releases, release, i)
@@ -373,6 +546,11 @@ class KVClassManager:
                 self._num_cold_idle -= j - i
             else:
                 live[release] = left - (j - i)
+            left = idle_left[release] - (j - i)
+            if left:
+                idle_left[release] = left
+            else:
+                del idle_left[release]
             i = j
 
     def _cold(self, block_hash: int) -> bool:
@@ -496,22 +674,23 @@ class KVClassManager:
                     and len(set(hashes)) == n):
                 shadow = num_shadow > 0
                 blocks.update(zip(hashes, repeat(idle_state[shadow])))
-                idle[_KV_CLASS[shadow]].update(zip(hashes, repeat(now_s)))
+                idle[_KV_CLASS[shadow]].append(idle_state[shadow], hashes)
                 self._new_release(release, len(hashes), now_s)
                 return
-        num_idle = 0
+        newly_idle = ([], [])  # by the shadow flag, in order
         for h in hashes:
             shadow, ref, since, rel = blocks[h]
             if not keep or h not in keep:
                 ref -= 1
             if ref == 0:
-                num_idle += 1
                 blocks[h] = idle_state[shadow]
-                idle[_KV_CLASS[shadow]][h] = now_s
+                newly_idle[shadow].append(h)
             else:
                 blocks[h] = (shadow, ref, since, rel)
-        if num_idle:
-            self._new_release(release, num_idle, now_s)
+        if newly_idle[0] or newly_idle[1]:
+            for shadow in (False, True):
+                idle[_KV_CLASS[shadow]].append(idle_state[shadow], newly_idle[shadow])
+            self._new_release(release, len(newly_idle[0]) + len(newly_idle[1]), now_s)
 
     def release_and_cache(self, owner_id: str, hashes: Sequence[int], cache_owner_id: str, now_s: float) -> None:
         """A finished request: exactly ``release(owner_id)``, then, if it fits,
@@ -541,18 +720,20 @@ class KVClassManager:
         left_idle = []
         for h in hashes:
             block = blocks.get(h)
-            if block is None or h in held:
+            if block is None or h in held or h in hits:
                 continue
             hits.add(h)
             shadow, ref, since, rel = block
             if ref == 0:
-                del self._idle[_KV_CLASS[shadow]][h]
                 left_idle.append(block)
             if shadow:
                 shadow = False
                 self.num_shadow_blocks -= 1
                 used += 1
             blocks[h] = (shadow, ref, since, rel)
+        num_shadow_left = sum(map(_KV_CLASS_FLAG, left_idle))  # their idle entries are stale now
+        self._idle[KVClass.SHADOW].left(num_shadow_left)
+        self._idle[KVClass.NORMAL].left(len(left_idle) - num_shadow_left)
         self._leave_idle(map(_RELEASE, left_idle))
         self.num_shadow_blocks_used += used
         self.num_reloaded_blocks += match.num_host_blocks
@@ -595,24 +776,24 @@ class KVClassManager:
             order = list(reversed(hashes))  # tail last block first, then the head last block first
             if order:
                 blocks.update(zip(order, repeat(idle_state)))
-                self._idle[KVClass.NORMAL].update(zip(order, repeat(now_s)))
+                self._idle[KVClass.NORMAL].append(idle_state, order)
                 self._new_release(release, len(order), now_s)
             return True
         newly_idle = list(reversed(tail))  # the tail goes idle last block first
         blocks.update(zip(newly_idle, repeat(idle_state)))
-        idle = self._idle
-        idle[KVClass.NORMAL].update(zip(newly_idle, repeat(now_s)))
-        num_idle = len(newly_idle)
+        shadow_idle, shadow_state = [], (True, 0, now_s, release)
         for h in reversed(head):  # then the head loses the owner's reference, last block first
             shadow, ref, since, rel = blocks[h]
             if ref == 1:
-                num_idle += 1
-                blocks[h] = idle_state if not shadow else (True, 0, now_s, release)
-                idle[_KV_CLASS[shadow]][h] = now_s
+                blocks[h] = idle_state if not shadow else shadow_state
+                (shadow_idle if shadow else newly_idle).append(h)
             else:
                 blocks[h] = (shadow, ref - 1, since, rel)
-        if num_idle:
-            self._new_release(release, num_idle, now_s)
+        idle = self._idle
+        idle[KVClass.NORMAL].append(idle_state, newly_idle)
+        idle[KVClass.SHADOW].append(shadow_state, shadow_idle)
+        if newly_idle or shadow_idle:
+            self._new_release(release, len(newly_idle) + len(shadow_idle), now_s)
         return True
 
     def reload_seconds(self, num_blocks: int) -> float:
@@ -653,10 +834,6 @@ class KVClassManager:
             idle_flags = list(map(not_, refs))
             idle_shadow = list(map(and_, idle_flags, shadows))
             n_idle, n_idle_shadow = sum(idle_flags), sum(idle_shadow)
-            if n_idle_shadow:
-                deque(map(self._idle[KVClass.SHADOW].pop, compress(hits, idle_shadow)), 0)
-            if n_idle > n_idle_shadow:  # idle and normal: idle flag above the shadow flag
-                deque(map(self._idle[KVClass.NORMAL].pop, compress(hits, map(gt, idle_flags, shadows))), 0)
             self._leave_idle(map(_RELEASE, compress(states, idle_flags)))
         normal = requester is KVClass.NORMAL
         new = {s: (s[0] and not normal, s[1] + 1, s[2], s[3]) for s in set(states)}
@@ -666,26 +843,27 @@ class KVClassManager:
             self.num_shadow_blocks -= used
             self.num_shadow_blocks_used += used
         blocks.update(zip(hits, map(new.__getitem__, states)))
+        if 0 in refs:  # the idle hits' entries in the idle orders are stale now
+            if n_idle_shadow:
+                self._idle[KVClass.SHADOW].left(n_idle_shadow)
+            if n_idle > n_idle_shadow:  # idle and normal
+                self._idle[KVClass.NORMAL].left(n_idle - n_idle_shadow)
         return used
 
     def _ref_idle_hits(self, hits: Sequence[int], states: list[tuple]) -> int:
         """:meth:`_ref_hits` of a normal requester when every block is idle:
         the blocks one release made idle share their idle time, so the new
         (held, normal) states are one per release."""
-        shadows = list(map(_KV_CLASS_FLAG, states))
-        used = sum(shadows)
-        idle = self._idle
-        if used == 0:
-            deque(map(idle[KVClass.NORMAL].pop, hits), 0)
-        elif used == len(hits):
-            deque(map(idle[KVClass.SHADOW].pop, hits), 0)
-        else:
-            deque(map(idle[KVClass.SHADOW].pop, compress(hits, shadows)), 0)
-            deque(map(idle[KVClass.NORMAL].pop, compress(hits, map(not_, shadows))), 0)
+        used = sum(map(_KV_CLASS_FLAG, states))
         releases = list(map(_RELEASE, states))
         self._leave_idle(releases)
         new = {release: (False, 1, since, release) for release, since in dict(zip(releases, map(_SINCE, states))).items()}
         self._blocks.update(zip(hits, map(new.__getitem__, releases)))
+        idle = self._idle  # the hits' entries in the idle orders are stale now
+        if used:
+            idle[KVClass.SHADOW].left(used)
+        if used < len(hits):
+            idle[KVClass.NORMAL].left(len(hits) - used)
         self.num_shadow_blocks -= used
         self.num_shadow_blocks_used += used
         return used
@@ -694,20 +872,29 @@ class KVClassManager:
         """:meth:`_ref_hits` a block at a time (short or repeating runs)."""
         used = 0
         blocks, live = self._blocks, self._live
+        left_idle = [0, 0]  # by the shadow flag
         for h in hits:
             shadow, ref, since, rel = blocks[h]
             if ref == 0:
-                del self._idle[_KV_CLASS[shadow]][h]
+                left_idle[shadow] += 1
                 left = live.get(rel)
                 if left is None:
                     self._num_cold_idle -= 1
                 else:
                     live[rel] = left - 1
+                left = self._idle_left[rel] - 1
+                if left:
+                    self._idle_left[rel] = left
+                else:
+                    del self._idle_left[rel]
             if requester is KVClass.NORMAL and shadow:
                 shadow = False
                 self.num_shadow_blocks -= 1
                 used += 1
             blocks[h] = (shadow, ref + 1, since, rel)
+        for shadow in (False, True):
+            if left_idle[shadow]:
+                self._idle[_KV_CLASS[shadow]].left(left_idle[shadow])
         self.num_shadow_blocks_used += used
         return used
 
@@ -732,9 +919,9 @@ class KVClassManager:
         """Drop a run of idle blocks of one class from the device, in order
         (to the host tier if any): one C-level pass per step, not a Python
         call per block."""
-        idle, blocks = self._idle[cls], self._blocks
-        deque(map(idle.pop, victims), 0)
+        blocks = self._blocks
         self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
+        self._idle[cls].left(len(victims))  # their idle entries are stale now
         if self.policy.host is not None:
             self._spill(victims, cls)
         if cls is KVClass.SHADOW:

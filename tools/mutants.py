@@ -56,7 +56,7 @@ MUTATIONS: dict[str, tuple] = {
     "lru-mru": (UNIT, "test_evict_shadow_before_normal_and_lru_within_class", "shadowcore/kv.py",
                 "zip(idle[cls], repeat(cls))", "zip(reversed(idle[cls]), repeat(cls))",
                 "for block, since in idle[cls].items():", "for block, since in reversed(idle[cls].items()):",
-                "head = list(itertools.islice(idle[cls], num))",
+                "head = first(num) if first is not None else list(itertools.islice(idle[cls], num))",
                 "head = list(itertools.islice(reversed(idle[cls]), num))"),
     "young": (UNIT, "test_shadow_never_displaces_young_entry", "shadowcore/kv.py",
               "return now_s - idle_since_s > self.cold_age_s", "return now_s - idle_since_s >= self.cold_age_s"),
