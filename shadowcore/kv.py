@@ -284,6 +284,22 @@ class _IdleRuns(Mapping):
         if self._stored - self.count > self.count + _COMPACT_SLACK:
             self._compact()
 
+    def evicted(self, victims: list[int]) -> None:
+        """``victims`` (live entries, in order) were just evicted: they
+        leave, and when they are the head's next entries (the usual: the
+        victims :meth:`first` gave) the head moves past them unread."""
+        runs = self._runs
+        if runs:
+            hashes, pos = runs[0][1], self._pos
+            end = pos + len(victims)
+            if end <= len(hashes) and hashes[pos:end] == victims:  # identical objects: compared by pointer
+                self._stored -= len(victims)
+                if end == len(hashes):
+                    runs.popleft()
+                    end = 0
+                self._pos = end
+        self.left(len(victims))
+
     def _live(self, state: tuple, hashes: Sequence[int], start: int = 0) -> Iterator[int]:
         return compress(islice(hashes, start, None), map(is_, map(self._blocks.get, islice(hashes, start, None)),
                                                          repeat(state)))
@@ -518,39 +534,32 @@ class KVClassManager:
         release's blocks usually come together (eviction takes them in release
         order; a hit takes a chain one release made idle), so this counts
         runs of one release."""
-        live, idle_left = self._live, self._idle_left
         for release, group in itertools.groupby(releases):  # a run per release: O(runs) in Python
-            n = len(list(group))
-            left = live.get(release)
-            if left is None:
-                self._num_cold_idle -= n
-            else:
-                live[release] = left - n
-            left = idle_left[release] - n
-            if left:
-                idle_left[release] = left
-            else:
-                del idle_left[release]
+            self._left_release(release, len(list(group)))
+
+    def _left_release(self, release: int, num: int) -> None:
+        """``num`` idle blocks of release ``release`` left idle (hit or evicted)."""
+        left = self._live.get(release)
+        if left is None:
+            self._num_cold_idle -= num
+        else:
+            self._live[release] = left - num
+        left = self._idle_left[release] - num
+        if left:
+            self._idle_left[release] = left
+        else:
+            del self._idle_left[release]
 
     def _evicted_from_idle(self, releases: list[int]) -> None:
         """:meth:`_leave_idle` for the releases of evicted blocks of one
         class, in eviction order: a class's idle order is its release order,
         so ``releases`` is sorted and its runs are found by bisection (Python
         work per release, not per block)."""
-        live, idle_left, i, n = self._live, self._idle_left, 0, len(releases)
+        i, n = 0, len(releases)
         while i < n:
             release = releases[i]
             j = n if releases[-1] == release else bisect.bisect_right(releases, release, i)
-            left = live.get(release)
-            if left is None:
-                self._num_cold_idle -= j - i
-            else:
-                live[release] = left - (j - i)
-            left = idle_left[release] - (j - i)
-            if left:
-                idle_left[release] = left
-            else:
-                del idle_left[release]
+            self._left_release(release, j - i)
             i = j
 
     def _cold(self, block_hash: int) -> bool:
@@ -856,9 +865,15 @@ class KVClassManager:
         (held, normal) states are one per release."""
         used = sum(map(_KV_CLASS_FLAG, states))
         releases = list(map(_RELEASE, states))
-        self._leave_idle(releases)
-        new = {release: (False, 1, since, release) for release, since in dict(zip(releases, map(_SINCE, states))).items()}
-        self._blocks.update(zip(hits, map(new.__getitem__, releases)))
+        first = releases[0]
+        if releases.count(first) == len(releases):  # one release (a chain released at once): one new state
+            self._left_release(first, len(releases))
+            self._blocks.update(zip(hits, repeat((False, 1, states[0][2], first))))
+        else:
+            self._leave_idle(releases)
+            new = {release: (False, 1, since, release)
+                   for release, since in dict(zip(releases, map(_SINCE, states))).items()}
+            self._blocks.update(zip(hits, map(new.__getitem__, releases)))
         idle = self._idle  # the hits' entries in the idle orders are stale now
         if used:
             idle[KVClass.SHADOW].left(used)
@@ -871,22 +886,13 @@ class KVClassManager:
     def _ref_hits_one_by_one(self, hits: Sequence[int], requester: KVClass) -> int:
         """:meth:`_ref_hits` a block at a time (short or repeating runs)."""
         used = 0
-        blocks, live = self._blocks, self._live
+        blocks = self._blocks
         left_idle = [0, 0]  # by the shadow flag
         for h in hits:
             shadow, ref, since, rel = blocks[h]
             if ref == 0:
                 left_idle[shadow] += 1
-                left = live.get(rel)
-                if left is None:
-                    self._num_cold_idle -= 1
-                else:
-                    live[rel] = left - 1
-                left = self._idle_left[rel] - 1
-                if left:
-                    self._idle_left[rel] = left
-                else:
-                    del self._idle_left[rel]
+                self._left_release(rel, 1)
             if requester is KVClass.NORMAL and shadow:
                 shadow = False
                 self.num_shadow_blocks -= 1
@@ -921,7 +927,7 @@ class KVClassManager:
         call per block."""
         blocks = self._blocks
         self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
-        self._idle[cls].left(len(victims))  # their idle entries are stale now
+        self._idle[cls].evicted(victims)  # their idle entries are stale now
         if self.policy.host is not None:
             self._spill(victims, cls)
         if cls is KVClass.SHADOW:
