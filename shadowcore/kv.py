@@ -646,16 +646,25 @@ class KVClassManager:
         otherwise. Taken in one go: free blocks first,
         then LRU evictions, as the calls one by one would. A shadow owner is an
         error (its cap rules differ)."""
-        grown = list(map(self._owners.__getitem__, map(_FIRST, needs)))
-        if KVClass.SHADOW in map(_OWNER_CLASS, grown):
-            raise ValueError("extend_private grows normal owners only")
-        counts = list(map(_SECOND, needs))
-        total = sum(counts)
-        if total > self.num_free_blocks + self.num_idle_blocks:
-            return False
-        for owner, n in zip(grown, counts):
+        owners = self._owners
+        grown = [(owners[owner_id], n) for owner_id, n in needs]  # a few per call: plain Python is the fastest
+        total = 0
+        for owner, n in grown:
+            if owner.kv_class is KVClass.SHADOW:
+                raise ValueError("extend_private grows normal owners only")
+            total += n
+        free = self.num_free_blocks
+        if total > free:
+            idle = self._idle
+            if total > free + idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count:
+                return False
+        for owner, n in grown:
             owner.num_private_blocks += n
-        self._take(total, KVClass.NORMAL, now_s, protect=())
+        if total <= free:
+            self.num_free_blocks = free - total
+        else:  # _take of a normal owner: the free blocks, then evictions
+            self.num_free_blocks = 0
+            self._evict(total - free, KVClass.NORMAL, now_s, ())
         return True
 
     def release(self, owner_id: str, now_s: float) -> None:
