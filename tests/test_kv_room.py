@@ -156,3 +156,55 @@ def test_a_normal_hit_on_a_released_mixed_run_promotes_its_shadow_blocks() -> No
     alloc = kv.allocate("call2", [11, 12, 13, 14, 15], 0, KVClass.NORMAL, 4.0)  # held and idle shadow blocks
     assert alloc is not None and alloc.num_shadow_blocks_used == 5
     assert [kv.class_of(h) for h in range(11, 16)] == [KVClass.NORMAL] * 5 and kv.num_shadow_blocks == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "shadow", "release", "finish", "grow", "tick"]),
+                              st.integers(0, 5), st.integers(1, 10)), min_size=1, max_size=50),
+       num_blocks=st.integers(6, 40), slack=st.sampled_from([0, 1, 1024]), host=st.booleans())
+# A hit on the head of a released chain, then evictions through the rest and past it (pinned: the dead-run
+# and head-advance shortcuts both apply here).
+@example(ops=[("alloc", 0, 6), ("release", 0, 1), ("alloc", 1, 6), ("release", 0, 1), ("alloc", 0, 3),
+              ("grow", 0, 7), ("release", 0, 1), ("grow", 0, 4)], num_blocks=16, slack=0, host=False)
+# A head run with two stale entries in a row before a one-block eviction (found by search: the head's shortcut
+# must not stop on a stale entry, whose block is gone).
+@example(ops=[("alloc", 1, 3), ("finish", 2, 2), ("alloc", 5, 3), ("alloc", 4, 8), ("shadow", 3, 2), ("tick", 4, 5),
+              ("finish", 1, 8), ("alloc", 0, 10), ("finish", 5, 1), ("tick", 0, 8), ("shadow", 4, 4),
+              ("finish", 2, 3), ("grow", 4, 2), ("alloc", 4, 9), ("tick", 0, 5), ("shadow", 1, 10)],
+         num_blocks=18, slack=1024, host=False)
+def test_idle_orders_are_the_release_order_of_idle_blocks(ops, num_blocks, slack, host) -> None:
+    """Each class's idle order (kept as runs with stale entries, see
+    ``_IdleRuns``) is, by definition, its idle blocks (reference count 0)
+    sorted by release, a release's blocks in the order it released them
+    (here: a chain tail first); its length is their number. Checked after
+    every step, with compaction forced (slack 0, 1) and not."""
+    from unittest import mock
+
+    from shadowcore import kv as kv_module
+    from shadowcore.kv import HostTierParams
+
+    policy = KVClassPolicy(0.5, 1.0, HostTierParams(capacity_bytes=5 * 4 * 131072.0) if host else None)
+    kv = KVClassManager(num_blocks, 4, policy)
+    now, owners = 0.0, []  # (owner id, chain, length)
+    with mock.patch.object(kv_module, "_COMPACT_SLACK", slack):
+        for step, (op, chain, n) in enumerate(ops):
+            if op == "tick":
+                now += n * 0.4
+            elif op in ("alloc", "shadow"):
+                cls = KVClass.SHADOW if op == "shadow" else KVClass.NORMAL
+                if kv.allocate(f"o{step}", [chain * 1000 + i for i in range(n)], 0, cls, now) is not None:
+                    owners.append((f"o{step}", chain, n))
+            elif op == "grow" and owners:
+                if kv.allocate(f"g{step}", [], n, KVClass.NORMAL, now) is not None:  # private blocks: evictions
+                    kv.release(f"g{step}", now)
+            elif owners:
+                owner, c, k = owners.pop(chain % len(owners))
+                if op == "release" or kv._owners[owner].kv_class is KVClass.SHADOW:
+                    kv.release(owner, now)
+                else:
+                    kv.release_and_cache(owner, [c * 1000 + i for i in range(k + n)], f"c{step}", now)
+            for cls in KVClass:
+                idle = [h for h, (shadow, ref, _, _) in kv._blocks.items() if ref == 0 and shadow is (cls is KVClass.SHADOW)]
+                expected = sorted(idle, key=lambda h: (kv._blocks[h][3], -h))
+                assert kv.idle_order(cls) == expected, (step, cls)
+                assert len(kv._idle[cls]) == len(expected)
