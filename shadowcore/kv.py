@@ -427,9 +427,9 @@ class KVClassManager:
     policy: KVClassPolicy = attrs.Factory(KVClassPolicy)
     kv_bytes_per_token: float = attrs.field(default=131072.0, validator=positive)
     num_free_blocks: int = attrs.field(init=False)
-    eviction_count: int = attrs.field(init=False, default=0)
-    num_shadow_blocks: int = attrs.field(init=False, default=0)
-    num_evicted_blocks: dict[KVClass, int] = attrs.field(init=False)
+    _eviction_count: int = attrs.field(init=False, default=0)
+    _num_shadow_blocks: int = attrs.field(init=False, default=0)
+    _num_evicted_blocks: dict[KVClass, int] = attrs.field(init=False)
     num_shadow_blocks_used: int = attrs.field(init=False, default=0)
     num_reloaded_blocks: int = attrs.field(init=False, default=0)
     _blocks: dict[int, tuple] = attrs.field(init=False, factory=dict)  # hash -> state (see _HELD)
@@ -445,12 +445,14 @@ class KVClassManager:
     # Per release, its blocks still idle, cold or not (the idle orders skip a release's run once it has none).
     _idle_left: dict[int, int] = attrs.field(init=False, factory=dict)
     _num_releases: int = attrs.field(init=False, default=0)
+    # Evictions owed: blocks normal owners took from idle whose victims are not chosen yet (_settle).
+    _owed: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
         self._idle = {KVClass.SHADOW: _IdleRuns(self._blocks, True, self._idle_left),
                       KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left)}
-        self.num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
+        self._num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -468,6 +470,7 @@ class KVClassManager:
 
     @property
     def num_host_blocks(self) -> int:
+        self._settle()
         return len(self._host)
 
     @property
@@ -475,37 +478,74 @@ class KVClassManager:
         """Cached blocks no owner holds (both classes): what a normal
         allocation may evict."""
         idle = self._idle
-        return idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count
+        return idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count - self._owed
 
     @property
     def num_cached_blocks(self) -> int:
+        self._settle()
         return len(self._blocks)
 
+    @property
+    def eviction_count(self) -> int:
+        """Blocks evicted so far (each owed eviction will be one)."""
+        return self._eviction_count + self._owed
+
+    @property
+    def num_shadow_blocks(self) -> int:
+        """Shadow blocks, in use or cached."""
+        self._settle()
+        return self._num_shadow_blocks
+
+    @property
+    def num_evicted_blocks(self) -> dict[KVClass, int]:
+        """Blocks evicted so far, by class (the manager's counters)."""
+        self._settle()
+        return self._num_evicted_blocks
+
+    def _settle(self) -> None:
+        """Make the evictions owed (see :meth:`_take`). Every query and change
+        but ``extend_private`` and the counts above it settles first, so no
+        caller sees the debt: between the take and now only takes of normal
+        owners ran, which leave the idle orders and the host tier as they
+        were, and a normal requester's victims do not depend on the time, so
+        the victims now are the ones the takes would have evicted, in order."""
+        owed = self._owed
+        if owed:
+            self._owed = 0
+            self._evict(owed, KVClass.NORMAL, 0.0, ())
+
     def class_of(self, block_hash: int) -> KVClass | None:
+        self._settle()
         block = self._blocks.get(block_hash)
         return None if block is None else _KV_CLASS[block[0]]
 
     def is_cached(self, block_hash: int) -> bool:
+        self._settle()
         return block_hash in self._blocks
 
     def in_host(self, block_hash: int) -> bool:
+        self._settle()
         return block_hash in self._host
 
     def idle_order(self, kv_class: KVClass) -> list[int]:
         """Idle blocks of a class, next to be evicted first."""
+        self._settle()
         return list(self._idle[kv_class])
 
     def idle_since(self, block_hash: int) -> float:
+        self._settle()
         return self._blocks[block_hash][2]
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
+        self._settle()
         n_dev = _run_length(self._blocks, hashes)
         n_host = _run_length(self._host, itertools.islice(hashes, n_dev, None)) if self._host else 0
         return PrefixMatch(n_dev, n_host)
 
     def shadow_room_blocks(self, now_s: float) -> int:
         """Blocks a shadow chunk could take now: cap room, free and cold."""
-        room = self.cap_blocks - self.num_shadow_blocks
+        self._settle()
+        room = self.cap_blocks - self._num_shadow_blocks
         if room <= 0:
             return 0
         if self.num_free_blocks >= room:
@@ -564,6 +604,7 @@ class KVClassManager:
 
     def _cold(self, block_hash: int) -> bool:
         """Idle and counted cold (for tests: the cold count is this, summed)."""
+        self._settle()
         _, ref, _, release = self._blocks[block_hash]
         return ref == 0 and release not in self._live
 
@@ -584,6 +625,7 @@ class KVClassManager:
         """
         if owner_id in self._owners:
             raise ValueError(f"owner {owner_id!r} already holds blocks")
+        self._settle()
         match = self.match_prefix(hashes)
         hits = hashes[: match.num_device_blocks]
         # Blocks past the first miss may still be cached (a chain's head can be
@@ -621,6 +663,7 @@ class KVClassManager:
     def extend(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, now_s: float) -> bool:
         """Grow an owner (decode): new hashed and private blocks; all or nothing."""
         owner = self._owners[owner_id]
+        self._settle()
         if not hashes and num_private_blocks <= self.num_free_blocks and owner.kv_class is KVClass.NORMAL:
             self.num_free_blocks -= num_private_blocks  # the general path below, when only free blocks are taken
             owner.num_private_blocks += num_private_blocks
@@ -656,19 +699,20 @@ class KVClassManager:
         free = self.num_free_blocks
         if total > free:
             idle = self._idle
-            if total > free + idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count:
+            if total > free + idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count - self._owed:
                 return False
         for owner, n in grown:
             owner.num_private_blocks += n
         if total <= free:
             self.num_free_blocks = free - total
-        else:  # _take of a normal owner: the free blocks, then evictions
+        else:  # _take of a normal owner: the free blocks, then evictions (owed)
             self.num_free_blocks = 0
-            self._evict(total - free, KVClass.NORMAL, now_s, ())
+            self._owed += total - free
         return True
 
     def release(self, owner_id: str, now_s: float) -> None:
         """Drop an owner's references; its hashed blocks stay cached (idle)."""
+        self._settle()
         owner = self._owners.pop(owner_id)
         self._unref(reversed(owner.hashes), (), now_s)  # tail first, so LRU evicts a context's tail first (as vLLM)
         self._free(owner.num_private_blocks, owner.kv_class)
@@ -719,6 +763,7 @@ class KVClassManager:
         the new ones fit in free blocks (no eviction); otherwise the three
         calls run."""
         owner = self._owners[owner_id]
+        self._settle()
         blocks = self._blocks
         if self._release_and_cache_chain(owner_id, owner, hashes, now_s):
             return
@@ -746,7 +791,7 @@ class KVClassManager:
                 left_idle.append(block)
             if shadow:
                 shadow = False
-                self.num_shadow_blocks -= 1
+                self._num_shadow_blocks -= 1
                 used += 1
             blocks[h] = (shadow, ref, since, rel)
         num_shadow_left = sum(map(_KV_CLASS_FLAG, left_idle))  # their idle entries are stale now
@@ -822,7 +867,7 @@ class KVClassManager:
 
     # -- internals ---------------------------------------------------------------
     def _can_take(self, num: int, kv_class: KVClass, now_s: float, exclude: Sequence[int]) -> bool:
-        if kv_class is KVClass.SHADOW and self.num_shadow_blocks + num > self.cap_blocks:
+        if kv_class is KVClass.SHADOW and self._num_shadow_blocks + num > self.cap_blocks:
             return False
         if num <= self.num_free_blocks:
             return True
@@ -858,7 +903,7 @@ class KVClassManager:
         used = 0
         if normal:
             used = sum(map(_KV_CLASS_FLAG, states))
-            self.num_shadow_blocks -= used
+            self._num_shadow_blocks -= used
             self.num_shadow_blocks_used += used
         blocks.update(zip(hits, map(new.__getitem__, states)))
         if 0 in refs:  # the idle hits' entries in the idle orders are stale now
@@ -888,7 +933,7 @@ class KVClassManager:
             idle[KVClass.SHADOW].left(used)
         if used < len(hits):
             idle[KVClass.NORMAL].left(len(hits) - used)
-        self.num_shadow_blocks -= used
+        self._num_shadow_blocks -= used
         self.num_shadow_blocks_used += used
         return used
 
@@ -904,7 +949,7 @@ class KVClassManager:
                 self._left_release(rel, 1)
             if requester is KVClass.NORMAL and shadow:
                 shadow = False
-                self.num_shadow_blocks -= 1
+                self._num_shadow_blocks -= 1
                 used += 1
             blocks[h] = (shadow, ref + 1, since, rel)
         for shadow in (False, True):
@@ -919,7 +964,7 @@ class KVClassManager:
         if num > from_free:
             self._evict(num - from_free, kv_class, now_s, protect)
         if kv_class is KVClass.SHADOW:
-            self.num_shadow_blocks += num
+            self._num_shadow_blocks += num
 
     def _evict(self, num: int, requester: KVClass, now_s: float, protect: set[int]) -> None:
         """Evict the first ``num`` of the policy's victims for ``requester``
@@ -940,9 +985,9 @@ class KVClassManager:
         if self.policy.host is not None:
             self._spill(victims, cls)
         if cls is KVClass.SHADOW:
-            self.num_shadow_blocks -= len(victims)
-        self.num_evicted_blocks[cls] += len(victims)
-        self.eviction_count += len(victims)
+            self._num_shadow_blocks -= len(victims)
+        self._num_evicted_blocks[cls] += len(victims)
+        self._eviction_count += len(victims)
 
     def _spill(self, victims: list[int], kv_class: KVClass) -> None:
         """Put evicted blocks of one class in the host tier, in order, each as
@@ -967,4 +1012,4 @@ class KVClassManager:
     def _free(self, num_private: int, kv_class: KVClass) -> None:
         self.num_free_blocks += num_private
         if kv_class is KVClass.SHADOW:
-            self.num_shadow_blocks -= num_private
+            self._num_shadow_blocks -= num_private

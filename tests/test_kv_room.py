@@ -208,3 +208,24 @@ def test_idle_orders_are_the_release_order_of_idle_blocks(ops, num_blocks, slack
                 expected = sorted(idle, key=lambda h: (kv._blocks[h][3], -h))
                 assert kv.idle_order(cls) == expected, (step, cls)
                 assert len(kv._idle[cls]) == len(expected)
+
+
+def test_decode_growth_evicts_the_blocks_idle_when_it_grew() -> None:
+    """``extend_private`` owes its evictions (the manager makes them at its
+    next query or change): they must be the victims of the moment it grew,
+    even when a shadow release in between puts shadow blocks ahead of the
+    normal ones in the eviction order; every count must already include
+    them."""
+    kv = KVClassManager(8, 4, KVClassPolicy(shadow_cap_fraction=1.0))
+    assert kv.allocate("s", [10, 11], 0, KVClass.SHADOW, 0.0) is not None
+    assert kv.allocate("ctx", [1, 2, 3, 4], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("ctx", 0.0)  # idle, normal: 4, 3, 2, 1
+    assert kv.allocate("d", [], 2, KVClass.NORMAL, 0.0) is not None  # the last free blocks
+    assert kv.extend_private([("d", 2)], 1.0)  # two of the normal idle blocks: 4, 3
+    assert kv.eviction_count == 2 and kv.num_idle_blocks == 2 and kv.num_free_blocks == 0
+    kv.release("s", 2.0)  # the shadow blocks go idle: now first in line
+    assert [kv.is_cached(h) for h in (1, 2, 3, 4, 10, 11)] == [True, True, False, False, True, True]
+    assert kv.idle_order(KVClass.NORMAL) == [2, 1] and kv.idle_order(KVClass.SHADOW) == [11, 10]
+    assert kv.num_evicted_blocks == {KVClass.SHADOW: 0, KVClass.NORMAL: 2} and kv.eviction_count == 2
+    assert not kv.extend_private([("d", 5)], 3.0)  # 4 idle blocks: nothing changed
+    assert kv.num_idle_blocks == 4 and kv.eviction_count == 2

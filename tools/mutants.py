@@ -49,7 +49,7 @@ MUTATIONS: dict[str, tuple] = {
     "credit-spend": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
                      "self.balance_s -= cost", "pass"),
     "cap": (UNIT, "test_shadow_kv_never_exceeds_cap", "shadowcore/kv.py",
-            ("        if kv_class is KVClass.SHADOW and self.num_shadow_blocks + num > self.cap_blocks:\n"
+            ("        if kv_class is KVClass.SHADOW and self._num_shadow_blocks + num > self.cap_blocks:\n"
              "            return False\n"), ""),
     "class-order": (UNIT, "test_evict_shadow_before_normal_and_lru_within_class", "shadowcore/kv.py",
                     EVICT_CLASSES, "_SHADOW_FIRST = (KVClass.NORMAL, KVClass.SHADOW)"),
@@ -165,6 +165,14 @@ MUTATIONS: dict[str, tuple] = {
     "idle-head-skip": ("tests/test_kv_room.py", "test_idle_orders_are_the_release_order_of_idle_blocks",
                        "shadowcore/kv.py", "if pos + 1 < n and get(hashes[pos + 1]) is state:",
                        "if pos + 1 < n:"),
+    # evictions owed by decode growth (issue 17): made before anything else looks or changes, all of them
+    "owed-release": ("tests/test_kv_room.py", "test_decode_growth_evicts_the_blocks_idle_when_it_grew",
+                     "shadowcore/kv.py",
+                     '''        """Drop an owner's references; its hashed blocks stay cached (idle)."""\n        self._settle()\n''',
+                     '''        """Drop an owner's references; its hashed blocks stay cached (idle)."""\n'''),
+    "owed-count": ("tests/test_kv_room.py", "test_decode_growth_evicts_the_blocks_idle_when_it_grew",
+                   "shadowcore/kv.py", "            self._evict(owed, KVClass.NORMAL, 0.0, ())",
+                   "            self._evict(owed - 1, KVClass.NORMAL, 0.0, ())"),
     "victim-runs": ("tests/test_kv_room.py", "test_victim_runs_are_the_first_victims_grouped_by_class",
                     "shadowcore/kv.py",
                     'if self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect:',
