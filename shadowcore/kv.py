@@ -347,15 +347,24 @@ class _IdleRuns(Mapping):
         they are its next entries (the usual case)."""
         if not self.count:
             return []
-        if num < self.count:
-            self._trim()
-            state, hashes = self._runs[0]
-            pos = self._pos
-            if pos + num <= len(hashes):
-                head = hashes[pos : pos + num]
-                if num == 1 or all(map(is_, map(self._blocks.get, head), repeat(state))):  # trimmed: [0] is live
-                    return head
-        return list(islice(self, num))
+        if num >= self.count:
+            return list(self)
+        self._trim()
+        state, hashes = self._runs[0]
+        pos = self._pos
+        if pos + num <= len(hashes):
+            head = hashes[pos : pos + num]
+            if num == 1 or all(map(is_, map(self._blocks.get, head), repeat(state))):  # trimmed: [0] is live
+                return head
+        out: list[int] = []  # run by run (no chained iterators), dead runs unread
+        releases = self._releases
+        for state, hashes in self._runs:
+            if pos or state[3] in releases:
+                out += islice(self._live(state, hashes, pos), num - len(out))
+                if len(out) == num:
+                    break
+            pos = 0
+        return out
 
     def __iter__(self) -> Iterator[int]:
         self._trim()
@@ -959,10 +968,16 @@ class KVClassManager:
         return used
 
     def _take(self, num: int, kv_class: KVClass, now_s: float, protect: set[int]) -> None:
+        """Free blocks, then evictions: owed (see :meth:`_settle`) for a normal
+        owner without a host tier (with one, the caller's host-tier changes
+        must follow the spill) and nothing protected, made now otherwise."""
         from_free = min(num, self.num_free_blocks)
         self.num_free_blocks -= from_free
         if num > from_free:
-            self._evict(num - from_free, kv_class, now_s, protect)
+            if kv_class is KVClass.NORMAL and not protect and self.policy.host is None:
+                self._owed += num - from_free
+            else:
+                self._evict(num - from_free, kv_class, now_s, protect)
         if kv_class is KVClass.SHADOW:
             self._num_shadow_blocks += num
 
