@@ -41,7 +41,19 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
   release the count of its blocks still idle (O(1) per release to turn cold;
   blocks leaving idle leave their release's count, per run of one release).
 * Each class's idle order is its release order, so a run of victims of one
-  class is sorted by release.
+  class is sorted by release. It is kept as the runs releases appended
+  (:class:`_IdleRuns`): an entry is live while its block holds the run's
+  state tuple, so a release appends one run and a hit or an eviction leaves
+  stale entries behind instead of deleting block by block.
+* Evictions for normal owners are owed, not made, where nothing can tell
+  the difference: ``extend_private`` (decode growth) and a normal
+  allocation without a host tier take free blocks and count the rest as
+  owed; every other query or change first makes the owed evictions in one
+  go (:meth:`KVClassManager._settle`), which are exactly the ones the takes
+  would have made (only normal takes ran since, which leave the idle orders
+  and the host tier as they were, and a normal requester's victims do not
+  depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
+  debt without settling it.
 * Device and host tier are disjoint, so a spilled run enters the host tier in
   one update with one capacity check (exactly an LRU of single spills).
 * A fast path only takes a run whose blocks are distinct and alike (one
