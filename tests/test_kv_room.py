@@ -224,6 +224,7 @@ def test_decode_growth_evicts_the_blocks_idle_when_it_grew() -> None:
     assert kv.allocate("d", [], 2, KVClass.NORMAL, 0.0) is not None  # the last free blocks
     assert kv.extend_private([("d", 2)], 1.0)  # two of the normal idle blocks: 4, 3
     assert kv.eviction_count == 2 and kv.num_idle_blocks == 2 and kv.num_free_blocks == 0
+    assert not kv.extend_private([("d", 3)], 1.5)  # the owed two are no longer there to take
     kv.release("s", 2.0)  # the shadow blocks go idle: now first in line
     assert [kv.is_cached(h) for h in (1, 2, 3, 4, 10, 11)] == [True, True, False, False, True, True]
     assert kv.idle_order(KVClass.NORMAL) == [2, 1] and kv.idle_order(KVClass.SHADOW) == [11, 10]
