@@ -671,10 +671,12 @@ class KVClassManager:
         self._ref_hits(shared, kv_class)
         # Nothing of ``hashes`` is idle now (hits and shared are referenced, the rest is not cached), so no
         # eviction can touch it: no protect set is needed.
-        self._take(num_new, kv_class, now_s, protect=())
+        host = self._host
+        in_host = bool(host) and not host.keys().isdisjoint(fresh)  # fresh blocks to take out of the host tier
+        self._take(num_new, kv_class, now_s, protect=(), owe=not in_host)
         host_hits = hashes[match.num_device_blocks : match.num_blocks]
-        if self._host:
-            deque(map(self._host.pop, fresh, repeat(None)), 0)  # device and host tier stay disjoint
+        if in_host:
+            deque(map(host.pop, fresh, repeat(None)), 0)  # device and host tier stay disjoint
         blocks.update(zip(fresh, repeat(_HELD[kv_class])))
         self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks)
         self.num_reloaded_blocks += len(host_hits)
@@ -695,9 +697,11 @@ class KVClassManager:
         if not self._can_take(num_new, owner.kv_class, now_s, exclude=shared):
             return False
         self._ref_hits(shared, owner.kv_class)
-        self._take(num_new, owner.kv_class, now_s, protect=())  # as in allocate: nothing of hashes is idle
-        if self._host:
-            deque(map(self._host.pop, fresh, repeat(None)), 0)
+        host = self._host
+        in_host = bool(host) and not host.keys().isdisjoint(fresh)
+        self._take(num_new, owner.kv_class, now_s, protect=(), owe=not in_host)  # as in allocate: nothing idle
+        if in_host:
+            deque(map(host.pop, fresh, repeat(None)), 0)
         self._blocks.update(zip(fresh, repeat(_HELD[owner.kv_class])))
         owner.hashes.extend(hashes)
         owner.num_private_blocks += num_private_blocks
@@ -979,14 +983,15 @@ class KVClassManager:
         self.num_shadow_blocks_used += used
         return used
 
-    def _take(self, num: int, kv_class: KVClass, now_s: float, protect: set[int]) -> None:
-        """Free blocks, then evictions: owed (see :meth:`_settle`) for a normal
-        owner without a host tier (with one, the caller's host-tier changes
-        must follow the spill) and nothing protected, made now otherwise."""
+    def _take(self, num: int, kv_class: KVClass, now_s: float, protect: set[int], owe: bool = False) -> None:
+        """Free blocks, then evictions: owed (see :meth:`_settle`) when ``owe``
+        (the caller changes nothing of the host tier after this: the spill
+        would have come first), the owner is normal and nothing is protected;
+        made now otherwise."""
         from_free = min(num, self.num_free_blocks)
         self.num_free_blocks -= from_free
         if num > from_free:
-            if kv_class is KVClass.NORMAL and not protect and self.policy.host is None:
+            if owe and kv_class is KVClass.NORMAL and not protect:
                 self._owed += num - from_free
             else:
                 self._evict(num - from_free, kv_class, now_s, protect)

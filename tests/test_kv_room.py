@@ -231,3 +231,23 @@ def test_decode_growth_evicts_the_blocks_idle_when_it_grew() -> None:
     assert kv.num_evicted_blocks == {KVClass.SHADOW: 0, KVClass.NORMAL: 2} and kv.eviction_count == 2
     assert not kv.extend_private([("d", 5)], 3.0)  # 4 idle blocks: nothing changed
     assert kv.num_idle_blocks == 4 and kv.eviction_count == 2
+
+
+def test_an_allocation_that_reloads_from_the_host_tier_evicts_before_the_reload() -> None:
+    """An allocation's evictions spill to the host tier before its host hits
+    leave it (the order of the calls one by one): one that reloads a block
+    must not owe its evictions, or the spill would trim the tier as if the
+    reloaded block had already left."""
+    from shadowcore.kv import HostTierParams
+
+    kv = KVClassManager(6, 4, KVClassPolicy(host=HostTierParams(capacity_bytes=3 * 4 * 131072.0)))
+    assert kv.allocate("a", [1, 2], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("a", 0.0)  # idle: 2, 1
+    assert kv.allocate("b", [], 4, KVClass.NORMAL, 0.0) is not None  # the free blocks
+    assert kv.allocate("c", [], 2, KVClass.NORMAL, 0.0) is not None  # evicts 2, 1: the host tier holds 2, 1
+    kv.release("c", 0.0)
+    assert kv.allocate("d", [3, 4], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("d", 0.0)  # idle: 4, 3
+    alloc = kv.allocate("e", [1, 5], 0, KVClass.NORMAL, 1.0)  # reloads 1; evicts 4, 3 (spilled: 2 goes)
+    assert alloc is not None and alloc.num_host_hit_blocks == 1
+    assert [h for h in (1, 2, 3, 4) if kv.in_host(h)] == [3, 4] and kv.num_host_blocks == 2
