@@ -491,7 +491,8 @@ class KVClassManager:
 
     @property
     def num_host_blocks(self) -> int:
-        self._settle()
+        if self._owed:
+            self._settle()
         return len(self._host)
 
     @property
@@ -503,7 +504,8 @@ class KVClassManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        self._settle()
+        if self._owed:
+            self._settle()
         return len(self._blocks)
 
     @property
@@ -514,13 +516,15 @@ class KVClassManager:
     @property
     def num_shadow_blocks(self) -> int:
         """Shadow blocks, in use or cached."""
-        self._settle()
+        if self._owed:
+            self._settle()
         return self._num_shadow_blocks
 
     @property
     def num_evicted_blocks(self) -> dict[KVClass, int]:
         """Blocks evicted so far, by class (the manager's counters)."""
-        self._settle()
+        if self._owed:
+            self._settle()
         return self._num_evicted_blocks
 
     def _settle(self) -> None:
@@ -536,36 +540,43 @@ class KVClassManager:
             self._evict(owed, KVClass.NORMAL, 0.0, ())
 
     def class_of(self, block_hash: int) -> KVClass | None:
-        self._settle()
+        if self._owed:
+            self._settle()
         block = self._blocks.get(block_hash)
         return None if block is None else _KV_CLASS[block[0]]
 
     def is_cached(self, block_hash: int) -> bool:
-        self._settle()
+        if self._owed:
+            self._settle()
         return block_hash in self._blocks
 
     def in_host(self, block_hash: int) -> bool:
-        self._settle()
+        if self._owed:
+            self._settle()
         return block_hash in self._host
 
     def idle_order(self, kv_class: KVClass) -> list[int]:
         """Idle blocks of a class, next to be evicted first."""
-        self._settle()
+        if self._owed:
+            self._settle()
         return list(self._idle[kv_class])
 
     def idle_since(self, block_hash: int) -> float:
-        self._settle()
+        if self._owed:
+            self._settle()
         return self._blocks[block_hash][2]
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
-        self._settle()
+        if self._owed:
+            self._settle()
         n_dev = _run_length(self._blocks, hashes)
         n_host = _run_length(self._host, itertools.islice(hashes, n_dev, None)) if self._host else 0
         return PrefixMatch(n_dev, n_host)
 
     def shadow_room_blocks(self, now_s: float) -> int:
         """Blocks a shadow chunk could take now: cap room, free and cold."""
-        self._settle()
+        if self._owed:
+            self._settle()
         room = self.cap_blocks - self._num_shadow_blocks
         if room <= 0:
             return 0
@@ -625,7 +636,8 @@ class KVClassManager:
 
     def _cold(self, block_hash: int) -> bool:
         """Idle and counted cold (for tests: the cold count is this, summed)."""
-        self._settle()
+        if self._owed:
+            self._settle()
         _, ref, _, release = self._blocks[block_hash]
         return ref == 0 and release not in self._live
 
@@ -646,7 +658,8 @@ class KVClassManager:
         """
         if owner_id in self._owners:
             raise ValueError(f"owner {owner_id!r} already holds blocks")
-        self._settle()
+        if self._owed:
+            self._settle()
         match = self.match_prefix(hashes)
         hits = hashes[: match.num_device_blocks]
         # Blocks past the first miss may still be cached (a chain's head can be
@@ -686,7 +699,8 @@ class KVClassManager:
     def extend(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, now_s: float) -> bool:
         """Grow an owner (decode): new hashed and private blocks; all or nothing."""
         owner = self._owners[owner_id]
-        self._settle()
+        if self._owed:
+            self._settle()
         if not hashes and num_private_blocks <= self.num_free_blocks and owner.kv_class is KVClass.NORMAL:
             self.num_free_blocks -= num_private_blocks  # the general path below, when only free blocks are taken
             owner.num_private_blocks += num_private_blocks
@@ -737,7 +751,8 @@ class KVClassManager:
 
     def release(self, owner_id: str, now_s: float) -> None:
         """Drop an owner's references; its hashed blocks stay cached (idle)."""
-        self._settle()
+        if self._owed:
+            self._settle()
         owner = self._owners.pop(owner_id)
         self._unref(reversed(owner.hashes), (), now_s)  # tail first, so LRU evicts a context's tail first (as vLLM)
         self._free(owner.num_private_blocks, owner.kv_class)
@@ -788,7 +803,8 @@ class KVClassManager:
         the new ones fit in free blocks (no eviction); otherwise the three
         calls run."""
         owner = self._owners[owner_id]
-        self._settle()
+        if self._owed:
+            self._settle()
         blocks = self._blocks
         if self._release_and_cache_chain(owner_id, owner, hashes, now_s):
             return

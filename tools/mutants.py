@@ -168,7 +168,7 @@ MUTATIONS: dict[str, tuple] = {
     # evictions owed by decode growth (issue 17): made before anything else looks or changes, all of them
     "owed-release": ("tests/test_kv_room.py", "test_decode_growth_evicts_the_blocks_idle_when_it_grew",
                      "shadowcore/kv.py",
-                     '''        """Drop an owner's references; its hashed blocks stay cached (idle)."""\n        self._settle()\n''',
+                     '''        """Drop an owner's references; its hashed blocks stay cached (idle)."""\n        if self._owed:\n            self._settle()\n''',
                      '''        """Drop an owner's references; its hashed blocks stay cached (idle)."""\n'''),
     "owed-count": ("tests/test_kv_room.py", "test_decode_growth_evicts_the_blocks_idle_when_it_grew",
                    "shadowcore/kv.py", "            self._evict(owed, KVClass.NORMAL, 0.0, ())",
