@@ -47,8 +47,8 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
   stale entries behind instead of deleting block by block.
 * Evictions for normal owners are owed, not made, where nothing can tell
   the difference: ``extend_private`` (decode growth) and a normal
-  allocation without a host tier take free blocks and count the rest as
-  owed; every other query or change first makes the owed evictions in one
+  allocation or extension that reloads nothing from the host tier take free
+  blocks and count the rest as owed; every other query or change first makes the owed evictions in one
   go (:meth:`KVClassManager._settle`), which are exactly the ones the takes
   would have made (only normal takes ran since, which leave the idle orders
   and the host tier as they were, and a normal requester's victims do not
