@@ -48,11 +48,11 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
 * Evictions for normal owners are owed, not made, where nothing can tell
   the difference: ``extend_private`` (decode growth) and a normal
   allocation or extension that reloads nothing from the host tier take free
-  blocks and count the rest as owed; every other query or change first makes the owed evictions in one
-  go (:meth:`KVClassManager._settle`), which are exactly the ones the takes
-  would have made (only normal takes ran since, which leave the idle orders
-  and the host tier as they were, and a normal requester's victims do not
-  depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
+  blocks and count the rest as owed; every other query or change first
+  makes the owed evictions in one go (:meth:`KVClassManager._settle`),
+  which are exactly the ones the takes would have made (only normal takes
+  ran since, which leave the idle orders and the host tier as they were,
+  and a normal requester's victims do not depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
   debt without settling it.
 * Device and host tier are disjoint, so a spilled run enters the host tier in
   one update with one capacity check (exactly an LRU of single spills).
