@@ -273,10 +273,13 @@ class _IdleRuns(Mapping):
     ``_COMPACT_SLACK`` (amortised O(1) per stale entry). The owner must not
     change the order while it iterates."""
 
-    __slots__ = ("_blocks", "_pos", "_releases", "_runs", "_shadow", "_stored", "count")
+    __slots__ = ("_blocks", "_mixed", "_pos", "_releases", "_runs", "_shadow", "_stored", "count")
 
-    def __init__(self, blocks: dict[int, tuple], shadow: bool, releases: Container[int]) -> None:
-        self._blocks, self._shadow, self._releases = blocks, shadow, releases
+    def __init__(self, blocks: dict[int, tuple], shadow: bool, releases: dict[int, int], mixed: Container[int]) -> None:
+        # releases: per release, its blocks still idle; mixed: the releases that made blocks of both classes idle.
+        # A run of a release not mixed whose idle count is the number of its entries from the head on has no
+        # stale entry there (its live entries are all at or after the head).
+        self._blocks, self._shadow, self._releases, self._mixed = blocks, shadow, releases, mixed
         self._runs: deque[tuple[tuple, list[int]]] = deque()
         self._pos = 0  # the head run's first entry not yet trimmed
         self.count = 0  # live entries
@@ -364,15 +367,20 @@ class _IdleRuns(Mapping):
         self._trim()
         state, hashes = self._runs[0]
         pos = self._pos
+        releases, mixed = self._releases, self._mixed
         if pos + num <= len(hashes):
             head = hashes[pos : pos + num]
-            if num == 1 or all(map(is_, map(self._blocks.get, head), repeat(state))):  # trimmed: [0] is live
+            if (num == 1 or (state[3] not in mixed and releases[state[3]] == len(hashes) - pos)  # trimmed: [0] live
+                    or all(map(is_, map(self._blocks.get, head), repeat(state)))):
                 return head
-        out: list[int] = []  # run by run (no chained iterators), dead runs unread
-        releases = self._releases
+        out: list[int] = []  # run by run (no chained iterators), dead runs unread, clean runs sliced
         for state, hashes in self._runs:
-            if pos or state[3] in releases:
-                out += islice(self._live(state, hashes, pos), num - len(out))
+            release = state[3]
+            if pos or release in releases:
+                if release not in mixed and releases[release] == len(hashes) - pos:
+                    out += hashes[pos : pos + num - len(out)]
+                else:
+                    out += islice(self._live(state, hashes, pos), num - len(out))
                 if len(out) == num:
                     break
             pos = 0
@@ -465,14 +473,15 @@ class KVClassManager:
     _num_cold_idle: int = attrs.field(init=False, default=0)
     # Per release, its blocks still idle, cold or not (the idle orders skip a release's run once it has none).
     _idle_left: dict[int, int] = attrs.field(init=False, factory=dict)
+    _mixed: set[int] = attrs.field(init=False, factory=set)  # releases with idle blocks of both classes
     _num_releases: int = attrs.field(init=False, default=0)
     # Evictions owed: blocks normal owners took from idle whose victims are not chosen yet (_settle).
     _owed: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
-        self._idle = {KVClass.SHADOW: _IdleRuns(self._blocks, True, self._idle_left),
-                      KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left)}
+        self._idle = {KVClass.SHADOW: _IdleRuns(self._blocks, True, self._idle_left, self._mixed),
+                      KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left, self._mixed)}
         self._num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
 
     # -- queries -----------------------------------------------------------------
@@ -621,6 +630,7 @@ class KVClassManager:
             self._idle_left[release] = left
         else:
             del self._idle_left[release]
+            self._mixed.discard(release)
 
     def _evicted_from_idle(self, releases: list[int]) -> None:
         """:meth:`_leave_idle` for the releases of evicted blocks of one
@@ -790,6 +800,8 @@ class KVClassManager:
             else:
                 blocks[h] = (shadow, ref, since, rel)
         if newly_idle[0] or newly_idle[1]:
+            if newly_idle[0] and newly_idle[1]:
+                self._mixed.add(release)
             for shadow in (False, True):
                 idle[_KV_CLASS[shadow]].append(idle_state[shadow], newly_idle[shadow])
             self._new_release(release, len(newly_idle[0]) + len(newly_idle[1]), now_s)
@@ -894,6 +906,8 @@ class KVClassManager:
             else:
                 blocks[h] = (shadow, ref - 1, since, rel)
         idle = self._idle
+        if newly_idle and shadow_idle:
+            self._mixed.add(release)
         idle[KVClass.NORMAL].append(idle_state, newly_idle)
         idle[KVClass.SHADOW].append(shadow_state, shadow_idle)
         if newly_idle or shadow_idle:

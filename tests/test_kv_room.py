@@ -251,3 +251,21 @@ def test_an_allocation_that_reloads_from_the_host_tier_evicts_before_the_reload(
     alloc = kv.allocate("e", [1, 5], 0, KVClass.NORMAL, 1.0)  # reloads 1; evicts 4, 3 (spilled: 2 goes)
     assert alloc is not None and alloc.num_host_hit_blocks == 1
     assert [h for h in (1, 2, 3, 4) if kv.in_host(h)] == [3, 4] and kv.num_host_blocks == 2
+
+
+def test_a_hit_inside_a_release_of_both_classes_is_not_evicted() -> None:
+    """A release that made blocks of both classes idle, then a hit on one of
+    its normal blocks: the release's idle count (its shadow block included)
+    equals the length of its normal run, yet that run has a stale entry.
+    Eviction must skip the hit block (held) and go on to the next release."""
+    kv = KVClassManager(8, 4, KVClassPolicy(1.0, 1.0))
+    assert kv.allocate("n", [1, 2], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("n", 0.0)
+    assert kv.allocate("s", [1, 2, 3], 0, KVClass.SHADOW, 2.0) is not None  # hits 1, 2 (cold); 3 is new, shadow
+    kv.release("s", 2.0)  # one release, both classes: normal 2, 1 and shadow 3 go idle
+    assert kv.allocate("h", [1], 0, KVClass.NORMAL, 3.0) is not None  # 1 is held again
+    assert kv.allocate("x", [7, 8], 0, KVClass.NORMAL, 3.0) is not None
+    kv.release("x", 3.0)  # idle: shadow 3; normal 2, then 8, 7
+    assert kv.allocate("p", [], 3, KVClass.NORMAL, 3.0) is not None  # the free blocks
+    assert kv.allocate("q", [], 3, KVClass.NORMAL, 4.0) is not None  # evicts 3, then 2, then 8
+    assert [kv.is_cached(h) for h in (1, 2, 3, 7, 8)] == [True, False, False, True, False]
