@@ -178,6 +178,19 @@ MUTATIONS: dict[str, tuple] = {
                     "backends/shadow_sim/vidur_latency.py", 'key = cell * rt["memo_stride"] + nd', "key = nd"),
     "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
                     "shadowcore/engine/_fastpath.py", '        return "no_jobs"\n', '        return "no_room"\n'),
+    # lazy ticks (issue 17): every touch of a lazily running instance first applies its pending ends, and a
+    # change (a request enqueued, a job that may become pending there) cuts the run
+    "lazy-enqueue": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                     "shadowcore/engine/instance.py", "            self.touched(True)\n        self.waiting.append(req)",
+                     "            self.touched(False)\n        self.waiting.append(req)"),
+    "lazy-jobs": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                  "shadowcore/engine/cluster.py",
+                  "        if inst is not None and inst.touched is not None:\n            inst.touched(True)\n",
+                  "        if inst is not None and inst.touched is not None:\n            pass\n"),
+    "lazy-prefix": ("tests/sim/test_speed_equivalence.py", "test_results_identical_to_golden",
+                    "shadowcore/engine/instance.py",
+                    "        if self.touched is not None:\n            self.touched(False)\n        return self.kv.match_prefix",
+                    "        return self.kv.match_prefix"),
     # the gateway: a client never reaches another client's session; bad input never reaches an engine
     "tenant-namespace": (AUTH, "test_a_second_key_cannot_see_steer_poison_or_delete",
                          "backends/shadow_gateway/gateway.py",
