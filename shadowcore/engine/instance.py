@@ -209,7 +209,7 @@ class EngineInstance:
     num_steady_ticks: int = 0  # iteration ends taken by run_steady (a diagnostic)
     # Set by the cluster while this instance's steady run is lazy (ends not yet applied): every public
     # method that reads or changes its state calls it first (True: a change, the run is cut there).
-    touched: Callable[[bool], None] | None = None
+    touched: Callable[[bool], None] | None = attrs.field(default=None, init=False, repr=False)
     _num_routed: int = 0  # routed calls among the running requests (a steady iteration's has_routed)
 
     def energy_j(self, wall_s: float) -> float:
