@@ -11,7 +11,8 @@ heap: the cluster asks how many ends from now on are provably plain
 (``EngineInstance.plain_ends``) and queues one event, at the end after them;
 the ends in between are applied only when something observes the instance
 (its ``touched`` callback, called by every public method that reads or changes
-its state, and the cluster's own reads) or at that event. **An instance's
+its state; the placement estimate reads only the queued prefill work, the latency
+model and the token budget, which no plain tick changes) or at that event. **An instance's
 state is exact at every time something observes it**: a touch at ``t`` first
 applies every pending end at or before ``t`` (and before the queued event), so
 it sees what the eager loop would have shown; a touch that changes the
@@ -90,9 +91,7 @@ class EngineCluster:
         return self.by_id[instance_id].cached_prefix_tokens(history)  # brings a lazy run up to date itself
 
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
-        inst = self.by_id[instance_id]
-        if inst.touched is not None:  # plain ticks leave the queued work as it is; exact all the same
-            inst.touched(False)
+        inst = self.by_id[instance_id]  # no catch-up: plain ticks change none of what this reads
         work = inst.queued_prefill_tokens + num_uncached_tokens
         return self.loop.now_s + windowed_prefill_s(inst.latency, work, inst.limits.token_budget, self.window_tokens)
 

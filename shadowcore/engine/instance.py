@@ -33,6 +33,11 @@ Runs of steady decode iterations with nothing to do at their ends (no
 finish, no request waiting, no grant possible before the next event) are taken
 in one call (``EngineInstance.run_steady``): every iteration still happens,
 with the same durations, busy time, clock values, credit and KV reservations.
+The cluster may hold such a run's ends back until something observes the
+instance (lazy ticks, :mod:`shadowcore.engine.cluster`): while ``touched`` is
+set, every public method that reads or changes the instance's state
+(``enqueue``, ``cached_prefix_tokens``, ``eviction_count``,
+``sync_requests``) calls it first, so the state it reads is exact.
 
 While the lazy decode cohort lives (``EngineInstance.lazy_decodes``), a
 decoding normal request's ``num_computed_tokens``, ``num_generated`` and
@@ -820,7 +825,9 @@ class EngineInstance:
             longest += 1
             try:
                 d = predict(nd, total, longest)
-            except Exception:  # the iteration after end j cannot be timed: run_steady raises there, at its time
+            except Exception:  # noqa: BLE001 (a look-ahead: whatever it raises, run_steady raises there, at its time)
+                return j, t
+            if d is None:  # not timed from the aggregates: leave that iteration to the end in its own event
                 return j, t
             t += d
         return max(num, 0), t
