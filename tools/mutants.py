@@ -41,8 +41,8 @@ MUTATIONS: dict[str, tuple] = {
     "idle": (UNIT, "test_idle_shadow_iterations_within_beta_T", "shadowcore/slack.py",
              "return SlackBudget(cap, BudgetReason.IDLE)", "return SlackBudget(2 * cap, BudgetReason.IDLE)", 2),
     "credit-earn": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
-                    "and self.accrues(snapshot.batch_shape.is_decode_only, snapshot.has_routed)):",
-                    "and self.accrues(True, snapshot.has_routed)):"),
+                    "and self.accrues(snapshot.batch_shape.is_decode_only, snapshot.has_routed,",
+                    "and self.accrues(True, snapshot.has_routed,"),
     "credit-denominator": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
                            "return decode_only and (routed or self.accrual is CreditAccrual.ALL_DECODE)",
                            "return decode_only"),  # the old reading: every decode-only iteration earns
