@@ -40,11 +40,24 @@ shadows use only idle iterations and the SLO slack of iterations without a
 routed call), expected-benefit targeting and the population-backoff predictor
 (:mod:`shadow_policies.benefit`).
 
+One option, off by default (``routed_decode_margin``, issue 16 item 7 on
+vLLM's scheduler): where one instance carries a routed call in almost every
+iteration (the paper's testbed: one Llama-3.1-70B), ``delta = 0`` leaves
+shadows almost no budget. With ``routed_decode_margin = m_r`` an iteration
+whose routed calls all decode is paid from its batch's Eq. 1 slack like one
+without a routed call, the routed decodes' slack taken at margin ``m_r``
+(:class:`~shadowcore.slack.SloSlackController`); iterations in which a routed
+call prefills still get nothing. It buys switch-call TTFT with routed calls'
+TPOT (``docs/policies.md`` has what it costs in each engine).
+
 Guarantees (the core's invariants, none weakened; the conformance check and
 ``tests/sim/test_idle_first.py`` test them):
 
 * no shadow token while a request waits or an admission is blocked;
 * no shadow token in an iteration that carries a routed call (``delta = 0``);
+  with ``routed_decode_margin``: none in an iteration in which a routed call
+  prefills, and a routed decode keeps its mean TPOT within
+  ``(1 - routed_decode_margin) * T``;
 * an iteration with shadow work is predicted to fit ``beta * T`` (idle) or
   the batch's smallest Eq. 1 slack, capped at ``beta * T`` (busy), so every
   request in it stays within its SLO margin; ``beta <= 1`` keeps it within

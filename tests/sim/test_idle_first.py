@@ -1,8 +1,10 @@
 """Our idle-first-host policy: it loads with its defaults (one-block n_min, one
 LRU over both KV classes, host tier, no routed-step credit, benefit-host's
-targeting and predictor) and clear argument errors; it conforms; it completes a
-shadow's sub-n_min tail that benefit-host defers; and it never puts shadow work
-on an iteration that carries a routed call."""
+targeting and predictor) and clear argument errors; it conforms (with and
+without routed_decode_margin); it completes a shadow's sub-n_min tail that
+benefit-host defers; it never puts shadow work on an iteration that carries a
+routed call, and with routed_decode_margin only next to routed calls that all
+decode, within the batch's slack."""
 
 from __future__ import annotations
 
@@ -122,7 +124,7 @@ def test_shadow_work_next_to_routed_calls(args: dict, next_to_prefill: bool, nex
 
 
 def test_routed_decode_margin_keeps_every_slo_slack_budget_within_the_batch_slack() -> None:
-    """With routed_decode_slack, an iteration next to routed decodes is budgeted by the batch's
+    """With routed_decode_margin, an iteration next to routed decodes is budgeted by the batch's
     Eq. 1 slack (routed decodes included) and beta * T, never more (the core's slack rule)."""
     from shadowcore.testing.contracts import plan_problems
 
