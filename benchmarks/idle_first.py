@@ -126,6 +126,27 @@ def testbed_verdict(paths: Sequence[str]) -> int:
     return 0 if ok else 1
 
 
+def normal_slo_attainment(run: Any, engine: str, scenario: Any, latency: Mapping[str, Any]) -> float:
+    """Share of the run's normal requests that met both SLOs (see the module docstring)."""
+    if engine == "sim":  # the simulator's own records: (arrival, met)
+        return sum(met for _, met in run.normal) / len(run.normal) if run.normal else math.nan
+    from shadow_vllm.effects import tpot_slo_s
+
+    from shadowcore.latency import chunked_prefill_s
+
+    model_of = {e.name: m for m, engines in run.cluster.by_model.items() for e in engines}
+    met = []
+    for r in run.normal:  # ids "<request>:<instance>"
+        if r.first_token_s is None or r.finish_s is None:
+            met.append(False)
+            continue
+        lat = latency[model_of[r.request_id.split(":", 1)[1]]]
+        isolated = chunked_prefill_s(lat, len(r.prompt_token_ids), scenario.token_budget)
+        tpot = (r.finish_s - r.first_token_s) / max(1, len(r.output_token_ids) - 1)
+        met.append(r.ttft_s <= max(scenario.slo.ttft_s, 5 * isolated) and tpot <= tpot_slo_s(scenario, lat))
+    return sum(met) / len(met) if met else math.nan
+
+
 def workload(seed: int, args: argparse.Namespace) -> tuple[Any, list]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from effect_agreement import load_plans

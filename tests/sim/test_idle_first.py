@@ -169,3 +169,34 @@ def test_reproduce_reports_idle_first_host_against_the_oracle() -> None:
         in table
     assert "| idle-first-host (ours) energy per good request change, main pairs (target <= +1%) | ours | – | 0.4% |" \
         in table
+
+
+def test_testbed_verdict_reads_point_files(tmp_path, capsys) -> None:
+    """benchmarks/idle_first.py --testbed-points: the same-model TTFT ratio from the arms' mean TTFTs
+    (all calls and switch calls), each arm against request-level on the points both ran."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "idle_first.py"
+    spec = importlib.util.spec_from_file_location("idle_first_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def arm(ttft: float, switch_ttft: float, switch_red: float, slo_pp: float = 0.0) -> dict:
+        return {"calls": 10.0, "switch_calls": 4.0, "ttft_s": ttft, "switch_ttft_s": switch_ttft,
+                "switch_ttft_red": switch_red, "call_latency_red": 0.01, "switch_latency_red": 0.02,
+                "normal_slo_pp": slo_pp}
+
+    # no-shadow: same-model TTFT (10 * 1.0 - 4 * 1.6) / 6 = 0.6; ours (10 * 0.64 - 4 * 0.4) / 6 = 0.8
+    point = {"pair": "L8/L70", "rho": 0.3, "seed": 7, "arms": {
+        "no-shadow": arm(1.0, 1.6, 0.0), "request-level": arm(0.6, 0.4, 0.5), "ours": arm(0.64, 0.4, 0.6)}}
+    (tmp_path / "p.json").write_text(json.dumps(point))
+    assert bench.same_model_ttft_s(point["arms"]["ours"]) == pytest.approx(0.8)
+    assert bench.main(["--testbed-points", str(tmp_path / "p.json")]) == 1  # 0.8 / 0.6 = 1.33 > 1.05
+    out = capsys.readouterr().out
+    assert "MET     switch TTFT reduction 0.600 >= request-level's 0.500" in out
+    assert "NOT MET same-model TTFT ratio 1.333 <= 1.05" in out
+    point["arms"]["ours"] = arm(0.52, 0.4, 0.6)  # same-model (5.2 - 1.6) / 6 = 0.6: ratio 1
+    (tmp_path / "p.json").write_text(json.dumps(point))
+    assert bench.main(["--testbed-points", str(tmp_path / "p.json")]) == 0
