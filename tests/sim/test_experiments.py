@@ -243,6 +243,23 @@ def test_sweep_writes_rows_and_summary(tmp_path, capsys) -> None:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
+def test_reproduce_prints_what_calibration_promised_beside_what_each_policy_got(tmp_path) -> None:
+    """The same promise line as simulate and sweep, in every grid point's table and summary."""
+    from shadow_sim.experiments import reproduce
+
+    out = tmp_path / "out"
+    short = json.dumps({"duration_s": 40.0, "warmup_s": 20.0, "drain_s": 20.0})
+    assert reproduce.main(["--quick", "--studies", "main", "--pairs", "Q7/L70", "--only-policies", "no-shadow",
+                           "--set", short, "--jobs", "1", "--out", str(out)]) == 0
+    promise = json.loads((out / "summary.json").read_text())["main:Q7/L70"]["normal_slo_promise"]
+    assert 0.9 < promise["promised"] <= 1.0 and set(promise["got"]) == {"no-shadow"}
+    text = (out / "reproduction.md").read_text()
+    assert f"normal SLO promised by calibration: {promise['promised']:.1%}" in text
+    assert f"normal SLO got: no-shadow {promise['got']['no-shadow']:.1%}" in text
+    assert sorted(p.name for p in out.glob("fig*.png"))[:1] == ["fig4_latency.png"]
+    assert not (out / "fig16_models_per_router.png").exists()  # its study did not run: no empty figure
+
+
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--pairs", "Q7/XX"], "valid: Q7/L70"),
     (["--policies", "no-such-policy"], "no-such-policy"),

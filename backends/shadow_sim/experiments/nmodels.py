@@ -23,7 +23,7 @@ from shadow_sim.experiments.calibrate import capacities
 from shadow_sim.experiments.metrics import mean_se
 from shadow_sim.experiments.output import no_nan
 from shadow_sim.experiments.reproduce import N_MODELS, studies
-from shadow_sim.experiments.runner import compare, format_table, summary_json, tasks_for, with_progress
+from shadow_sim.experiments.runner import compare, format_table, summary_json, tasks_for, with_progress, with_promise
 from shadow_sim.experiments.spec import Experiment
 from shadow_sim.experiments.sweep import csv_list
 from shadowcore.cli import HelpFormatter, add_policy_options, describe, exit_on_sigterm, policies_from_args
@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.time()
     tasks = tasks_for(ex, refs, seeds, ("peak",), caps, f"N={args.n}")
     c = compare(with_progress(tasks, args.jobs, False), tasks)[f"N={args.n}"]
+    c = with_promise(c, ex, caps, ("peak",))  # the normal SLO calibration promised, beside what each got
     print(format_table(c))
     print("\npolicy: shadow tokens and unused (wasted) shadow tokens per run, thousands, mean +- 1 SE; per seed")
     for pol in c.policies:

@@ -40,7 +40,15 @@ from shadow_sim.experiments.distributed import ResultStore, execute_grid
 from shadow_sim.experiments.normal import WINDOWS
 from shadow_sim.experiments.output import no_nan
 from shadow_sim.experiments.paper_numbers import PAPER, TOLERANCE, verdict
-from shadow_sim.experiments.runner import Comparison, Task, compare, format_table, summary_json, tasks_for
+from shadow_sim.experiments.runner import (
+    Comparison,
+    Task,
+    compare,
+    format_table,
+    summary_json,
+    tasks_for,
+    with_promise,
+)
 from shadow_sim.experiments.spec import PAIRS, Experiment
 from shadow_sim.experiments.sweep import rows, write_rows
 from shadow_sim.latency import resolve_profile
@@ -148,14 +156,16 @@ def run_all(quick: bool, jobs: int, progress: bool = True, override: Mapping[str
             grid: Grid = Grid()) -> dict[str, tuple[str, Comparison]]:
     tasks: list[Task] = []
     study_of: dict[str, str] = {}
+    setup: dict[str, tuple[Experiment, dict[str, float]]] = {}
     for study, label, fields, policies in selected(quick, override, extra, grid):
         ex = Experiment.from_dict(fields)
         caps = {m: c.capacity_per_s for m, c in capacities(ex, progress=progress).items()}
         key = f"{study}:{label}"
-        study_of[key] = study
+        study_of[key], setup[key] = study, (ex, caps)
         tasks += tasks_for(ex, policies, grid.seeds_for(quick), grid.windows_for(quick), caps, key)
     records = execute_grid(tasks, jobs=jobs, progress=progress, store=store, ray_address=ray_address)
-    return {k: (study_of[k], c) for k, c in compare(records, tasks).items()}
+    return {k: (study_of[k], with_promise(c, *setup[k], grid.windows_for(quick)))
+            for k, c in compare(records, tasks).items()}
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -192,8 +202,14 @@ def _lines(ax: Any, comps: Sequence[tuple[float, Comparison]], policies: Sequenc
     ax.axhline(0, color="black", linewidth=0.5)
 
 
+def _legend(ax: Any, **kw: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:  # a panel of a study that did not run has nothing to name
+        ax.legend(**kw)
+
+
 def figures(results: Mapping[str, tuple[str, Comparison]], out: Path, extra: Sequence[str] = ()) -> list[Path]:
-    """The figures; ``extra`` (the table names of the user's ``--policies``) joins every panel."""
+    """The figures of the studies that ran; ``extra`` (the table names of the user's
+    ``--policies``) joins every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,7 +222,10 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path, extra: Seq
     short = [p for p in (*SHORT, *extra) if p != "no-shadow"]
     paths = []
 
-    def save(fig: Any, name: str) -> None:
+    def save(fig: Any, name: str, points: Sequence[Any]) -> None:
+        if not points:  # its study was cut from the grid (--studies, --pairs): no empty figure
+            plt.close(fig)
+            return
         fig.tight_layout()
         path = out / name
         fig.savefig(path, dpi=110)
@@ -224,8 +243,8 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path, extra: Seq
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
         for ax, (metric, title) in zip(axes, panels):
             _bars(ax, main, main_policies if metric == "hit_rate" else shown, metric, title)
-        axes[1].legend(fontsize=6, ncol=2)
-        save(fig, name)
+        _legend(axes[1], fontsize=6, ncol=2)
+        save(fig, name, main)
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     over = ["harvest", "harvest-slo", "harvest-slo-host", "adaptive-host", "benefit-host", "idle-first-host",
@@ -235,8 +254,8 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path, extra: Seq
             ("energy_inc", "(b) Energy per good request change (%)", 100.0),
             ("normal_slo_pp", "(c) Normal-traffic SLO attainment (pp)", 100.0))):
         _bars(ax, main, over, metric, title, scale)
-    axes[0].legend(fontsize=6)
-    save(fig, "fig8_overheads.png")
+    _legend(axes[0], fontsize=6)
+    save(fig, "fig8_overheads.png", main)
 
     load = sorted(((float(k.split("=")[1]), c) for k, (s, c) in results.items() if s == "load"),
                   key=lambda x: x[0])
@@ -246,8 +265,8 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path, extra: Seq
     fig, ax = plt.subplots(1, 1, figsize=(5, 3.4))
     _lines(ax, load, short, "call_latency_red",
            "(e) LLM-call latency reduction (%) vs load", "normal-traffic load rho")
-    ax.legend(fontsize=7)
-    save(fig, "fig9e_load.png")
+    _legend(ax, fontsize=7)
+    save(fig, "fig9e_load.png", load)
 
     sw = sorted(((c.summary["no-shadow"]["switch_calls"][0] / max(1.0, _sessions(c)), c)
                  for k, (s, c) in results.items() if s == "switch"), key=lambda x: x[0])
@@ -255,8 +274,8 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path, extra: Seq
     for ax, (metric, title) in zip(axes, (("call_latency_red", "(a) LLM-call latency reduction (%)"),
                                           ("switch_latency_red", "(b) Switch-call latency reduction (%)"))):
         _lines(ax, sw, short, metric, title, "switches per session (Markov router)")
-    axes[0].legend(fontsize=7)
-    save(fig, "fig15_switch_rate.png")
+    _legend(axes[0], fontsize=7)
+    save(fig, "fig15_switch_rate.png", sw)
 
     nm = sorted(((int(k.split("=")[1]), c) for k, (s, c) in results.items() if s == "nmodels"), key=lambda x: x[0])
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
@@ -264,8 +283,8 @@ def figures(results: Mapping[str, tuple[str, Comparison]], out: Path, extra: Seq
              *extra, "oracle-host"]
     _lines(axes[0], nm, names, "call_latency_red", "(d) LLM-call latency reduction (%)", "models per router")
     _lines(axes[1], nm, names[:-1], "shadow_unused_share", "(e) Unused shadow tokens (%)", "models per router")
-    axes[0].legend(fontsize=7)
-    save(fig, "fig16_models_per_router.png")
+    _legend(axes[0], fontsize=7)
+    save(fig, "fig16_models_per_router.png", nm)
     return paths
 
 
