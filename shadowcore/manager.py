@@ -31,7 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
@@ -98,6 +98,10 @@ class ShadowManager:
     targeting: Targeting
     shadow_instances: dict[str, str] = attrs.Factory(dict)  # model -> dedicated instance
     oracle: bool = False
+    #: Told the instance id whenever one of its jobs may have gained missing tokens (opened, its history
+    #: grew or changed epoch, its held prefix was lowered): an engine that defers work until observed
+    #: (``EngineCluster.watch_jobs``) must see that before its next iteration starts.
+    on_job_active: Callable[[str], None] | None = None
     _sessions: dict[str, SessionState] = attrs.field(init=False, factory=dict)
     _jobs: dict[JobKey, ShadowJob] = attrs.field(init=False, factory=dict)
     _by_instance: dict[str, dict[JobKey, ShadowJob]] = attrs.field(init=False, factory=dict)
@@ -243,12 +247,18 @@ class ShadowManager:
     def _touch(self, s: SessionState) -> None:
         """The session's history grew or changed epoch: its jobs may miss tokens."""
         for job in s.jobs.values():
-            self._active[job.instance_id][job.sequence] = job
+            self._activate(job)
 
     def _reopened(self, job: ShadowJob) -> None:
         """A job's held prefix was lowered (a refresh): it may miss tokens."""
         if self._jobs.get(job.key) is job:
-            self._active[job.instance_id][job.sequence] = job
+            self._activate(job)
+
+    def _activate(self, job: ShadowJob) -> None:
+        """The job may miss tokens: ``pending_jobs`` of its instance looks at it (the one writer of ``_active``)."""
+        self._active.setdefault(job.instance_id, {})[job.sequence] = job
+        if self.on_job_active is not None:
+            self.on_job_active(job.instance_id)
 
     def _place(self, s: SessionState, model: str) -> str:
         s.sticky[model] = self._best_instance(s.sticky.get(model), s.history, model)
@@ -303,8 +313,8 @@ class ShadowManager:
         self._next_sequence += 1
         self._jobs[key] = job
         self._by_instance.setdefault(instance_id, {})[key] = job
-        self._active.setdefault(instance_id, {})[job.sequence] = job
         s.jobs[key.target_model] = job
+        self._activate(job)
         return job
 
     def _close(self, key: JobKey) -> None:

@@ -240,6 +240,11 @@ class InlineEventLoop(EventLoop):
         finally:
             self._free_running = False
 
+    @property
+    def free_running(self) -> bool:
+        """Inside ``run`` with neither a bound nor a stop condition: every queued event will be popped."""
+        return self._free_running
+
     def advance_to(self, time_s: float) -> bool:
         """For the action of the event being run, as its last step: when an
         event at ``time_s`` scheduled now would be the very next one ``run``

@@ -26,7 +26,12 @@ Invariants:
   normal requests (count in arrival order over the run).
 * Event order: sessions are scheduled before normal requests, both in the
   workload's order; calls under the ``CALL`` class, normal requests under
-  ``NORMAL`` (:mod:`shadowcore.engine.kinds`).
+  ``NORMAL`` (:mod:`shadowcore.engine.kinds`). Normal requests are fed one at
+  a time (the heap holds only the next, queued before the current one is
+  started), in arrival order and at equal arrivals in the workload's order:
+  exactly the order the heap gave them when all were queued up front (no other
+  event is of their class), at a heap of the cluster's size rather than the
+  workload's.
 """
 
 from __future__ import annotations
@@ -123,8 +128,22 @@ class SessionDriver:
                                       f"is not a model of this cluster ({', '.join(models)})")
         for s in workload.sessions:
             self.loop.at(s.arrival_s, CALL, lambda t, s=s: self._call(s, 0))
-        for r in workload.normal:
-            self.loop.at(r.arrival_s, NORMAL, lambda t, r=r: self._normal(r))
+        self._feed(sorted(workload.normal, key=_arrival_s))  # stable: equal arrivals in the workload's order
+
+    def _feed(self, normal: list[NormalRequest]) -> None:
+        """Queue ``normal``'s requests one by one: each event queues the next, then starts its own."""
+        it = iter(normal)
+        loop = self.loop
+
+        def fire(t: float, r: NormalRequest) -> None:
+            nxt = next(it, None)
+            if nxt is not None:
+                loop.at(nxt.arrival_s, NORMAL, lambda t, r=nxt: fire(t, r))
+            self._normal(r)
+
+        first = next(it, None)
+        if first is not None:
+            loop.at(first.arrival_s, NORMAL, lambda t, r=first: fire(t, r))
 
     def _normal(self, r: NormalRequest) -> None:
         self._num_normal += 1
@@ -167,3 +186,7 @@ class SessionDriver:
         else:
             self.manager.on_session_end(s.session_id)
         self.port.settle()
+
+
+def _arrival_s(r: NormalRequest) -> float:
+    return r.arrival_s

@@ -33,6 +33,11 @@ Runs of steady decode iterations with nothing to do at their ends (no
 finish, no request waiting, no grant possible before the next event) are taken
 in one call (``EngineInstance.run_steady``): every iteration still happens,
 with the same durations, busy time, clock values, credit and KV reservations.
+The cluster may hold such a run's ends back until something observes the
+instance (lazy ticks, :mod:`shadowcore.engine.cluster`): while ``touched`` is
+set, every public method that reads or changes the instance's state
+(``enqueue``, ``cached_prefix_tokens``, ``eviction_count``,
+``sync_requests``) calls it first, so the state it reads is exact.
 
 While the lazy decode cohort lives (``EngineInstance.lazy_decodes``), a
 decoding normal request's ``num_computed_tokens``, ``num_generated`` and
@@ -207,6 +212,9 @@ class EngineInstance:
     num_agg_snapshots: int = 0  # of which planned on a full snapshot (views of every request; a diagnostic)
     steady_runs: bool = True  # run_steady may take runs of plain ticks (off: one round trip per iteration)
     num_steady_ticks: int = 0  # iteration ends taken by run_steady (a diagnostic)
+    # Set by the cluster while this instance's steady run is lazy (ends not yet applied): every public
+    # method that reads or changes its state calls it first (True: a change, the run is cut there).
+    touched: Callable[[bool], None] | None = attrs.field(default=None, init=False, repr=False)
     _num_routed: int = 0  # routed calls among the running requests (a steady iteration's has_routed)
 
     def energy_j(self, wall_s: float) -> float:
@@ -219,13 +227,19 @@ class EngineInstance:
         return self.kv.block_size
 
     def cached_prefix_tokens(self, history: SessionHistory) -> int:
+        if self.touched is not None:
+            self.touched(False)
         return self.kv.match_prefix(history.block_hashes(self.kv.block_size)).num_blocks * self.kv.block_size
 
     def eviction_count(self) -> int:
+        if self.touched is not None:
+            self.touched(False)
         return self.kv.eviction_count
 
     # -- queue --------------------------------------------------------------------
     def enqueue(self, req: EngineRequest) -> None:
+        if self.touched is not None:
+            self.touched(True)
         self.waiting.append(req)  # start_step leaves the fast path while anything waits
         self.queued_prefill_tokens += req.num_tokens
 
@@ -383,6 +397,8 @@ class EngineInstance:
     def sync_requests(self) -> None:
         """Bring the lazy cohort's counters and histories up to date (they are
         otherwise only while the instance runs a slow iteration)."""
+        if self.touched is not None:
+            self.touched(False)
         clock = self.num_fast_iterations
         for req in self.running:
             if req.lazy_base >= 0:
@@ -778,6 +794,43 @@ class EngineInstance:
                 self.iteration += num
                 self._ctx_total, self._ctx_max, self._steady_s = total, longest, d
         return last, num, t
+
+    def plain_ends(self, now_s: float, max_ends: int) -> tuple[int, float]:
+        """How many iteration ends from the one in flight (ending at ``now_s``)
+        on are provably plain ticks that :meth:`run_steady` takes, at most
+        ``max_ends``, and the end time of the iteration in flight after them;
+        changes nothing. Only after :meth:`can_run_steady`, and only as long as
+        nothing but this instance's own ticks changes its state: then
+        ``run_steady(now_s, horizon)`` with ``horizon`` at most that time
+        takes every end before ``horizon`` and stops exactly there.
+
+        Proof of the bound: no cohort member finishes before the finish heap's
+        top, and every member's blocks cover its context + 2 at the start of
+        the iteration in flight (the due list is empty), so over ``j`` ends it
+        needs at most ``ceil(j / block_size)`` blocks, and all ``n`` members at
+        most ``n * ceil(j / block_size)``: within the free and idle blocks for
+        ``j <= block_size * (free_and_idle // n)``. The end times are
+        ``run_steady``'s sums, the same float operations in the same order."""
+        finish, kv, nd = self._lazy_finish, self.kv, len(self.running)
+        if not nd:
+            return 0, now_s
+        clock = self.num_fast_iterations
+        num = max_ends
+        if finish:
+            num = min(num, finish[0][0] - clock - 1)
+        num = min(num, kv.block_size * ((kv.num_free_blocks + kv.num_idle_blocks) // nd))
+        predict, total, longest, t = self.latency.predict_decodes_s, self._ctx_total, self._ctx_max, now_s
+        for j in range(num):
+            total += nd
+            longest += 1
+            try:
+                d = predict(nd, total, longest)
+            except Exception:  # noqa: BLE001 (a look-ahead: whatever it raises, run_steady raises there, at its time)
+                return j, t
+            if d is None:  # not timed from the aggregates: leave that iteration to the end in its own event
+                return j, t
+            t += d
+        return max(num, 0), t
 
     def _reserve_due(self, clock: int, room: int, needs: list) -> int:
         """The cohort members whose block boundary ``clock`` reaches get their

@@ -84,6 +84,7 @@ class ScenarioRun:
         by_model = self.cluster.by_model
         dedicated = {m: insts[-1].instance_id for m, insts in by_model.items()} if extra else {}
         self.runtime = build_runtime(self.shadow, self.cluster, sc.models, dedicated)
+        self.cluster.watch_jobs(self.runtime.manager)
         for obs in self.observers:
             self.runtime.observers.add(obs)
         for inst in self.cluster.by_id.values():  # fixed order: attach draws from the runtime's generator

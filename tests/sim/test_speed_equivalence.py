@@ -187,7 +187,7 @@ def test_results_identical_to_golden(name: str, golden: dict) -> None:
         if table in want:
             got[table] = {k: v for k, v in got[table].items() if k in want[table]}
     for key in want:
-        if key == "num_events":  # inline-processed iteration ends still count as events
+        if key == "num_events":  # lazy ticks (EngineCluster.lazy_ticks) pop fewer events; the golden counts are the eager loop's
             continue
         assert _same(got[key], want[key]), f"{name}: {key} differs"
 

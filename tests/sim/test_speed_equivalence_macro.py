@@ -10,7 +10,12 @@ pool (reservations that do not fit, preemptions, LRU evictions folded into one
 policies (credit earned per skipped iteration, pending jobs that stop a run).
 Everything a result is made of is compared exactly: every normal request's
 times, every call record, per instance its counters, busy time, KV state and
-the idle LRU order, per hook the credit, the end time and the event count.
+the idle LRU order, per hook the credit, the end time and (without lazy ticks)
+the event count.
+
+Lazy ticks (``EngineCluster.lazy_ticks``: a run's plain ends applied only
+when something observes the instance) are compared the same way against the
+eager loop; there only the event count may move (fewer events are popped).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pytest
 from shadow_sim.simulator import SimRun, SimScenario
 
 from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.engine.kinds import WAKE
 from shadowcore.engine.scenario import FakeRun, FakeScenario
 from shadowcore.kv import KVClass
 
@@ -57,7 +63,7 @@ def _record(cls: type) -> type:
 
 
 @functools.cache
-def run_case(name: str, steady_runs: bool) -> tuple[dict, dict]:
+def run_case(name: str, steady_runs: bool, lazy_ticks: bool = True) -> tuple[dict, dict]:
     backend, fields, policy = CASES[name]
     shadow = ShadowConfig(PluginRef(policy), seed=4)
     if backend == "fake":
@@ -66,6 +72,7 @@ def run_case(name: str, steady_runs: bool) -> tuple[dict, dict]:
         run = _record(SimRun)(SimScenario.from_dict(fields), shadow)
     for inst in run.cluster.by_id.values():
         inst.steady_runs = steady_runs
+    run.cluster.lazy_ticks = lazy_ticks
     result = run.run()
     insts = run.cluster.by_id.values()
     out = {
@@ -87,7 +94,8 @@ def run_case(name: str, steady_runs: bool) -> tuple[dict, dict]:
     }
     diag = {"ticks": sum(i.num_steady_ticks for i in insts), "iterations": sum(i.num_iterations_run for i in insts),
             "preemptions": sum(i.num_preemptions for i in insts), "evictions": sum(i.kv.eviction_count for i in insts),
-            "shadow_tokens": sum(i.num_shadow_tokens for i in insts)}
+            "shadow_tokens": sum(i.num_shadow_tokens for i in insts),
+            "lazy_runs": run.cluster.num_lazy_runs, "lazy_cuts": run.cluster.num_lazy_cuts}
     return out, diag
 
 
@@ -95,11 +103,24 @@ def run_case(name: str, steady_runs: bool) -> tuple[dict, dict]:
 def test_steady_runs_change_nothing(name: str) -> None:
     with_runs, diag = run_case(name, True)
     without, diag_off = run_case(name, False)
-    assert diag_off["ticks"] == 0
-    # The run actually took iterations in runs, many of them (not a vacuous comparison).
-    assert diag["ticks"] > 1000, diag
+    assert diag_off["ticks"] == 0 and diag_off["lazy_runs"] == 0
+    # The run actually took iterations in runs, many of them, lazily (not a vacuous comparison).
+    assert diag["ticks"] > 1000 and diag["lazy_runs"] > 50, diag
     for key in with_runs:
-        assert _same(_lists(with_runs[key]), _lists(without[key])), f"{name}: {key} differs"
+        if key != "num_events":  # lazy ticks pop fewer events, by design
+            assert _same(_lists(with_runs[key]), _lists(without[key])), f"{name}: {key} differs"
+    assert with_runs["num_events"] < without["num_events"]
+
+
+@pytest.mark.parametrize("name", ["fake-one-harvest", "sim-one-no-shadow"])
+def test_eager_runs_count_every_event(name: str) -> None:
+    """Without lazy ticks, runs of ticks change nothing at all, the event count included
+    (inline-run ends count as the events the loop would have popped)."""
+    eager_runs, diag = run_case(name, True, lazy_ticks=False)
+    without, _ = run_case(name, False)
+    assert diag["ticks"] > 1000 and diag["lazy_runs"] == 0, diag
+    for key in eager_runs:
+        assert _same(_lists(eager_runs[key]), _lists(without[key])), f"{name}: {key} differs"
 
 
 def _lists(value):
@@ -117,3 +138,60 @@ def test_cases_exercise_what_they_claim() -> None:
     assert tight["preemptions"] > 0 and tight["evictions"] > 0, tight
     _, host = run_case("fake-one-harvest-slo-host-tight-kv", True)
     assert host["evictions"] > 0 and host["shadow_tokens"] > 0, host
+    _, harvest = run_case("fake-one-harvest", True)  # lazy runs cut by arrivals and by jobs becoming pending
+    assert harvest["lazy_cuts"] > 50, harvest
+
+
+def _probed(name: str, lazy_ticks: bool, times: list[float]) -> tuple[list, list, int]:
+    """The run of ``name`` with a probe at each of ``times`` (a ``WAKE`` event: after every iteration end
+    at its time) reading on every instance, by turns, the eviction count or the cached prefix of the
+    last normal requests that finished there (their blocks idle in the pool, evicted LRU as decodes
+    grow): reads only, so they do not cut a lazy run but make it catch up, each touch point on its own.
+    (probes, the next pending end of every lazy instance after each probe, lazy runs)"""
+    backend, fields, policy = CASES[name]
+    base = FakeRun if backend == "fake" else SimRun
+
+    @attrs.define(eq=False)
+    class Probed(base):
+        done: dict = attrs.field(init=False, factory=dict)  # instance -> histories of its finished normal requests
+
+        def _normal_done(self, req, now_s: float) -> None:
+            super()._normal_done(req, now_s)
+            self.done.setdefault(req.request_id.split(":", 1)[1], []).append(req.history)
+
+    run = Probed((FakeScenario if backend == "fake" else SimScenario).from_dict(fields),
+                 ShadowConfig(PluginRef(policy), seed=4))
+    run.cluster.lazy_ticks = lazy_ticks
+    probes, pending = [], []
+
+    def probe(t: float, k: int) -> None:
+        for inst_id, inst in run.cluster.by_id.items():
+            if k % 2:
+                probes.append((t, inst_id, inst.eviction_count()))
+            else:
+                probes.append((t, inst_id, [run.cluster.cached_prefix_tokens(inst_id, h)
+                                            for h in run.done.get(inst_id, [])[-5:]]))
+        pending.extend(r.pending_s for r in run.cluster._lazy.values())
+
+    for k, t in enumerate(times):
+        run.loop.at(t, WAKE, lambda t, k=k: probe(t, k))
+    run.run()
+    return probes, pending, run.cluster.num_lazy_runs
+
+
+def test_observations_equal_the_eager_loops() -> None:
+    """Every read of a lazily running instance sees exactly what the eager loop shows at that time
+    (the pending ends at or before it applied first), under KV pressure (evictions by decode
+    growth): at times between iteration ends, and at times an iteration ends exactly (a read comes
+    after the iteration ends at its time)."""
+    name = "fake-one-no-shadow-tight-kv"
+    grid = [k * 0.02 for k in range(1, int(CASES[name][1]["duration_s"] / 0.02))]
+    lazy, pending, runs = _probed(name, True, grid)
+    eager, _, none = _probed(name, False, grid)
+    assert runs > 50 and none == 0
+    assert len({repr(p[2]) for p in lazy}) > 100  # the reads change over the run: a real comparison
+    assert lazy == eager
+    ties = sorted(set(pending))[::3]  # exact iteration ends of lazy runs (reads change nothing: the same run)
+    lazy, _, _ = _probed(name, True, ties)
+    eager, _, _ = _probed(name, False, ties)
+    assert len(ties) > 100 and lazy == eager
