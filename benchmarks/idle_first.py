@@ -22,6 +22,15 @@ Run from the project root (about a minute of vLLM scheduling per arm and seed)::
 
     python benchmarks/idle_first.py --seeds 0,1,2
     python benchmarks/idle_first.py --engine sim --seeds 100,101,102 --policy 'idle-first-host:{"n_min":256}'
+
+``--testbed-points OUT/points/*.json`` runs nothing: it reads the point files of
+``shadowprefill reproduce --testbed`` (the paper's testbed in vLLM virtual
+time) and prints item 7's verdict there, per seed and over seeds, with what
+the testbed's table leaves out: the same-model TTFT ratio (from the matched
+calls' mean TTFT and mean switch-call TTFT) and routed-call latency::
+
+    shadowprefill reproduce --testbed --quick --seeds 0,1,2 --policy idle-first-host --out tbq
+    python benchmarks/idle_first.py --testbed-points tbq/points/*.json
 """
 
 from __future__ import annotations
@@ -52,7 +61,69 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-sessions", type=int, default=48)
     p.add_argument("--duration", type=float, default=240.0)
     p.add_argument("--normal-rate", type=float, default=2.0, help="normal requests per second per instance")
+    p.add_argument("--testbed-points", nargs="+", metavar="FILE",
+                   help="run nothing: item 7's verdict from `reproduce --testbed` point files (OUT/points/*.json)")
     return p.parse_args(argv)
+
+
+def same_model_ttft_s(m: Mapping[str, float]) -> float:
+    """Mean TTFT of the matched same-model calls, from a testbed arm's means over all and over switch calls."""
+    same = m["calls"] - m["switch_calls"]
+    return (m["ttft_s"] * m["calls"] - m["switch_ttft_s"] * m["switch_calls"]) / same if same else math.nan
+
+
+def testbed_verdict(paths: Sequence[str]) -> int:
+    """Item 7 on the testbed's point files: per seed, then over seeds (reductions and SLO change as the
+    seeds' mean, as ``reproduce --testbed`` reports them; the same-model TTFT ratio of the summed TTFTs);
+    each arm against request-level over the points both ran. Files of one (pair, rho, seed) from several
+    runs merge (the first file's arm where two have it)."""
+    import json
+
+    by_point: dict[tuple, dict[str, Mapping[str, float]]] = {}
+    for path in paths:
+        pt = json.loads(Path(path).read_text())
+        arms = by_point.setdefault((pt["pair"], pt["rho"], pt["seed"]), {})
+        for arm, m in pt["arms"].items():
+            arms.setdefault(arm, m)
+    names = list(dict.fromkeys(a for arms in by_point.values() for a in arms))
+    rows: dict[str, dict[tuple, dict[str, float]]] = {a: {} for a in names}
+    print(f"{'point':24s} {'arm':58s} {'sw TTFT red':>11s} {'same TTFT':>9s} {'call lat red':>12s} "
+          f"{'sw lat red':>10s} {'normal SLO pp':>13s}")
+    for key, arms in sorted(by_point.items()):
+        base = arms["no-shadow"]
+        for arm, m in arms.items():
+            r = rows[arm][key] = {
+                "switch_ttft_red": m["switch_ttft_red"], "call_latency_red": m["call_latency_red"],
+                "switch_latency_red": m["switch_latency_red"], "normal_slo_pp": m["normal_slo_pp"],
+                "same_sum": same_model_ttft_s(m) * (m["calls"] - m["switch_calls"]),
+                "base_same_sum": same_model_ttft_s(base) * (base["calls"] - base["switch_calls"])}
+            print(f"{f'{key[0]} rho {key[1]} seed {key[2]}':24s} {arm[:58]:58s} {r['switch_ttft_red']:11.3f} "
+                  f"{r['same_sum'] / r['base_same_sum']:9.3f} {r['call_latency_red']:12.3f} "
+                  f"{r['switch_latency_red']:10.3f} {100 * r['normal_slo_pp']:13.2f}")
+
+    def mean(arm: str, keys: Sequence[tuple]) -> dict[str, float]:
+        m = {k: sum(rows[arm][p][k] for p in keys) / len(keys) for k in rows[arm][keys[0]]}
+        return {**m, "same_ratio": m["same_sum"] / m["base_same_sum"]}
+
+    ok = True
+    for arm in names[2:]:
+        keys = sorted(rows[arm])
+        m, rl = mean(arm, keys), mean("request-level", keys)
+        checks = {
+            f"switch TTFT reduction {m['switch_ttft_red']:.3f} >= request-level's {rl['switch_ttft_red']:.3f}":
+                m["switch_ttft_red"] >= rl["switch_ttft_red"],
+            f"same-model TTFT ratio {m['same_ratio']:.3f} <= {SAME_TTFT_BOUND} (request-level "
+            f"{rl['same_ratio']:.3f})": m["same_ratio"] <= SAME_TTFT_BOUND,
+            f"normal SLO change {100 * m['normal_slo_pp']:+.2f} pp >= 0": m["normal_slo_pp"] >= 0,
+        }
+        print(f"\n{arm} (mean over {len(keys)} points: {', '.join(f'seed {k[2]}' for k in keys)}):")
+        for what, met in checks.items():
+            print(f"  {'MET    ' if met else 'NOT MET'} {what}")
+        print(f"  routed-call latency {100 * m['call_latency_red']:.1f}% below no-shadow's (request-level "
+              f"{100 * rl['call_latency_red']:.1f}%); switch calls {100 * m['switch_latency_red']:.1f}% "
+              f"(request-level {100 * rl['switch_latency_red']:.1f}%)")
+        ok = ok and all(checks.values())
+    return 0 if ok else 1
 
 
 def normal_slo_attainment(run: Any, engine: str, scenario: Any, latency: Mapping[str, Any]) -> float:
@@ -138,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shadowcore.config import policy_label
 
     args = parse_args(argv)
+    if args.testbed_points:
+        return testbed_verdict(args.testbed_points)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     refs = [parse_ref(p) for p in (args.policy or ["idle-first-host"])]
     arms: dict[str, tuple[Any, bool]] = {"no-shadow": ("no-shadow", False), "request-level": ("no-shadow", False)}

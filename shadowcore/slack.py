@@ -19,6 +19,10 @@ Invariants:
   is the other reading of Algorithm 1 (credit from every decode-only
   iteration), kept as a named option; it bounds the stretch by ``delta`` of
   the instance's whole decode-only time instead (``docs/architecture.md``).
+  Under ``routed_decode_margin`` (off by default) this bound covers the
+  iterations in which a routed call prefills; one whose routed calls all
+  decode is bounded by its batch's Eq. 1 slack (routed decodes at that
+  margin) and ``beta * T``, like an iteration without a routed call.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
 from shadowcore.types import (
     BudgetReason,
     Phase,
+    RequestKind,
     RequestView,
     SlackBudget,
     StepOutcome,
@@ -86,6 +91,17 @@ def min_batch_slack_s(
     if snapshot.aggregate is not None:
         slack = min(slack, snapshot.aggregate.min_slack_s(snapshot.now_s, margin))
     return slack
+
+
+def routed_prefilling(snapshot: StepSnapshot) -> bool:
+    """Whether a routed call of the batch is in its prefill (its TTFT is being made)."""
+    return any(r.kind is RequestKind.ROUTED and r.phase is Phase.PREFILL for r in snapshot.batch)
+
+
+def routed_decode_slack_s(snapshot: StepSnapshot, margin: float) -> float:
+    """The smallest Eq. 1 slack of the batch's routed decodes at ``margin`` (``inf`` for none)."""
+    return min((decode_slack_s(r, snapshot.now_s, margin) for r in snapshot.batch
+                if r.kind is RequestKind.ROUTED and r.phase is Phase.DECODE), default=math.inf)
 
 
 class SlackController(ABC):
@@ -142,6 +158,11 @@ class CreditAccrual(enum.Enum):
     #: whole decode-only time, more than ``delta`` of their own. Harvest, whose
     #: credit pays for every busy iteration, accrues so by definition.
     ALL_DECODE = "all-decode"
+    #: Only iterations in which a routed call prefills (not a reading of the
+    #: paper; for ``routed_decode_margin``, where the credit pays only for such
+    #: iterations): the time added to them is then at most ``delta`` of their
+    #: own time, the part of routed calls' TTFT that shadow work can stretch.
+    ROUTED_PREFILL = "routed-prefill"
 
 
 def _accrual(value: CreditAccrual | str) -> CreditAccrual:
@@ -170,13 +191,17 @@ class CreditAccount:
     earned_s: float = 0.0
     spent_s: float = 0.0
 
-    def accrues(self, decode_only: bool, routed: bool) -> bool:
-        """Whether an iteration without shadow work earns credit."""
+    def accrues(self, decode_only: bool, routed: bool, routed_prefill: bool = False) -> bool:
+        """Whether an iteration without shadow work earns credit (``routed_prefill``:
+        a routed call of it prefills; only ``ROUTED_PREFILL`` reads it)."""
+        if self.accrual is CreditAccrual.ROUTED_PREFILL:
+            return routed_prefill
         return decode_only and (routed or self.accrual is CreditAccrual.ALL_DECODE)
 
     def earn(self, snapshot: StepSnapshot, plan: StepPlan, outcome: StepOutcome) -> None:
         if (outcome.num_shadow_tokens == 0 and not plan.grants
-                and self.accrues(snapshot.batch_shape.is_decode_only, snapshot.has_routed)):
+                and self.accrues(snapshot.batch_shape.is_decode_only, snapshot.has_routed,
+                                 self.accrual is CreditAccrual.ROUTED_PREFILL and routed_prefilling(snapshot))):
             self.earn_s(outcome.duration_s)
 
     def earn_s(self, duration_s: float) -> None:
@@ -198,7 +223,17 @@ class SloSlackController(SlackController):
 
     ``credit_accrual`` says which decode-only iterations earn the routed-step
     credit (:class:`CreditAccrual`): ``"routed"`` (default, the paper's delta
-    guarantee) or ``"all-decode"`` (the other reading)."""
+    guarantee) or ``"all-decode"`` (the other reading).
+
+    ``routed_decode_margin`` (default ``None``: Algorithm 1 exactly): an
+    iteration whose routed calls are all decoding is paid like one without a
+    routed call (line 7: the batch's smallest Eq. 1 slack, capped at
+    ``beta * T``) instead of from the routed-step credit, with the routed
+    decodes' slack taken at this margin (at least ``margin``): a routed call
+    keeps its mean TPOT within ``(1 - routed_decode_margin) * T``. Only an
+    iteration in which a routed call prefills (the part of a call its TTFT
+    is made of) is left to the credit; shadow work next to routed decodes
+    costs them TPOT, never TTFT."""
 
     beta: float = attrs.field(default=0.5, validator=positive)
     delta: float = attrs.field(default=0.025, validator=non_negative)
@@ -206,6 +241,8 @@ class SloSlackController(SlackController):
     margin: float = attrs.field(default=0.1, validator=fraction_closed_open)
     chunk_tokens: int = attrs.field(default=2048, validator=positive)
     credit_accrual: CreditAccrual = attrs.field(default=CreditAccrual.ROUTED, converter=_accrual)
+    routed_decode_margin: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(fraction_closed_open))
     credit: CreditAccount = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -218,11 +255,14 @@ class SloSlackController(SlackController):
         cap = self.beta * snapshot.tpot_slo_s
         if snapshot.is_idle:
             return SlackBudget(cap, BudgetReason.IDLE)
+        slack = math.inf
         if snapshot.has_routed:
-            return SlackBudget(
-                max(0.0, min(self.credit.balance_s, cap)), BudgetReason.ROUTED_CREDIT, bounds_stretch=True
-            )
-        slack = min_batch_slack_s(snapshot, latency, self.margin, self.chunk_tokens)
+            if self.routed_decode_margin is None or routed_prefilling(snapshot):
+                return SlackBudget(
+                    max(0.0, min(self.credit.balance_s, cap)), BudgetReason.ROUTED_CREDIT, bounds_stretch=True
+                )
+            slack = routed_decode_slack_s(snapshot, max(self.margin, self.routed_decode_margin))
+        slack = min(slack, min_batch_slack_s(snapshot, latency, self.margin, self.chunk_tokens))
         return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)
 
     def commit(self, snapshot: StepSnapshot, plan: StepPlan) -> None:

@@ -243,7 +243,7 @@ def test_credit_accrual_reading_is_named_and_checked():
     assert SloSlackController().credit.accrual is CreditAccrual.ROUTED  # the paper's delta guarantee by default
     assert SloSlackController(credit_accrual="all-decode").credit.accrual is CreditAccrual.ALL_DECODE
     assert HarvestController().credit.accrual is CreditAccrual.ALL_DECODE  # it pays for every busy iteration
-    with pytest.raises(ValueError, match="credit_accrual must be one of 'routed', 'all-decode', not 'routd'"):
+    with pytest.raises(ValueError, match="credit_accrual must be one of 'routed', 'all-decode', 'routed-prefill', not 'routd'"):
         SloSlackController(credit_accrual="routd")
 
 
@@ -325,3 +325,52 @@ def test_windowed_prefill_prices_a_long_queue_as_window_sized_prompts() -> None:
 
     with pytest.raises(AssertionError, match="beyond the table"):
         windowed_prefill_s(lat, 3 * 4096, 512, 0)  # no window: one impossible prompt
+
+
+# -- routed_decode_margin (idle-first-host's rule, issue 16 item 7) --------------------------------
+def rdm(margin: float | None, delta: float = 0.0, accrual: str = "routed") -> SloSlackController:
+    return SloSlackController(beta=0.5, delta=delta, n_min=0, margin=0.1, chunk_tokens=2048,
+                              credit_accrual=accrual, routed_decode_margin=margin)
+
+
+def test_routed_decode_margin_budget():
+    """Routed calls all decoding: the Eq. 1 slack with the routed decodes at their own margin; a routed
+    prefill in the batch (or the option off): the routed-step credit (here 0)."""
+    routed = decode("r", now=1.0, since_first=0.01, kind=RequestKind.ROUTED)
+    # routed slack at margin 0.5: 0.5 * 0.04 - 0.01 = 0.01 (at 0.1 it would be 0.026, capped at 0.02)
+    hook, _ = make_hook(rdm(0.5), (0.9, 4096))
+    plan = run(hook, snap([routed]))
+    assert plan.budget.reason is BudgetReason.SLO_SLACK and not plan.budget.bounds_stretch
+    assert plan.budget.budget_s == pytest.approx(0.01)
+    assert plan.num_shadow_tokens == 96  # 0.004 + 6e-5 n <= 0.01 -> n <= 100 -> 96 (whole blocks)
+    # a normal decode with less slack still bounds it: 0.9 * 0.04 - 0.03 = 0.006
+    tight = decode("d", now=1.0, since_first=0.03)
+    assert run(make_hook(rdm(0.5), (0.9, 4096))[0], snap([routed, tight])).budget.budget_s == pytest.approx(0.006)
+    # a routed margin below the controller's own: the controller's (0.9 * 0.04 - 0.02 = 0.016, not 0.02)
+    loose = decode("r", now=1.0, since_first=0.02, kind=RequestKind.ROUTED)
+    assert run(make_hook(rdm(0.0), (0.9, 4096))[0], snap([loose])).budget.budget_s == pytest.approx(0.016)
+    # a routed call prefilling next to it: the credit pays (none earned), nothing planned
+    routed_prefill = prefill("p", arrival=0.9, scheduled=512, remaining=0, kind=RequestKind.ROUTED)
+    for controller, batch in ((rdm(0.5), [routed, routed_prefill]), (rdm(None), [routed])):
+        plan = run(make_hook(controller, (0.9, 4096))[0], snap(batch))
+        assert plan.budget == SlackBudget(0.0, BudgetReason.ROUTED_CREDIT, bounds_stretch=True)
+        assert plan.grants == ()
+
+
+def test_routed_prefill_credit_accrual():
+    """credit_accrual="routed-prefill": only iterations in which a routed call prefills earn (delta of
+    their duration); the credit then pays for the next one."""
+    routed_prefill = prefill("p", arrival=0.9, scheduled=512, remaining=512, kind=RequestKind.ROUTED)
+    routed = decode("r", now=1.0, since_first=0.01, kind=RequestKind.ROUTED)
+    hook, _ = make_hook(rdm(0.5, delta=0.1, accrual="routed-prefill"))  # no job: nothing planned
+    run(hook, snap([routed]), duration=1.0)  # routed decodes only: not this credit's kind
+    run(hook, snap([decode("d", now=1.0, since_first=0.0)]), duration=1.0)
+    assert hook.slack.credit.earned_s == 0.0
+    run(hook, snap([routed_prefill, routed]), duration=0.5)
+    assert hook.slack.credit.earned_s == pytest.approx(0.05)
+    assert not hook.slack.credit.accrues(True, True)  # a skipped step (all decoding) never earns
+    fresh, _ = make_hook(rdm(0.5, delta=0.1, accrual="routed-prefill"), (0.9, 4096))
+    fresh.slack.credit.balance_s = 0.01
+    plan = run(fresh, snap([routed_prefill]))
+    assert plan.budget == SlackBudget(0.01, BudgetReason.ROUTED_CREDIT, bounds_stretch=True)
+    assert plan.predicted_stretch_s <= 0.01 + 1e-12 and plan.num_shadow_tokens > 0

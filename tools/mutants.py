@@ -41,13 +41,23 @@ MUTATIONS: dict[str, tuple] = {
     "idle": (UNIT, "test_idle_shadow_iterations_within_beta_T", "shadowcore/slack.py",
              "return SlackBudget(cap, BudgetReason.IDLE)", "return SlackBudget(2 * cap, BudgetReason.IDLE)", 2),
     "credit-earn": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
-                    "and self.accrues(snapshot.batch_shape.is_decode_only, snapshot.has_routed)):",
-                    "and self.accrues(True, snapshot.has_routed)):"),
+                    "and self.accrues(snapshot.batch_shape.is_decode_only, snapshot.has_routed,",
+                    "and self.accrues(True, snapshot.has_routed,"),
     "credit-denominator": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
                            "return decode_only and (routed or self.accrual is CreditAccrual.ALL_DECODE)",
                            "return decode_only"),  # the old reading: every decode-only iteration earns
     "credit-spend": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
                      "self.balance_s -= cost", "pass"),
+    # routed_decode_margin (idle-first-host's item 7 rule): a routed prefill in the batch leaves the iteration
+    # to the credit; routed decodes' slack is taken at their own margin; the routed-prefill credit earns only there
+    "routed-prefilling": ("tests/test_core_units.py", "test_routed_decode_margin_budget", "shadowcore/slack.py",
+                          "return any(r.kind is RequestKind.ROUTED and r.phase is Phase.PREFILL for r in snapshot.batch)",
+                          "return False"),
+    "routed-decode-margin": ("tests/test_core_units.py", "test_routed_decode_margin_budget", "shadowcore/slack.py",
+                             "slack = routed_decode_slack_s(snapshot, max(self.margin, self.routed_decode_margin))",
+                             "slack = routed_decode_slack_s(snapshot, self.margin)"),
+    "credit-routed-prefill": ("tests/test_core_units.py", "test_routed_prefill_credit_accrual", "shadowcore/slack.py",
+                              "            return routed_prefill\n", "            return True\n"),
     "cap": (UNIT, "test_shadow_kv_never_exceeds_cap", "shadowcore/kv.py",
             ("        if kv_class is KVClass.SHADOW and self._num_shadow_blocks + num > self.cap_blocks:\n"
              "            return False\n"), ""),

@@ -60,6 +60,7 @@ USER_ARG_NAMES = {
     "slack.n_min": "n_min",
     "slack.margin": "margin",
     "slack.chunk_tokens": "chunk_tokens",
+    "slack.routed_decode_margin": "routed_decode_margin",
     "predictor.pseudo_count": "pseudo_count",
     "shadow_cap_fraction": "shadow_cap",
     "cold_age_s": "cold_age_s",

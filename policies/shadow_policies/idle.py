@@ -40,11 +40,24 @@ shadows use only idle iterations and the SLO slack of iterations without a
 routed call), expected-benefit targeting and the population-backoff predictor
 (:mod:`shadow_policies.benefit`).
 
+One option, off by default (``routed_decode_margin``, issue 16 item 7 on
+vLLM's scheduler): where one instance carries a routed call in almost every
+iteration (the paper's testbed: one Llama-3.1-70B), ``delta = 0`` leaves
+shadows almost no budget. With ``routed_decode_margin = m_r`` an iteration
+whose routed calls all decode is paid from its batch's Eq. 1 slack like one
+without a routed call, the routed decodes' slack taken at margin ``m_r``
+(:class:`~shadowcore.slack.SloSlackController`); iterations in which a routed
+call prefills still get nothing. It buys switch-call TTFT with routed calls'
+TPOT (``docs/policies.md`` has what it costs in each engine).
+
 Guarantees (the core's invariants, none weakened; the conformance check and
 ``tests/sim/test_idle_first.py`` test them):
 
 * no shadow token while a request waits or an admission is blocked;
 * no shadow token in an iteration that carries a routed call (``delta = 0``);
+  with ``routed_decode_margin``: none in an iteration in which a routed call
+  prefills, and a routed decode keeps its mean TPOT within
+  ``(1 - routed_decode_margin) * T``;
 * an iteration with shadow work is predicted to fit ``beta * T`` (idle) or
   the batch's smallest Eq. 1 slack, capped at ``beta * T`` (busy), so every
   request in it stays within its SLO margin; ``beta <= 1`` keeps it within
@@ -60,7 +73,7 @@ import attrs
 from shadow_policies.benefit import benefit_host
 from shadow_policies.building import user_args
 from shadowcore.errors import ConfigError
-from shadowcore.policy import PolicySpec
+from shadowcore.policy import Component, PolicySpec
 
 #: The smallest shadow chunk: one block of the default block size (every
 #: shadow is completed to its last whole block).
@@ -70,12 +83,20 @@ N_MIN_TOKENS = 16
 @user_args
 def idle_first_host(gate: float = 0.1, max_k: int = 2, prior_strength: float = 4.0, session_weight: float = 2.0,
                     beta: float = 1.0, delta: float = 0.0, n_min: int = N_MIN_TOKENS, margin: float = 0.1,
-                    chunk_tokens: int = 2048, eviction_order: str = "lru", **kv) -> PolicySpec:
+                    chunk_tokens: int = 2048, eviction_order: str = "lru", routed_decode_margin: float | None = None,
+                    credit_accrual: str = "routed", **kv) -> PolicySpec:
     if not isinstance(beta, bool) and isinstance(beta, (int, float)) and beta > 1:
         raise ConfigError("beta", beta, "must be in (0, 1]: a shadow iteration is never longer than the TPOT SLO")
     spec = benefit_host(gate=gate, max_k=max_k, prior_strength=prior_strength, session_weight=session_weight,
                         beta=beta, delta=delta, n_min=n_min, margin=margin, chunk_tokens=chunk_tokens,
                         eviction_order=eviction_order, **kv)
+    extra = {k: v for k, v, default in (("routed_decode_margin", routed_decode_margin, None),
+                                        ("credit_accrual", credit_accrual, "routed")) if v != default}
+    if extra:
+        try:
+            spec = attrs.evolve(spec, slack=Component(spec.slack.cls, {**spec.slack.kwargs, **extra}))
+        except ConfigError as e:  # name the keyword the user wrote
+            raise ConfigError(e.field.removeprefix("slack."), e.value, e.problem) from None
     return attrs.evolve(spec, name="idle-first-host", description=(
         "benefit-host that completes every shadow to its last block (n_min one block), keeps shadows in "
         "one LRU with normal blocks, and shadows only on idle iterations and the SLO slack of iterations "

@@ -1,8 +1,10 @@
 """Our idle-first-host policy: it loads with its defaults (one-block n_min, one
 LRU over both KV classes, host tier, no routed-step credit, benefit-host's
-targeting and predictor) and clear argument errors; it conforms; it completes a
-shadow's sub-n_min tail that benefit-host defers; and it never puts shadow work
-on an iteration that carries a routed call."""
+targeting and predictor) and clear argument errors; it conforms (with and
+without routed_decode_margin); it completes a shadow's sub-n_min tail that
+benefit-host defers; it never puts shadow work on an iteration that carries a
+routed call, and with routed_decode_margin only next to routed calls that all
+decode, within the batch's slack."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from shadowcore.engine.workload import session as scripted_session
 from shadowcore.errors import ConfigError
 from shadowcore.policy import load_policy
 from shadowcore.slack import SloSlackController
+from shadowcore.types import Phase, RequestKind
 
 
 def test_policy_loads_with_its_defaults_and_names_bad_arguments() -> None:
@@ -29,16 +32,18 @@ def test_policy_loads_with_its_defaults_and_names_bad_arguments() -> None:
     assert load_policy(PluginRef("idle-first-host", {"eviction_order": "shadow-first"})).kv.eviction_order \
         == "shadow-first"
     for bad, field in (({"n_min": -1}, "n_min"), ({"gate": 2.0}, "gate"), ({"beta": 0}, "beta"), ({"beta": 1.5}, "beta"),
-                       ({"shadow_cap": 0}, "shadow_cap"), ({"top_k": 1}, "top_k")):
+                       ({"shadow_cap": 0}, "shadow_cap"), ({"top_k": 1}, "top_k"),
+                       ({"routed_decode_margin": 1.0}, "routed_decode_margin")):
         with pytest.raises(ConfigError) as info:
             load_policy(PluginRef("idle-first-host", bad))
         assert info.value.field == f"policy.args.{field}", info.value
 
 
-def test_conforms() -> None:
+@pytest.mark.parametrize("args", [{}, {"routed_decode_margin": 0.1}])
+def test_conforms(args: dict) -> None:
     from shadowcore.testing.conformance import check_policy
 
-    report = check_policy("idle-first-host")
+    report = check_policy(PluginRef("idle-first-host", args))
     assert report.policy == "idle-first-host" and report.num_shadow_plans > 0
 
 
@@ -78,21 +83,25 @@ def test_completes_the_tail_that_the_paper_n_min_defers() -> None:
 
 
 class RoutedGrants:
-    """Shadow tokens planned on iterations that carry a routed call."""
+    """Shadow tokens planned on iterations that carry a routed call, split by whether a routed call
+    of the batch is prefilling."""
 
     def __init__(self) -> None:
-        self.tokens = 0
+        self.prefilling = 0  # shadow tokens next to a routed prefill
+        self.decoding = 0  # shadow tokens next to routed calls that all decode
         self.plans = 0
 
     def on_plan(self, snapshot, plan) -> None:
         self.plans += bool(plan.grants)
-        if snapshot.has_routed:
-            self.tokens += plan.num_shadow_tokens
+        if not snapshot.has_routed:
+            return
+        if any(r.kind is RequestKind.ROUTED and r.phase is Phase.PREFILL for r in snapshot.batch):
+            self.prefilling += plan.num_shadow_tokens
+        else:
+            self.decoding += plan.num_shadow_tokens
 
 
-@pytest.mark.parametrize(("args", "routed_free"), [({}, True), ({"delta": 0.1}, False)])
-def test_no_shadow_work_on_routed_iterations(args: dict, routed_free: bool) -> None:
-    """delta = 0: never a shadow token next to a routed call (with a credit, the check does see some)."""
+def _routed_grants(args: dict) -> RoutedGrants:
     from shadowcore.testing.conformance import SMALL_SCENARIO
 
     scenario = {**SMALL_SCENARIO, "normal_rate_per_s": 6.0, "duration_s": 30.0}
@@ -101,7 +110,42 @@ def test_no_shadow_work_on_routed_iterations(args: dict, routed_free: bool) -> N
     run.runtime.observers.add(log)
     run.run()
     assert log.plans > 0
-    assert (log.tokens == 0) == routed_free, log.tokens
+    return log
+
+
+@pytest.mark.parametrize(("args", "next_to_prefill", "next_to_decode"), [
+    ({}, False, False),  # delta = 0: never a shadow token next to a routed call
+    ({"routed_decode_margin": 0.1}, False, True),  # next to routed decodes only (their SLO slack)
+    ({"delta": 0.1}, True, True),  # a credit: the check does see shadow work next to routed prefills
+])
+def test_shadow_work_next_to_routed_calls(args: dict, next_to_prefill: bool, next_to_decode: bool) -> None:
+    log = _routed_grants(args)
+    assert (log.prefilling > 0, log.decoding > 0) == (next_to_prefill, next_to_decode), vars(log)
+
+
+def test_routed_decode_margin_keeps_every_slo_slack_budget_within_the_batch_slack() -> None:
+    """With routed_decode_margin, an iteration next to routed decodes is budgeted by the batch's
+    Eq. 1 slack (routed decodes included) and beta * T, never more (the core's slack rule)."""
+    from shadowcore.testing.contracts import plan_problems
+
+    class Strict(RoutedGrants):
+        def __init__(self) -> None:
+            super().__init__()
+            self.problems: list[str] = []
+
+        def on_plan(self, snapshot, plan) -> None:
+            super().on_plan(snapshot, plan)
+            self.problems.extend(plan_problems(snapshot, plan, strict=True))
+
+    from shadowcore.testing.conformance import SMALL_SCENARIO
+
+    scenario = {**SMALL_SCENARIO, "normal_rate_per_s": 6.0, "duration_s": 30.0}
+    run = FakeRun(FakeScenario.from_dict(scenario),
+                  ShadowConfig(PluginRef("idle-first-host", {"routed_decode_margin": 0.1}), seed=0))
+    log = Strict()
+    run.runtime.observers.add(log)
+    run.run()
+    assert log.decoding > 0 and not log.problems, log.problems[:3]
 
 
 def test_reproduce_reports_idle_first_host_against_the_oracle() -> None:
@@ -125,3 +169,34 @@ def test_reproduce_reports_idle_first_host_against_the_oracle() -> None:
         in table
     assert "| idle-first-host (ours) energy per good request change, main pairs (target <= +1%) | ours | – | 0.4% |" \
         in table
+
+
+def test_testbed_verdict_reads_point_files(tmp_path, capsys) -> None:
+    """benchmarks/idle_first.py --testbed-points: the same-model TTFT ratio from the arms' mean TTFTs
+    (all calls and switch calls), each arm against request-level on the points both ran."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "idle_first.py"
+    spec = importlib.util.spec_from_file_location("idle_first_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def arm(ttft: float, switch_ttft: float, switch_red: float, slo_pp: float = 0.0) -> dict:
+        return {"calls": 10.0, "switch_calls": 4.0, "ttft_s": ttft, "switch_ttft_s": switch_ttft,
+                "switch_ttft_red": switch_red, "call_latency_red": 0.01, "switch_latency_red": 0.02,
+                "normal_slo_pp": slo_pp}
+
+    # no-shadow: same-model TTFT (10 * 1.0 - 4 * 1.6) / 6 = 0.6; ours (10 * 0.64 - 4 * 0.4) / 6 = 0.8
+    point = {"pair": "L8/L70", "rho": 0.3, "seed": 7, "arms": {
+        "no-shadow": arm(1.0, 1.6, 0.0), "request-level": arm(0.6, 0.4, 0.5), "ours": arm(0.64, 0.4, 0.6)}}
+    (tmp_path / "p.json").write_text(json.dumps(point))
+    assert bench.same_model_ttft_s(point["arms"]["ours"]) == pytest.approx(0.8)
+    assert bench.main(["--testbed-points", str(tmp_path / "p.json")]) == 1  # 0.8 / 0.6 = 1.33 > 1.05
+    out = capsys.readouterr().out
+    assert "MET     switch TTFT reduction 0.600 >= request-level's 0.500" in out
+    assert "NOT MET same-model TTFT ratio 1.333 <= 1.05" in out
+    point["arms"]["ours"] = arm(0.52, 0.4, 0.6)  # same-model (5.2 - 1.6) / 6 = 0.6: ratio 1
+    (tmp_path / "p.json").write_text(json.dumps(point))
+    assert bench.main(["--testbed-points", str(tmp_path / "p.json")]) == 0
