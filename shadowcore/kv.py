@@ -41,7 +41,19 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
   release the count of its blocks still idle (O(1) per release to turn cold;
   blocks leaving idle leave their release's count, per run of one release).
 * Each class's idle order is its release order, so a run of victims of one
-  class is sorted by release.
+  class is sorted by release. It is kept as the runs releases appended
+  (:class:`_IdleRuns`): an entry is live while its block holds the run's
+  state tuple, so a release appends one run and a hit or an eviction leaves
+  stale entries behind instead of deleting block by block.
+* Evictions for normal owners are owed, not made, where nothing can tell
+  the difference: ``extend_private`` (decode growth) and a normal
+  allocation or extension that reloads nothing from the host tier take free
+  blocks and count the rest as owed; every other query or change first
+  makes the owed evictions in one go (:meth:`KVClassManager._settle`),
+  which are exactly the ones the takes would have made (only normal takes
+  ran since, which leave the idle orders and the host tier as they were,
+  and a normal requester's victims do not depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
+  debt without settling it.
 * Device and host tier are disjoint, so a spilled run enters the host tier in
   one update with one capacity check (exactly an LRU of single spills).
 * A fast path only takes a run whose blocks are distinct and alike (one
@@ -58,7 +70,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat, takewhile
-from operator import and_, attrgetter, gt, is_, itemgetter, not_
+from operator import and_, attrgetter, is_, itemgetter, not_
 from typing import TypeVar
 
 import attrs
@@ -150,13 +162,16 @@ class KVClassPolicy:
         needs ``num`` blocks evicts, class by class. Exactly
         ``groupby(islice(victims(...), num))``; the common case (shadow-first,
         a normal requester, nothing protected: each class's release order from
-        its head) slices the idle maps directly."""
+        its head) slices the idle maps directly: an idle map that has a
+        ``first(num)`` method (the manager's: equal to
+        ``list(islice(m, num))``) is asked for it."""
         if self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect:
             runs = []
             for cls in _SHADOW_FIRST:
                 if num <= 0:
                     break
-                head = list(itertools.islice(idle[cls], num))
+                first = getattr(idle[cls], "first", None)
+                head = first(num) if first is not None else list(itertools.islice(idle[cls], num))
                 if head:
                     runs.append((cls, head))
                     num -= len(head)
@@ -232,6 +247,199 @@ def _run_length(keys: Container[int], hashes: Sequence[int]) -> int:
     return len(list(takewhile(keys.__contains__, hashes)))
 
 
+#: Stale entries an idle order may hold beyond its live ones before it compacts (see _IdleRuns).
+_COMPACT_SLACK = 1024
+
+
+class _IdleRuns(Mapping):
+    """One class's idle blocks in release order, as the runs releases
+    appended: ``Mapping[hash, idle since]`` for :meth:`KVClassPolicy.victims`.
+
+    A release appends its blocks of this class as one run ``(state,
+    hashes)``, ``state`` the one state tuple every block of the run got (the
+    manager's blocks one release made idle share it). An entry is live while
+    its block still holds that very tuple (``blocks.get(h) is state``): a hit
+    or an eviction changes or drops the block's state and so leaves its entry
+    stale with no work here; the caller only says how many blocks of the
+    class left (:meth:`left`). So a release costs O(1) here and a hit or an
+    eviction nothing per block, where an ordered dict costs a node per block
+    on each.
+
+    Invariants: ``count`` is the number of live entries; iteration yields
+    the live ones in run order, which is the release order (the order an
+    ordered dict of the same insertions and deletions has); stale entries
+    are skipped, trimmed from the head as iteration reaches them, and
+    dropped all at once when they outnumber the live ones by more than
+    ``_COMPACT_SLACK`` (amortised O(1) per stale entry). The owner must not
+    change the order while it iterates."""
+
+    __slots__ = ("_blocks", "_mixed", "_pos", "_releases", "_runs", "_shadow", "_stored", "count")
+
+    def __init__(self, blocks: dict[int, tuple], shadow: bool, releases: dict[int, int], mixed: Container[int]) -> None:
+        # releases: per release, its blocks still idle; mixed: the releases that made blocks of both classes idle.
+        # A run of a release not mixed whose idle count is the number of its entries from the head on has no
+        # stale entry there (its live entries are all at or after the head).
+        self._blocks, self._shadow, self._releases, self._mixed = blocks, shadow, releases, mixed
+        self._runs: deque[tuple[tuple, list[int]]] = deque()
+        self._pos = 0  # the head run's first entry not yet trimmed
+        self.count = 0  # live entries
+        self._stored = 0  # entries from the head position on, live or stale
+
+    def append(self, state: tuple, hashes: list[int]) -> None:
+        """Blocks that just went idle in this class, in order, each now
+        holding ``state`` (not to be changed while they stay idle)."""
+        if hashes:
+            self._runs.append((state, hashes))
+            self.count += len(hashes)
+            self._stored += len(hashes)
+
+    def left(self, num: int) -> None:
+        """``num`` live entries' blocks left idle (hit or evicted)."""
+        self.count -= num
+        if self._stored - self.count > self.count + _COMPACT_SLACK:
+            self._compact()
+
+    def evicted(self, victims: list[int]) -> None:
+        """``victims`` (live entries, in order) were just evicted: they
+        leave, and when they are the head's next entries (the usual: the
+        victims :meth:`first` gave) the head moves past them unread."""
+        runs = self._runs
+        if runs:
+            hashes, pos = runs[0][1], self._pos
+            end = pos + len(victims)
+            if end <= len(hashes) and hashes[pos:end] == victims:  # identical objects: compared by pointer
+                self._stored -= len(victims)
+                if end == len(hashes):
+                    runs.popleft()
+                    end = 0
+                self._pos = end
+        self.left(len(victims))
+
+    def _live(self, state: tuple, hashes: Sequence[int], start: int = 0) -> Iterator[int]:
+        return compress(islice(hashes, start, None), map(is_, map(self._blocks.get, islice(hashes, start, None)),
+                                                         repeat(state)))
+
+    def _trim(self) -> None:
+        """Drop the stale entries at the head (each once)."""
+        runs, get, releases = self._runs, self._blocks.get, self._releases
+        while runs:
+            state, hashes = runs[0]
+            pos, n = self._pos, len(hashes)
+            if state[3] not in releases:  # nothing of its release is idle: a dead run, dropped unread
+                runs.popleft()
+                self._stored -= n - pos
+                self._pos = 0
+                continue
+            if pos < n and get(hashes[pos]) is state:
+                return
+            if pos + 1 < n and get(hashes[pos + 1]) is state:  # the usual: the head was just evicted
+                self._stored -= 1
+                self._pos = pos + 1
+                return
+            i = next(compress(itertools.count(pos), map(is_, map(get, islice(hashes, pos, None)), repeat(state))),
+                     -1)
+            if i >= 0:
+                self._stored -= i - pos
+                self._pos = i
+                return
+            runs.popleft()
+            self._stored -= len(hashes) - pos
+            self._pos = 0
+
+    def _compact(self) -> None:
+        runs, pos = deque(), self._pos
+        for k, (state, hashes) in enumerate(self._runs):
+            if state[3] not in self._releases:
+                continue
+            live = list(self._live(state, hashes, pos if k == 0 else 0))
+            if live:
+                runs.append((state, live))
+        self._runs, self._pos, self._stored = runs, 0, self.count
+
+    def first(self, num: int) -> list[int]:
+        """``list(islice(self, num))``: the next ``num`` to evict, in order
+        (fewer when there are not that many); a slice of the head run when
+        they are its next entries (the usual case)."""
+        if not self.count:
+            return []
+        if num >= self.count:
+            return list(self)
+        self._trim()
+        state, hashes = self._runs[0]
+        pos = self._pos
+        releases, mixed = self._releases, self._mixed
+        if pos + num <= len(hashes):
+            head = hashes[pos : pos + num]
+            if (num == 1 or (state[3] not in mixed and releases[state[3]] == len(hashes) - pos)  # trimmed: [0] live
+                    or all(map(is_, map(self._blocks.get, head), repeat(state)))):
+                return head
+        out: list[int] = []  # run by run (no chained iterators), dead runs unread, clean runs sliced
+        for state, hashes in self._runs:
+            release = state[3]
+            if pos or release in releases:
+                if release not in mixed and releases[release] == len(hashes) - pos:
+                    out += hashes[pos : pos + num - len(out)]
+                else:
+                    out += islice(self._live(state, hashes, pos), num - len(out))
+                if len(out) == num:
+                    break
+            pos = 0
+        return out
+
+    def __iter__(self) -> Iterator[int]:
+        self._trim()
+        runs = self._runs
+        if not runs:
+            return iter(())
+        state, hashes = runs[0]
+        head = self._live(state, hashes, self._pos)
+        if len(runs) == 1:
+            return head
+        releases = self._releases
+        return itertools.chain(head, itertools.chain.from_iterable(
+            itertools.starmap(self._live, (run for run in islice(runs, 1, None) if run[0][3] in releases))))
+
+    def __reversed__(self) -> Iterator[int]:
+        return reversed(list(self))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __contains__(self, block_hash: object) -> bool:
+        state = self._blocks.get(block_hash)
+        return state is not None and state[1] == 0 and state[0] is self._shadow
+
+    def __getitem__(self, block_hash: int) -> float:
+        if block_hash not in self:
+            raise KeyError(block_hash)
+        return self._blocks[block_hash][2]
+
+    def values(self) -> Iterator[float]:
+        return map(_SINCE, map(self._blocks.__getitem__, iter(self)))
+
+    def items(self) -> _IdleItems:
+        return _IdleItems(self)
+
+
+class _IdleItems:
+    """``_IdleRuns.items()``: (hash, idle since) in release order, lazily (reversible)."""
+
+    __slots__ = ("_idle",)
+
+    def __init__(self, idle: _IdleRuns) -> None:
+        self._idle = idle
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        idle = self._idle
+        return zip(iter(idle), idle.values())  # both trim first: the same live order
+
+    def __reversed__(self) -> Iterator[tuple[int, float]]:
+        return reversed(list(self))
+
+    def __len__(self) -> int:
+        return self._idle.count
+
+
 @attrs.define(eq=False)
 class _Owner:
     kv_class: KVClass
@@ -248,13 +456,13 @@ class KVClassManager:
     policy: KVClassPolicy = attrs.Factory(KVClassPolicy)
     kv_bytes_per_token: float = attrs.field(default=131072.0, validator=positive)
     num_free_blocks: int = attrs.field(init=False)
-    eviction_count: int = attrs.field(init=False, default=0)
-    num_shadow_blocks: int = attrs.field(init=False, default=0)
-    num_evicted_blocks: dict[KVClass, int] = attrs.field(init=False)
+    _eviction_count: int = attrs.field(init=False, default=0)
+    _num_shadow_blocks: int = attrs.field(init=False, default=0)
+    _num_evicted_blocks: dict[KVClass, int] = attrs.field(init=False)
     num_shadow_blocks_used: int = attrs.field(init=False, default=0)
     num_reloaded_blocks: int = attrs.field(init=False, default=0)
     _blocks: dict[int, tuple] = attrs.field(init=False, factory=dict)  # hash -> state (see _HELD)
-    _idle: dict[KVClass, OrderedDict[int, float]] = attrs.field(init=False)  # hash -> idle since, release order
+    _idle: dict[KVClass, _IdleRuns] = attrs.field(init=False)  # hash -> idle since, release order
     _owners: dict[str, _Owner] = attrs.field(init=False, factory=dict)
     _host: OrderedDict[int, KVClass] = attrs.field(init=False, factory=OrderedDict)
     # Releases not yet cold, in order, as (time, release id); _live[id]: the blocks still idle from that
@@ -263,12 +471,18 @@ class KVClassManager:
     _cold_queue: deque = attrs.field(init=False, factory=deque)
     _live: dict[int, int] = attrs.field(init=False, factory=dict)
     _num_cold_idle: int = attrs.field(init=False, default=0)
+    # Per release, its blocks still idle, cold or not (the idle orders skip a release's run once it has none).
+    _idle_left: dict[int, int] = attrs.field(init=False, factory=dict)
+    _mixed: set[int] = attrs.field(init=False, factory=set)  # releases with idle blocks of both classes
     _num_releases: int = attrs.field(init=False, default=0)
+    # Evictions owed: blocks normal owners took from idle whose victims are not chosen yet (_settle).
+    _owed: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
-        self._idle = {KVClass.SHADOW: OrderedDict(), KVClass.NORMAL: OrderedDict()}
-        self.num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
+        self._idle = {KVClass.SHADOW: _IdleRuns(self._blocks, True, self._idle_left, self._mixed),
+                      KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left, self._mixed)}
+        self._num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -286,43 +500,93 @@ class KVClassManager:
 
     @property
     def num_host_blocks(self) -> int:
+        if self._owed:
+            self._settle()
         return len(self._host)
 
     @property
     def num_idle_blocks(self) -> int:
         """Cached blocks no owner holds (both classes): what a normal
         allocation may evict."""
-        return len(self._idle[KVClass.SHADOW]) + len(self._idle[KVClass.NORMAL])
+        idle = self._idle
+        return idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count - self._owed
 
     @property
     def num_cached_blocks(self) -> int:
+        if self._owed:
+            self._settle()
         return len(self._blocks)
 
+    @property
+    def eviction_count(self) -> int:
+        """Blocks evicted so far (each owed eviction will be one)."""
+        return self._eviction_count + self._owed
+
+    @property
+    def num_shadow_blocks(self) -> int:
+        """Shadow blocks, in use or cached."""
+        if self._owed:
+            self._settle()
+        return self._num_shadow_blocks
+
+    @property
+    def num_evicted_blocks(self) -> dict[KVClass, int]:
+        """Blocks evicted so far, by class (the manager's counters)."""
+        if self._owed:
+            self._settle()
+        return self._num_evicted_blocks
+
+    def _settle(self) -> None:
+        """Make the evictions owed (see :meth:`_take`). Every query and change
+        but ``extend_private`` and the counts above it settles first, so no
+        caller sees the debt: between the take and now only takes of normal
+        owners ran, which leave the idle orders and the host tier as they
+        were, and a normal requester's victims do not depend on the time, so
+        the victims now are the ones the takes would have evicted, in order."""
+        owed = self._owed
+        if owed:
+            self._owed = 0
+            self._evict(owed, KVClass.NORMAL, 0.0, ())
+
     def class_of(self, block_hash: int) -> KVClass | None:
+        if self._owed:
+            self._settle()
         block = self._blocks.get(block_hash)
         return None if block is None else _KV_CLASS[block[0]]
 
     def is_cached(self, block_hash: int) -> bool:
+        if self._owed:
+            self._settle()
         return block_hash in self._blocks
 
     def in_host(self, block_hash: int) -> bool:
+        if self._owed:
+            self._settle()
         return block_hash in self._host
 
     def idle_order(self, kv_class: KVClass) -> list[int]:
         """Idle blocks of a class, next to be evicted first."""
+        if self._owed:
+            self._settle()
         return list(self._idle[kv_class])
 
     def idle_since(self, block_hash: int) -> float:
+        if self._owed:
+            self._settle()
         return self._blocks[block_hash][2]
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
+        if self._owed:
+            self._settle()
         n_dev = _run_length(self._blocks, hashes)
         n_host = _run_length(self._host, itertools.islice(hashes, n_dev, None)) if self._host else 0
         return PrefixMatch(n_dev, n_host)
 
     def shadow_room_blocks(self, now_s: float) -> int:
         """Blocks a shadow chunk could take now: cap room, free and cold."""
-        room = self.cap_blocks - self.num_shadow_blocks
+        if self._owed:
+            self._settle()
+        room = self.cap_blocks - self._num_shadow_blocks
         if room <= 0:
             return 0
         if self.num_free_blocks >= room:
@@ -342,6 +606,7 @@ class KVClassManager:
         """Record release ``release`` (the next id) that made ``num_idle`` > 0 blocks idle at ``now_s``."""
         self._num_releases = release
         self._live[release] = num_idle
+        self._idle_left[release] = num_idle
         self._cold_queue.append((now_s, release))
 
     def _leave_idle(self, releases: Iterator[int]) -> None:
@@ -350,33 +615,39 @@ class KVClassManager:
         release's blocks usually come together (eviction takes them in release
         order; a hit takes a chain one release made idle), so this counts
         runs of one release."""
-        live = self._live
         for release, group in itertools.groupby(releases):  # a run per release: O(runs) in Python
-            n = len(list(group))
-            left = live.get(release)
-            if left is None:
-                self._num_cold_idle -= n
-            else:
-                live[release] = left - n
+            self._left_release(release, len(list(group)))
+
+    def _left_release(self, release: int, num: int) -> None:
+        """``num`` idle blocks of release ``release`` left idle (hit or evicted)."""
+        left = self._live.get(release)
+        if left is None:
+            self._num_cold_idle -= num
+        else:
+            self._live[release] = left - num
+        left = self._idle_left[release] - num
+        if left:
+            self._idle_left[release] = left
+        else:
+            del self._idle_left[release]
+            self._mixed.discard(release)
 
     def _evicted_from_idle(self, releases: list[int]) -> None:
         """:meth:`_leave_idle` for the releases of evicted blocks of one
         class, in eviction order: a class's idle order is its release order,
         so ``releases`` is sorted and its runs are found by bisection (Python
         work per release, not per block)."""
-        live, i, n = self._live, 0, len(releases)
+        i, n = 0, len(releases)
         while i < n:
             release = releases[i]
             j = n if releases[-1] == release else bisect.bisect_right(releases, release, i)
-            left = live.get(release)
-            if left is None:
-                self._num_cold_idle -= j - i
-            else:
-                live[release] = left - (j - i)
+            self._left_release(release, j - i)
             i = j
 
     def _cold(self, block_hash: int) -> bool:
         """Idle and counted cold (for tests: the cold count is this, summed)."""
+        if self._owed:
+            self._settle()
         _, ref, _, release = self._blocks[block_hash]
         return ref == 0 and release not in self._live
 
@@ -397,6 +668,8 @@ class KVClassManager:
         """
         if owner_id in self._owners:
             raise ValueError(f"owner {owner_id!r} already holds blocks")
+        if self._owed:
+            self._settle()
         match = self.match_prefix(hashes)
         hits = hashes[: match.num_device_blocks]
         # Blocks past the first miss may still be cached (a chain's head can be
@@ -421,10 +694,12 @@ class KVClassManager:
         self._ref_hits(shared, kv_class)
         # Nothing of ``hashes`` is idle now (hits and shared are referenced, the rest is not cached), so no
         # eviction can touch it: no protect set is needed.
-        self._take(num_new, kv_class, now_s, protect=())
+        host = self._host
+        in_host = bool(host) and not host.keys().isdisjoint(fresh)  # fresh blocks to take out of the host tier
+        self._take(num_new, kv_class, now_s, protect=(), owe=not in_host)
         host_hits = hashes[match.num_device_blocks : match.num_blocks]
-        if self._host:
-            deque(map(self._host.pop, fresh, repeat(None)), 0)  # device and host tier stay disjoint
+        if in_host:
+            deque(map(host.pop, fresh, repeat(None)), 0)  # device and host tier stay disjoint
         blocks.update(zip(fresh, repeat(_HELD[kv_class])))
         self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks)
         self.num_reloaded_blocks += len(host_hits)
@@ -434,6 +709,8 @@ class KVClassManager:
     def extend(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, now_s: float) -> bool:
         """Grow an owner (decode): new hashed and private blocks; all or nothing."""
         owner = self._owners[owner_id]
+        if self._owed:
+            self._settle()
         if not hashes and num_private_blocks <= self.num_free_blocks and owner.kv_class is KVClass.NORMAL:
             self.num_free_blocks -= num_private_blocks  # the general path below, when only free blocks are taken
             owner.num_private_blocks += num_private_blocks
@@ -444,9 +721,11 @@ class KVClassManager:
         if not self._can_take(num_new, owner.kv_class, now_s, exclude=shared):
             return False
         self._ref_hits(shared, owner.kv_class)
-        self._take(num_new, owner.kv_class, now_s, protect=())  # as in allocate: nothing of hashes is idle
-        if self._host:
-            deque(map(self._host.pop, fresh, repeat(None)), 0)
+        host = self._host
+        in_host = bool(host) and not host.keys().isdisjoint(fresh)
+        self._take(num_new, owner.kv_class, now_s, protect=(), owe=not in_host)  # as in allocate: nothing idle
+        if in_host:
+            deque(map(host.pop, fresh, repeat(None)), 0)
         self._blocks.update(zip(fresh, repeat(_HELD[owner.kv_class])))
         owner.hashes.extend(hashes)
         owner.num_private_blocks += num_private_blocks
@@ -459,20 +738,31 @@ class KVClassManager:
         otherwise. Taken in one go: free blocks first,
         then LRU evictions, as the calls one by one would. A shadow owner is an
         error (its cap rules differ)."""
-        grown = list(map(self._owners.__getitem__, map(_FIRST, needs)))
-        if KVClass.SHADOW in map(_OWNER_CLASS, grown):
-            raise ValueError("extend_private grows normal owners only")
-        counts = list(map(_SECOND, needs))
-        total = sum(counts)
-        if total > self.num_free_blocks + self.num_idle_blocks:
-            return False
-        for owner, n in zip(grown, counts):
+        owners = self._owners
+        grown = [(owners[owner_id], n) for owner_id, n in needs]  # a few per call: plain Python is the fastest
+        total = 0
+        for owner, n in grown:
+            if owner.kv_class is KVClass.SHADOW:
+                raise ValueError("extend_private grows normal owners only")
+            total += n
+        free = self.num_free_blocks
+        if total > free:
+            idle = self._idle
+            if total > free + idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count - self._owed:
+                return False
+        for owner, n in grown:
             owner.num_private_blocks += n
-        self._take(total, KVClass.NORMAL, now_s, protect=())
+        if total <= free:
+            self.num_free_blocks = free - total
+        else:  # _take of a normal owner: the free blocks, then evictions (owed)
+            self.num_free_blocks = 0
+            self._owed += total - free
         return True
 
     def release(self, owner_id: str, now_s: float) -> None:
         """Drop an owner's references; its hashed blocks stay cached (idle)."""
+        if self._owed:
+            self._settle()
         owner = self._owners.pop(owner_id)
         self._unref(reversed(owner.hashes), (), now_s)  # tail first, so LRU evicts a context's tail first (as vLLM)
         self._free(owner.num_private_blocks, owner.kv_class)
@@ -496,22 +786,25 @@ class KVClassManager:
                     and len(set(hashes)) == n):
                 shadow = num_shadow > 0
                 blocks.update(zip(hashes, repeat(idle_state[shadow])))
-                idle[_KV_CLASS[shadow]].update(zip(hashes, repeat(now_s)))
+                idle[_KV_CLASS[shadow]].append(idle_state[shadow], hashes)
                 self._new_release(release, len(hashes), now_s)
                 return
-        num_idle = 0
+        newly_idle = ([], [])  # by the shadow flag, in order
         for h in hashes:
             shadow, ref, since, rel = blocks[h]
             if not keep or h not in keep:
                 ref -= 1
             if ref == 0:
-                num_idle += 1
                 blocks[h] = idle_state[shadow]
-                idle[_KV_CLASS[shadow]][h] = now_s
+                newly_idle[shadow].append(h)
             else:
                 blocks[h] = (shadow, ref, since, rel)
-        if num_idle:
-            self._new_release(release, num_idle, now_s)
+        if newly_idle[0] or newly_idle[1]:
+            if newly_idle[0] and newly_idle[1]:
+                self._mixed.add(release)
+            for shadow in (False, True):
+                idle[_KV_CLASS[shadow]].append(idle_state[shadow], newly_idle[shadow])
+            self._new_release(release, len(newly_idle[0]) + len(newly_idle[1]), now_s)
 
     def release_and_cache(self, owner_id: str, hashes: Sequence[int], cache_owner_id: str, now_s: float) -> None:
         """A finished request: exactly ``release(owner_id)``, then, if it fits,
@@ -522,6 +815,8 @@ class KVClassManager:
         the new ones fit in free blocks (no eviction); otherwise the three
         calls run."""
         owner = self._owners[owner_id]
+        if self._owed:
+            self._settle()
         blocks = self._blocks
         if self._release_and_cache_chain(owner_id, owner, hashes, now_s):
             return
@@ -541,18 +836,20 @@ class KVClassManager:
         left_idle = []
         for h in hashes:
             block = blocks.get(h)
-            if block is None or h in held:
+            if block is None or h in held or h in hits:
                 continue
             hits.add(h)
             shadow, ref, since, rel = block
             if ref == 0:
-                del self._idle[_KV_CLASS[shadow]][h]
                 left_idle.append(block)
             if shadow:
                 shadow = False
-                self.num_shadow_blocks -= 1
+                self._num_shadow_blocks -= 1
                 used += 1
             blocks[h] = (shadow, ref, since, rel)
+        num_shadow_left = sum(map(_KV_CLASS_FLAG, left_idle))  # their idle entries are stale now
+        self._idle[KVClass.SHADOW].left(num_shadow_left)
+        self._idle[KVClass.NORMAL].left(len(left_idle) - num_shadow_left)
         self._leave_idle(map(_RELEASE, left_idle))
         self.num_shadow_blocks_used += used
         self.num_reloaded_blocks += match.num_host_blocks
@@ -595,24 +892,26 @@ class KVClassManager:
             order = list(reversed(hashes))  # tail last block first, then the head last block first
             if order:
                 blocks.update(zip(order, repeat(idle_state)))
-                self._idle[KVClass.NORMAL].update(zip(order, repeat(now_s)))
+                self._idle[KVClass.NORMAL].append(idle_state, order)
                 self._new_release(release, len(order), now_s)
             return True
         newly_idle = list(reversed(tail))  # the tail goes idle last block first
         blocks.update(zip(newly_idle, repeat(idle_state)))
-        idle = self._idle
-        idle[KVClass.NORMAL].update(zip(newly_idle, repeat(now_s)))
-        num_idle = len(newly_idle)
+        shadow_idle, shadow_state = [], (True, 0, now_s, release)
         for h in reversed(head):  # then the head loses the owner's reference, last block first
             shadow, ref, since, rel = blocks[h]
             if ref == 1:
-                num_idle += 1
-                blocks[h] = idle_state if not shadow else (True, 0, now_s, release)
-                idle[_KV_CLASS[shadow]][h] = now_s
+                blocks[h] = idle_state if not shadow else shadow_state
+                (shadow_idle if shadow else newly_idle).append(h)
             else:
                 blocks[h] = (shadow, ref - 1, since, rel)
-        if num_idle:
-            self._new_release(release, num_idle, now_s)
+        idle = self._idle
+        if newly_idle and shadow_idle:
+            self._mixed.add(release)
+        idle[KVClass.NORMAL].append(idle_state, newly_idle)
+        idle[KVClass.SHADOW].append(shadow_state, shadow_idle)
+        if newly_idle or shadow_idle:
+            self._new_release(release, len(newly_idle) + len(shadow_idle), now_s)
         return True
 
     def reload_seconds(self, num_blocks: int) -> float:
@@ -623,7 +922,7 @@ class KVClassManager:
 
     # -- internals ---------------------------------------------------------------
     def _can_take(self, num: int, kv_class: KVClass, now_s: float, exclude: Sequence[int]) -> bool:
-        if kv_class is KVClass.SHADOW and self.num_shadow_blocks + num > self.cap_blocks:
+        if kv_class is KVClass.SHADOW and self._num_shadow_blocks + num > self.cap_blocks:
             return False
         if num <= self.num_free_blocks:
             return True
@@ -653,71 +952,81 @@ class KVClassManager:
             idle_flags = list(map(not_, refs))
             idle_shadow = list(map(and_, idle_flags, shadows))
             n_idle, n_idle_shadow = sum(idle_flags), sum(idle_shadow)
-            if n_idle_shadow:
-                deque(map(self._idle[KVClass.SHADOW].pop, compress(hits, idle_shadow)), 0)
-            if n_idle > n_idle_shadow:  # idle and normal: idle flag above the shadow flag
-                deque(map(self._idle[KVClass.NORMAL].pop, compress(hits, map(gt, idle_flags, shadows))), 0)
             self._leave_idle(map(_RELEASE, compress(states, idle_flags)))
         normal = requester is KVClass.NORMAL
         new = {s: (s[0] and not normal, s[1] + 1, s[2], s[3]) for s in set(states)}
         used = 0
         if normal:
             used = sum(map(_KV_CLASS_FLAG, states))
-            self.num_shadow_blocks -= used
+            self._num_shadow_blocks -= used
             self.num_shadow_blocks_used += used
         blocks.update(zip(hits, map(new.__getitem__, states)))
+        if 0 in refs:  # the idle hits' entries in the idle orders are stale now
+            if n_idle_shadow:
+                self._idle[KVClass.SHADOW].left(n_idle_shadow)
+            if n_idle > n_idle_shadow:  # idle and normal
+                self._idle[KVClass.NORMAL].left(n_idle - n_idle_shadow)
         return used
 
     def _ref_idle_hits(self, hits: Sequence[int], states: list[tuple]) -> int:
         """:meth:`_ref_hits` of a normal requester when every block is idle:
         the blocks one release made idle share their idle time, so the new
         (held, normal) states are one per release."""
-        shadows = list(map(_KV_CLASS_FLAG, states))
-        used = sum(shadows)
-        idle = self._idle
-        if used == 0:
-            deque(map(idle[KVClass.NORMAL].pop, hits), 0)
-        elif used == len(hits):
-            deque(map(idle[KVClass.SHADOW].pop, hits), 0)
-        else:
-            deque(map(idle[KVClass.SHADOW].pop, compress(hits, shadows)), 0)
-            deque(map(idle[KVClass.NORMAL].pop, compress(hits, map(not_, shadows))), 0)
+        used = sum(map(_KV_CLASS_FLAG, states))
         releases = list(map(_RELEASE, states))
-        self._leave_idle(releases)
-        new = {release: (False, 1, since, release) for release, since in dict(zip(releases, map(_SINCE, states))).items()}
-        self._blocks.update(zip(hits, map(new.__getitem__, releases)))
-        self.num_shadow_blocks -= used
+        first = releases[0]
+        if releases.count(first) == len(releases):  # one release (a chain released at once): one new state
+            self._left_release(first, len(releases))
+            self._blocks.update(zip(hits, repeat((False, 1, states[0][2], first))))
+        else:
+            self._leave_idle(releases)
+            new = {release: (False, 1, since, release)
+                   for release, since in dict(zip(releases, map(_SINCE, states))).items()}
+            self._blocks.update(zip(hits, map(new.__getitem__, releases)))
+        idle = self._idle  # the hits' entries in the idle orders are stale now
+        if used:
+            idle[KVClass.SHADOW].left(used)
+        if used < len(hits):
+            idle[KVClass.NORMAL].left(len(hits) - used)
+        self._num_shadow_blocks -= used
         self.num_shadow_blocks_used += used
         return used
 
     def _ref_hits_one_by_one(self, hits: Sequence[int], requester: KVClass) -> int:
         """:meth:`_ref_hits` a block at a time (short or repeating runs)."""
         used = 0
-        blocks, live = self._blocks, self._live
+        blocks = self._blocks
+        left_idle = [0, 0]  # by the shadow flag
         for h in hits:
             shadow, ref, since, rel = blocks[h]
             if ref == 0:
-                del self._idle[_KV_CLASS[shadow]][h]
-                left = live.get(rel)
-                if left is None:
-                    self._num_cold_idle -= 1
-                else:
-                    live[rel] = left - 1
+                left_idle[shadow] += 1
+                self._left_release(rel, 1)
             if requester is KVClass.NORMAL and shadow:
                 shadow = False
-                self.num_shadow_blocks -= 1
+                self._num_shadow_blocks -= 1
                 used += 1
             blocks[h] = (shadow, ref + 1, since, rel)
+        for shadow in (False, True):
+            if left_idle[shadow]:
+                self._idle[_KV_CLASS[shadow]].left(left_idle[shadow])
         self.num_shadow_blocks_used += used
         return used
 
-    def _take(self, num: int, kv_class: KVClass, now_s: float, protect: set[int]) -> None:
+    def _take(self, num: int, kv_class: KVClass, now_s: float, protect: set[int], owe: bool = False) -> None:
+        """Free blocks, then evictions: owed (see :meth:`_settle`) when ``owe``
+        (the caller changes nothing of the host tier after this: the spill
+        would have come first), the owner is normal and nothing is protected;
+        made now otherwise."""
         from_free = min(num, self.num_free_blocks)
         self.num_free_blocks -= from_free
         if num > from_free:
-            self._evict(num - from_free, kv_class, now_s, protect)
+            if owe and kv_class is KVClass.NORMAL and not protect:
+                self._owed += num - from_free
+            else:
+                self._evict(num - from_free, kv_class, now_s, protect)
         if kv_class is KVClass.SHADOW:
-            self.num_shadow_blocks += num
+            self._num_shadow_blocks += num
 
     def _evict(self, num: int, requester: KVClass, now_s: float, protect: set[int]) -> None:
         """Evict the first ``num`` of the policy's victims for ``requester``
@@ -732,15 +1041,15 @@ class KVClassManager:
         """Drop a run of idle blocks of one class from the device, in order
         (to the host tier if any): one C-level pass per step, not a Python
         call per block."""
-        idle, blocks = self._idle[cls], self._blocks
-        deque(map(idle.pop, victims), 0)
+        blocks = self._blocks
         self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
+        self._idle[cls].evicted(victims)  # their idle entries are stale now
         if self.policy.host is not None:
             self._spill(victims, cls)
         if cls is KVClass.SHADOW:
-            self.num_shadow_blocks -= len(victims)
-        self.num_evicted_blocks[cls] += len(victims)
-        self.eviction_count += len(victims)
+            self._num_shadow_blocks -= len(victims)
+        self._num_evicted_blocks[cls] += len(victims)
+        self._eviction_count += len(victims)
 
     def _spill(self, victims: list[int], kv_class: KVClass) -> None:
         """Put evicted blocks of one class in the host tier, in order, each as
@@ -765,4 +1074,4 @@ class KVClassManager:
     def _free(self, num_private: int, kv_class: KVClass) -> None:
         self.num_free_blocks += num_private
         if kv_class is KVClass.SHADOW:
-            self.num_shadow_blocks -= num_private
+            self._num_shadow_blocks -= num_private

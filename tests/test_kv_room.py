@@ -156,3 +156,116 @@ def test_a_normal_hit_on_a_released_mixed_run_promotes_its_shadow_blocks() -> No
     alloc = kv.allocate("call2", [11, 12, 13, 14, 15], 0, KVClass.NORMAL, 4.0)  # held and idle shadow blocks
     assert alloc is not None and alloc.num_shadow_blocks_used == 5
     assert [kv.class_of(h) for h in range(11, 16)] == [KVClass.NORMAL] * 5 and kv.num_shadow_blocks == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "shadow", "release", "finish", "grow", "tick"]),
+                              st.integers(0, 5), st.integers(1, 10)), min_size=1, max_size=50),
+       num_blocks=st.integers(6, 40), slack=st.sampled_from([0, 1, 1024]), host=st.booleans())
+# A hit on the head of a released chain, then evictions through the rest and past it (pinned: the dead-run
+# and head-advance shortcuts both apply here).
+@example(ops=[("alloc", 0, 6), ("release", 0, 1), ("alloc", 1, 6), ("release", 0, 1), ("alloc", 0, 3),
+              ("grow", 0, 7), ("release", 0, 1), ("grow", 0, 4)], num_blocks=16, slack=0, host=False)
+# A head run with two stale entries in a row before a one-block eviction (found by search: the head's shortcut
+# must not stop on a stale entry, whose block is gone).
+@example(ops=[("alloc", 1, 3), ("finish", 2, 2), ("alloc", 5, 3), ("alloc", 4, 8), ("shadow", 3, 2), ("tick", 4, 5),
+              ("finish", 1, 8), ("alloc", 0, 10), ("finish", 5, 1), ("tick", 0, 8), ("shadow", 4, 4),
+              ("finish", 2, 3), ("grow", 4, 2), ("alloc", 4, 9), ("tick", 0, 5), ("shadow", 1, 10)],
+         num_blocks=18, slack=1024, host=False)
+def test_idle_orders_are_the_release_order_of_idle_blocks(ops, num_blocks, slack, host) -> None:
+    """Each class's idle order (kept as runs with stale entries, see
+    ``_IdleRuns``) is, by definition, its idle blocks (reference count 0)
+    sorted by release, a release's blocks in the order it released them
+    (here: a chain tail first); its length is their number. Checked after
+    every step, with compaction forced (slack 0, 1) and not."""
+    from unittest import mock
+
+    from shadowcore import kv as kv_module
+    from shadowcore.kv import HostTierParams
+
+    policy = KVClassPolicy(0.5, 1.0, HostTierParams(capacity_bytes=5 * 4 * 131072.0) if host else None)
+    kv = KVClassManager(num_blocks, 4, policy)
+    now, owners = 0.0, []  # (owner id, chain, length)
+    with mock.patch.object(kv_module, "_COMPACT_SLACK", slack):
+        for step, (op, chain, n) in enumerate(ops):
+            if op == "tick":
+                now += n * 0.4
+            elif op in ("alloc", "shadow"):
+                cls = KVClass.SHADOW if op == "shadow" else KVClass.NORMAL
+                if kv.allocate(f"o{step}", [chain * 1000 + i for i in range(n)], 0, cls, now) is not None:
+                    owners.append((f"o{step}", chain, n))
+            elif op == "grow" and owners:
+                if kv.allocate(f"g{step}", [], n, KVClass.NORMAL, now) is not None:  # private blocks: evictions
+                    kv.release(f"g{step}", now)
+            elif owners:
+                owner, c, k = owners.pop(chain % len(owners))
+                if op == "release" or kv._owners[owner].kv_class is KVClass.SHADOW:
+                    kv.release(owner, now)
+                else:
+                    kv.release_and_cache(owner, [c * 1000 + i for i in range(k + n)], f"c{step}", now)
+            for cls in KVClass:
+                order = kv.idle_order(cls)  # first: a query makes the evictions owed, the raw fields below do not
+                idle = [h for h, (shadow, ref, _, _) in kv._blocks.items() if ref == 0 and shadow is (cls is KVClass.SHADOW)]
+                expected = sorted(idle, key=lambda h: (kv._blocks[h][3], -h))
+                assert order == expected, (step, cls)
+                assert len(kv._idle[cls]) == len(expected)
+
+
+def test_decode_growth_evicts_the_blocks_idle_when_it_grew() -> None:
+    """``extend_private`` owes its evictions (the manager makes them at its
+    next query or change): they must be the victims of the moment it grew,
+    even when a shadow release in between puts shadow blocks ahead of the
+    normal ones in the eviction order; every count must already include
+    them."""
+    kv = KVClassManager(8, 4, KVClassPolicy(shadow_cap_fraction=1.0))
+    assert kv.allocate("s", [10, 11], 0, KVClass.SHADOW, 0.0) is not None
+    assert kv.allocate("ctx", [1, 2, 3, 4], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("ctx", 0.0)  # idle, normal: 4, 3, 2, 1
+    assert kv.allocate("d", [], 2, KVClass.NORMAL, 0.0) is not None  # the last free blocks
+    assert kv.extend_private([("d", 2)], 1.0)  # two of the normal idle blocks: 4, 3
+    assert kv.eviction_count == 2 and kv.num_idle_blocks == 2 and kv.num_free_blocks == 0
+    assert not kv.extend_private([("d", 3)], 1.5)  # the owed two are no longer there to take
+    kv.release("s", 2.0)  # the shadow blocks go idle: now first in line
+    assert [kv.is_cached(h) for h in (1, 2, 3, 4, 10, 11)] == [True, True, False, False, True, True]
+    assert kv.idle_order(KVClass.NORMAL) == [2, 1] and kv.idle_order(KVClass.SHADOW) == [11, 10]
+    assert kv.num_evicted_blocks == {KVClass.SHADOW: 0, KVClass.NORMAL: 2} and kv.eviction_count == 2
+    assert not kv.extend_private([("d", 5)], 3.0)  # 4 idle blocks: nothing changed
+    assert kv.num_idle_blocks == 4 and kv.eviction_count == 2
+
+
+def test_an_allocation_that_reloads_from_the_host_tier_evicts_before_the_reload() -> None:
+    """An allocation's evictions spill to the host tier before its host hits
+    leave it (the order of the calls one by one): one that reloads a block
+    must not owe its evictions, or the spill would trim the tier as if the
+    reloaded block had already left."""
+    from shadowcore.kv import HostTierParams
+
+    kv = KVClassManager(6, 4, KVClassPolicy(host=HostTierParams(capacity_bytes=3 * 4 * 131072.0)))
+    assert kv.allocate("a", [1, 2], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("a", 0.0)  # idle: 2, 1
+    assert kv.allocate("b", [], 4, KVClass.NORMAL, 0.0) is not None  # the free blocks
+    assert kv.allocate("c", [], 2, KVClass.NORMAL, 0.0) is not None  # evicts 2, 1: the host tier holds 2, 1
+    kv.release("c", 0.0)
+    assert kv.allocate("d", [3, 4], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("d", 0.0)  # idle: 4, 3
+    alloc = kv.allocate("e", [1, 5], 0, KVClass.NORMAL, 1.0)  # reloads 1; evicts 4, 3 (spilled: 2 goes)
+    assert alloc is not None and alloc.num_host_hit_blocks == 1
+    assert [h for h in (1, 2, 3, 4) if kv.in_host(h)] == [3, 4] and kv.num_host_blocks == 2
+
+
+def test_a_hit_inside_a_release_of_both_classes_is_not_evicted() -> None:
+    """A release that made blocks of both classes idle, then a hit on one of
+    its normal blocks: the release's idle count (its shadow block included)
+    equals the length of its normal run, yet that run has a stale entry.
+    Eviction must skip the hit block (held) and go on to the next release."""
+    kv = KVClassManager(8, 4, KVClassPolicy(1.0, 1.0))
+    assert kv.allocate("n", [1, 2], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("n", 0.0)
+    assert kv.allocate("s", [1, 2, 3], 0, KVClass.SHADOW, 2.0) is not None  # hits 1, 2 (cold); 3 is new, shadow
+    kv.release("s", 2.0)  # one release, both classes: normal 2, 1 and shadow 3 go idle
+    assert kv.allocate("h", [1], 0, KVClass.NORMAL, 3.0) is not None  # 1 is held again
+    assert kv.allocate("x", [7, 8], 0, KVClass.NORMAL, 3.0) is not None
+    kv.release("x", 3.0)  # idle: shadow 3; normal 2, then 8, 7
+    assert kv.allocate("p", [], 3, KVClass.NORMAL, 3.0) is not None  # the free blocks
+    assert kv.allocate("q", [], 3, KVClass.NORMAL, 4.0) is not None  # evicts 3, then 2, then 8
+    assert [kv.is_cached(h) for h in (1, 2, 3, 7, 8)] == [True, False, False, True, False]

@@ -25,6 +25,7 @@ def _chain(c: int, n: int) -> list[int]:
 
 
 def _state(kv: KVClassManager) -> tuple:
+    kv._settle()  # the evictions extend_private owes (every query makes them; the raw fields below do not)
     blocks = {h: (kv.class_of(h), ref, since if ref == 0 else None, kv._cold(h))
               for h, (_, ref, since, _) in kv._blocks.items()}
     owners = {o: (w.kv_class, list(w.hashes), w.num_private_blocks) for o, w in kv._owners.items()}

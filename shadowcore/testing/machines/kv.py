@@ -1,6 +1,7 @@
 """The KV class machine: :class:`KVClassMachine` drives a
 :class:`~shadowcore.kv.KVClassManager` (or anything with its public API)
-through allocations, extensions, releases and time steps, and keeps an
+through allocations, extensions, decode growth (``extend_private``), releases
+and time steps, and keeps an
 independent model of who holds which block (see the class docstring for the
 named checks)."""
 
@@ -322,6 +323,30 @@ class KVClassMachine(RuleBasedStateMachine):
         self._check_evictions(pre, post, new, requester)
         for h in new:
             assert h in post.cached and h not in post.host, f"extended block {h} not on the device only"
+
+    @precondition(lambda self: any(c is KVClass.NORMAL for c, _, _ in self.owners.values()))
+    @rule(data=st.data())
+    def grow_private(self, data: st.DataObject) -> None:
+        """Decode growth: private blocks for a few normal owners in one
+        ``extend_private``, all or nothing; it fits iff free and idle blocks
+        cover it (a normal owner may take any idle block)."""
+        normal = sorted(o for o, (c, _, _) in self.owners.items() if c is KVClass.NORMAL)
+        picked = data.draw(st.lists(st.sampled_from(normal), min_size=1, max_size=3, unique=True))
+        needs = [(owner, data.draw(st.integers(1, 3))) for owner in picked]
+        pre = self._observe()
+        feasible = sum(n for _, n in needs) <= pre.num_free + len(self._evictable(pre, [], KVClass.NORMAL))
+        ok = self.kv.extend_private(needs, self.now)
+        post = self._observe()
+        if not ok:
+            assert post == pre, "a failed extend_private changed the pool"
+            if "liveness" in self.checks:
+                assert not feasible, f"extend_private of {needs} refused although it fits"
+            return
+        assert feasible, f"extend_private of {needs} succeeded without the blocks for it"
+        for owner, n in needs:
+            requester, chain, private = self.owners[owner]
+            self.owners[owner] = (requester, chain, private + n)
+        self._check_evictions(pre, post, [], KVClass.NORMAL)
 
     @precondition(lambda self: bool(self.owners))
     @rule(data=st.data())
