@@ -19,41 +19,21 @@ not a result (the testbed's results are ``reproduce --testbed``'s).
 from __future__ import annotations
 
 import argparse
-
-import attrs
 import collections
 import json
 import math
 import sys
 
-
-def _parse(text: str):
-    from shadowcore.config import PluginRef
-
-    name, _, args = text.partition(":")
-    return PluginRef(name, json.loads(args) if args else {})
+import attrs
 
 
 def run(seed: int, arm: str, policy) -> dict:
-    from shadow_vllm import virtual
-    from shadow_vllm.effects import RequestLevelFeeder
-    from shadow_vllm.scheduler import ShadowScheduler
     from shadow_vllm.virtual import testbed as tb
-
-    from shadowcore.config import PluginRef, ShadowConfig
 
     ex = tb.experiment(tb.PAIRS["L8/L70"], 0.3, tb.QUICK)
     sim = tb.draw(ex, seed)
     engine_level = policy is not None
-    shadow = ShadowConfig(policy if engine_level else PluginRef(tb.BASELINE), seed=seed)
-    latency = {m: sim.cluster.by_model[m][0].latency for m in ex.models}
-    feeder = (virtual.TaggedShadowFeeder(wake=True) if engine_level
-              else RequestLevelFeeder() if arm == tb.REQUEST_LEVEL else None)
-    vr = virtual.VirtualScenarioRun(sim.scenario, shadow, latency,
-                                    tb._engine_configs(sim, ex, arm, shadow if engine_level else None),
-                                    scheduler_cls=ShadowScheduler if engine_level else None,
-                                    shadow_feeder=feeder, workload=sim.workload,
-                                    placement_window_tokens=sim.cluster.window_tokens)
+    vr = tb.build_arm(sim, ex, arm, policy, seed)
     reasons: dict[str, collections.Counter] = {}
     timeline: dict[str, list] = {}
     if engine_level:
@@ -131,8 +111,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--json", help="write the per-switch-call rows here")
     a = ap.parse_args(argv)
+    from shadowcore.config import parse_ref
+
     arms = ([] if a.no_baselines else [("no-shadow", None), ("request-level", None)]) + \
-        [(p, _parse(p)) for p in a.policy]
+        [(p, parse_ref(p)) for p in a.policy]
     dump = {}
     for arm, pol in arms:
         r = run(a.seed, arm, pol)
