@@ -7,6 +7,7 @@ test and reports whether it failed. Exit status 1 if any mutant survives.
 
     python tools/mutants.py            # all
     python tools/mutants.py cap topk   # some
+    python tools/mutants.py --list     # names, source files, tests
 
 Anchors are exact source text: when a refactor moves them the script says
 which mutation no longer applies.
@@ -14,6 +15,7 @@ which mutation no longer applies.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -362,8 +364,19 @@ def run(name: str, timeout_s: int = 600, mutate: bool = True) -> tuple[bool, flo
         return proc.returncode != 0, time.time() - t0
 
 
-def main(names: list[str]) -> int:
-    names = names or list(MUTATIONS)
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python tools/mutants.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", metavar="NAME", help="mutants to run (default: all)")
+    p.add_argument("--list", action="store_true", help="print each mutant's name and test, run nothing")
+    args = p.parse_args(argv)
+    unknown = [n for n in args.names if n not in MUTATIONS]
+    if unknown:
+        p.error(f"unknown mutant(s): {', '.join(unknown)} (--list shows the {len(MUTATIONS)} there are)")
+    if args.list:
+        for name, (test_file, test, path, *_e) in MUTATIONS.items():
+            print(f"{name:<22} {path:<45} {test_file}::{test}")
+        return 0
+    names = args.names or list(MUTATIONS)
     for name in names:  # control: every named test passes on the unmutated copy
         failed, _ = run(name, mutate=False)
         if failed:
