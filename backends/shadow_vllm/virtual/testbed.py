@@ -140,6 +140,12 @@ def _engine_configs(sim: Any, ex: Any, arm: str, shadow: ShadowConfig | None) ->
 
 def run_arm(sim: Any, ex: Any, arm: str, policy: PluginRef | None, seed: int) -> Any:
     """One arm in vLLM virtual time over ``sim``'s workload; the run, finished."""
+    return build_arm(sim, ex, arm, policy, seed).run()
+
+
+def build_arm(sim: Any, ex: Any, arm: str, policy: PluginRef | None, seed: int) -> Any:
+    """:func:`run_arm`'s :class:`~shadow_vllm.virtual.VirtualScenarioRun`, not started (a diagnostic
+    may observe its engines' hooks before ``run()``: ``benchmarks/testbed_diag.py``)."""
     from shadow_vllm import virtual
     from shadow_vllm.effects import RequestLevelFeeder
     from shadow_vllm.scheduler import ShadowScheduler
@@ -149,12 +155,11 @@ def run_arm(sim: Any, ex: Any, arm: str, policy: PluginRef | None, seed: int) ->
     latency = {m: sim.cluster.by_model[m][0].latency for m in ex.models}
     feeder = (virtual.TaggedShadowFeeder(wake=True) if engine_level
               else RequestLevelFeeder() if arm == REQUEST_LEVEL else None)
-    run = virtual.VirtualScenarioRun(sim.scenario, shadow, latency,
+    return virtual.VirtualScenarioRun(sim.scenario, shadow, latency,
                                      _engine_configs(sim, ex, arm, shadow if engine_level else None),
                                      scheduler_cls=ShadowScheduler if engine_level else None,
                                      shadow_feeder=feeder, workload=sim.workload,
                                      placement_window_tokens=sim.cluster.window_tokens)
-    return run.run()
 
 
 def _is_shadow(request_id: str) -> bool:
