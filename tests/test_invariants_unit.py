@@ -106,6 +106,34 @@ def test_routed_stretch_bounded_by_delta_decode_time():
     _run(_CreditMachine, 50, 30)
 
 
+def test_routed_stretch_bounded_by_delta_decode_time_pinned():
+    """C2 on a pinned case the machine above finds only by chance (it missed
+    it once in a full mutants run): decode-only iterations of normal traffic
+    alone earn no credit, so the first routed iteration after them may not
+    stretch at all (delta x 0 s of routed decode-only time)."""
+    from shadowcore.job import SessionHistory, ShadowJob
+    from shadowcore.latency import LinearLatencyModel
+    from shadowcore.testing.machines import StubJobSource
+    from shadowcore.types import ChunkResult, JobKey, Phase, RequestKind, RequestView
+
+    tpot, source, history = 0.04, StubJobSource(), SessionHistory("s")
+    history.append(4096)
+    source.add(ShadowJob(JobKey("s", "B"), "i0", history, 16, switch_probability=0.9, sequence=0))
+    latency = LinearLatencyModel(0.004, 6e-5, 0.0, 0.0, 0.0)
+    hook = EngineHook("i0", source, SloSlackController(beta=0.5, delta=0.1, n_min=0), latency, StubEnginePort(16))
+
+    def step(i: int, kind: RequestKind, room: int) -> float:
+        view = RequestView(f"r{i}", kind, Phase.DECODE, 0.0, 1, 100, 1.0, tpot, first_token_s=float(i))
+        plan = hook.begin_step(StepSnapshot("i0", i, float(i), (view,), 0, False, tpot, 8192, room))
+        hook.end_step(StepOutcome("i0", i, 1.0, [ChunkResult(g, g.num_tokens) for g in plan.grants]))
+        return plan.predicted_stretch_s
+
+    assert [step(i, RequestKind.NORMAL, 0) for i in range(5)] == [0.0] * 5  # no room: no shadow, 5 s decode-only
+    assert step(5, RequestKind.ROUTED, 8192) <= 0.1 * 0.0  # no routed decode-only time yet: no stretch
+    assert step(6, RequestKind.ROUTED, 0) == 0.0  # a routed decode-only second earns delta x 1 s ...
+    assert 0.0 < step(7, RequestKind.ROUTED, 8192) <= 0.1 * 1.0  # ... which the next routed iteration may spend
+
+
 class _OrderMachine(SlackControllerMachine):
     checks = frozenset({"order"})
 
