@@ -106,25 +106,10 @@ class SessionHistory:
     def num_full_blocks(self, block_size: int) -> int:
         return self.num_tokens // block_size
 
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        # block_hashes' O(1) answer is _hashes' count-only rule: only where _hashes is this class's.
-        cls._count_ranges = cls._hashes is SessionHistory._hashes
-
-    _count_ranges = True  # this class's _hashes (see __init_subclass__)
-
-    def block_hashes(self, block_size: int, num_blocks: int | None = None) -> Sequence[int]:
-        """Hashes of the first ``num_blocks`` full blocks (default: all), a new
-        sequence the caller may keep: a ``range`` for a count-only history
-        whose hashes do not wrap (what :meth:`_hashes` gives, with no per-block
-        work: the engine asks at every admission and finish), else a new list."""
-        n = self.num_tokens // block_size
-        if num_blocks is not None and num_blocks < n:
-            n = num_blocks
-        if self.token_ids is None and self._count_ranges:
-            base = self._count_base()
-            if base + n <= _MASK64:
-                return range(base + 1, base + n + 1)
+    def block_hashes(self, block_size: int, num_blocks: int | None = None) -> list[int]:
+        """Hashes of the first ``num_blocks`` full blocks (default: all), a new list."""
+        full = self.num_full_blocks(block_size)
+        n = full if num_blocks is None else min(num_blocks, full)
         cache = self._hash_cache.setdefault(block_size, [])
         if len(cache) < n:
             cache.extend(self._hashes(block_size, len(cache), n, cache[-1] if cache else 0))

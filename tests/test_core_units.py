@@ -374,25 +374,3 @@ def test_routed_prefill_credit_accrual():
     plan = run(fresh, snap([routed_prefill]))
     assert plan.budget == SlackBudget(0.01, BudgetReason.ROUTED_CREDIT, bounds_stretch=True)
     assert plan.predicted_stretch_s <= 0.01 + 1e-12 and plan.num_shadow_tokens > 0
-
-
-def test_count_only_block_hashes_are_the_hash_rule_as_a_range():
-    """A count-only history answers block_hashes with a range (no per-block
-    work) holding exactly _hashes' values; near the 64-bit wrap, and for a
-    subclass with its own rule, the list path answers."""
-    from shadowcore.job import _MASK64
-    from shadowcore.workloads.prefix import PrefixHistory, PromptPrefix
-
-    h = SessionHistory("s")
-    h.append(100)
-    got = h.block_hashes(16)
-    assert isinstance(got, range) and list(got) == list(h._hashes(16, 0, 6, 0))
-    assert list(h.block_hashes(16, 2)) == list(got)[:2] and list(h.block_hashes(16, 99)) == list(got)
-    h.append(28)  # 8 full blocks now
-    assert list(h.block_hashes(16)) == list(h._hashes(16, 0, 8, 0))
-    wrap = SessionHistory("w")
-    wrap.append(64)
-    wrap._base, wrap._base_epoch = _MASK64 - 2, wrap.epoch  # a base two values below the wrap
-    assert wrap.block_hashes(16) == [_MASK64 - 1, _MASK64, 0, 1]
-    p = PrefixHistory.for_prompt("p", 1500, PromptPrefix((7, 8, 9), 512))
-    assert isinstance(p.block_hashes(16), list)

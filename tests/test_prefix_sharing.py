@@ -59,7 +59,7 @@ def test_prefix_blocks_are_shared_exactly_where_the_hash_lists_agree(block_size)
     fresh = SessionHistory("a")
     fresh.append(1500)
     tail = fresh.block_hashes(block_size)[1500 // block_size:]  # past the hashed tokens: a fresh history's
-    assert list(ha[1500 // block_size:]) == list(tail)  # a fresh history's hashes come as a range
+    assert ha[1500 // block_size:] == tail
 
 
 def test_prefix_token_ids_are_equal_exactly_for_equal_hashes() -> None:

@@ -218,9 +218,6 @@ MUTATIONS: dict[str, tuple] = {
     "join-due": ("tests/sim/test_speed_equivalence.py", "test_kv_reservations_identical_every_iteration",
                  "shadowcore/engine/instance.py", "        due = c + 2 > req.num_blocks * bs\n",
                  "        due = False\n"),
-    # a count-only history's block hashes come as a range: exactly the hash rule's values (issue 17)
-    "count-range": ("tests/test_core_units.py", "test_count_only_block_hashes_are_the_hash_rule_as_a_range",
-                    "shadowcore/job.py", "return range(base + 1, base + n + 1)", "return range(base, base + n)"),
     # a decode-only iteration's memoised time is keyed by everything it depends on (table cell and batch size)
     "decode-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_aggregate_is_bit_identical_and_raises_alike",
                     "backends/shadow_sim/vidur_latency.py", 'key = cell * rt["memo_stride"] + nd', "key = nd"),
