@@ -199,7 +199,9 @@ class EngineInstance:
     _cohort: bool = False
     _eager: list = attrs.Factory(list)  # running requests outside the cohort, in running order
     _lazy_finish: list = attrs.Factory(list)  # heap (clock at finish, run_seq, request)
-    _lazy_due: list = attrs.Factory(list)  # heap (clock when it needs a block, run_seq, request)
+    # clock -> the members whose next decode needs a block after the end at that clock (keys above the clock;
+    # every clock value is looked up once, by _reserve_due or _advance_cohort); finished ones are skipped there
+    _lazy_due: dict = attrs.Factory(dict)
     _longest: list = attrs.Factory(list)  # heap (-(context - clock), run_seq, request)
     _num_admitted: int = 0
     num_lazy_finishes: int = 0  # requests that finished as cohort members (a diagnostic)
@@ -336,8 +338,9 @@ class EngineInstance:
     # normal request whose only per-token work is its own history's count
     # (append_output_to_history, no token ids) is not touched per iteration:
     # its counters lag by (num_fast_iterations - lazy_base) tokens, its finish
-    # and its next block boundary wait in heaps keyed by that clock, and the
-    # longest context comes from a heap keyed by context - clock (every
+    # waits in a heap keyed by that clock, its next block boundary in a dict
+    # from that clock to the members reaching one there (every clock value is
+    # looked up exactly once, as the clock passes it), and the longest context comes from a heap keyed by context - clock (every
     # context grows by one per iteration, so that order never changes). It is
     # brought up to date when it finishes (in running order among the others)
     # and before any slow iteration (_drop_cohort); sync_requests() does it on
@@ -375,7 +378,8 @@ class EngineInstance:
         clock, bs = self.num_fast_iterations, self.kv.block_size
         due = set(self._due)
         skip = set(prefilling)
-        eager, finish, due_heap, longest = [], [], [], []
+        eager, finish, longest = [], [], []
+        due_at: dict[int, list] = {}
         for req in self.running:
             if skip and req in skip:
                 continue
@@ -387,10 +391,10 @@ class EngineInstance:
             req.lazy_base = clock
             finish.append((clock + req.num_output_tokens - req.num_generated, seq, req))
             if req not in due:
-                due_heap.append((clock + req.num_blocks * bs - 1 - c, seq, req))
-        for heap in (finish, due_heap, longest):
+                _due_at(due_at, clock + req.num_blocks * bs - 1 - c, req)
+        for heap in (finish, longest):
             heapq.heapify(heap)
-        self._eager, self._lazy_finish, self._lazy_due, self._longest = eager, finish, due_heap, longest
+        self._eager, self._lazy_finish, self._lazy_due, self._longest = eager, finish, due_at, longest
         self._prefilling, self._deadlines = prefilling, None
         self._cohort = True
 
@@ -410,7 +414,7 @@ class EngineInstance:
             if req.lazy_base >= 0:
                 _materialise(req, clock)
                 req.lazy_base = -1
-        self._eager, self._lazy_finish, self._lazy_due, self._longest = [], [], [], []
+        self._eager, self._lazy_finish, self._lazy_due, self._longest = [], [], {}, []
         self._prefilling, self._deadlines = [], None
         self._cohort = False
 
@@ -629,7 +633,7 @@ class EngineInstance:
             req.lazy_base = clock
             heapq.heappush(self._lazy_finish, (clock + req.num_output_tokens - req.num_generated, seq, req))
             if not due:
-                heapq.heappush(self._lazy_due, (clock + req.num_blocks * bs - 1 - c, seq, req))
+                _due_at(self._lazy_due, clock + req.num_blocks * bs - 1 - c, req)
             if self._deadlines is not None:
                 self._deadlines.add(req)
         else:
@@ -683,12 +687,12 @@ class EngineInstance:
             raise ValueError(f"{self.instance_id}: {len(needs)} needs for {len(due)} due requests")
         if not self.kv.extend_private([(req.owner_id, need) for req, need in zip(due, needs) if need > 0], now_s):
             return False
-        lazy_due, push = self._lazy_due, heapq.heappush
+        lazy_due = self._lazy_due
         for req, need in zip(due, needs):
             if need > 0:
                 req.num_blocks += need
             if req.lazy_base >= 0:  # its next block boundary
-                push(lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens, req.run_seq, req))
+                _due_at(lazy_due, req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens, req)
         due.clear()
         return True
 
@@ -766,7 +770,7 @@ class EngineInstance:
                 c = clock + 1
                 if c >= next_finish:
                     break
-                if lazy_due and lazy_due[0][0] <= c:
+                if c in lazy_due:
                     if room == -2:  # nothing changes the pool in this loop: the same value as at its start
                         room = kv.num_free_blocks + kv.num_idle_blocks
                     room = self._reserve_due(c, room, needs)
@@ -838,25 +842,28 @@ class EngineInstance:
         to ``needs``, when they fit in ``room``; returns the room left, or -1
         with nothing changed when they do not fit."""
         lazy_due, bs = self._lazy_due, self.kv.block_size
+        members = lazy_due.pop(clock)
         due = []
         total = 0
-        while lazy_due and lazy_due[0][0] <= clock:
-            entry = heapq.heappop(lazy_due)
-            req = entry[2]
+        for req in members:
             if req.finish_s is None:
                 need = -(-(req.num_computed_tokens + clock - req.lazy_base + 2) // bs) - req.num_blocks
-                due.append((entry, need))
+                due.append((req, need))
                 if need > 0:
                     total += need
         if total > room:
-            for entry, _ in due:
-                heapq.heappush(lazy_due, entry)
+            lazy_due[clock] = members
             return -1
-        for (_, seq, req), need in due:
+        for req, need in due:
             if need > 0:
                 needs.append((req.owner_id, need))
                 req.num_blocks += need
-            heapq.heappush(lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens, seq, req))
+            key = req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens
+            at = lazy_due.get(key)
+            if at is None:
+                lazy_due[key] = [req]
+            else:
+                at.append(req)
         return room - total
 
     def _advance_all(self, now_s: float) -> None:
@@ -902,11 +909,9 @@ class EngineInstance:
         else:  # the cohort's finishes alone, in running order (nothing here pushes onto the heap)
             while finish and finish[0][0] == clock:
                 total -= self._finish_lazy(heapq.heappop(finish)[2], clock, now_s)
-        lazy_due = self._lazy_due
-        while lazy_due and lazy_due[0][0] <= clock:
-            req = heapq.heappop(lazy_due)[2]
-            if req.finish_s is None:
-                due.append(req)
+        members = self._lazy_due.pop(clock, None)
+        if members is not None:
+            due.extend(req for req in members if req.finish_s is None)
         if len(due) > 1:
             due.sort(key=_run_seq)
         self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
@@ -1120,6 +1125,15 @@ def _materialise(req: EngineRequest, clock: int) -> None:
         req.num_generated += lag
         req.history.num_tokens += lag
         req.lazy_base = clock
+
+
+def _due_at(due_at: dict, clock: int, req: EngineRequest) -> None:
+    """``req`` needs a block after the end at ``clock`` (the lazy due index)."""
+    at = due_at.get(clock)
+    if at is None:
+        due_at[clock] = [req]
+    else:
+        at.append(req)
 
 
 def _run_seq(req: EngineRequest) -> int:
