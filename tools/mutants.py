@@ -218,6 +218,10 @@ MUTATIONS: dict[str, tuple] = {
     "join-due": ("tests/sim/test_speed_equivalence.py", "test_kv_reservations_identical_every_iteration",
                  "shadowcore/engine/instance.py", "        due = c + 2 > req.num_blocks * bs\n",
                  "        due = False\n"),
+    # a cohort member at its block boundary needs exactly one block and its next boundary is a block later
+    "due-period": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                   "shadowcore/engine/instance.py", "        key = clock + self.kv.block_size\n",
+                   "        key = clock + self.kv.block_size + 1\n"),
     # a decode-only iteration's memoised time is keyed by everything it depends on (table cell and batch size)
     "decode-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_aggregate_is_bit_identical_and_raises_alike",
                     "backends/shadow_sim/vidur_latency.py", 'key = cell * rt["memo_stride"] + nd', "key = nd"),

@@ -840,31 +840,28 @@ class EngineInstance:
         """The cohort members whose block boundary ``clock`` reaches get their
         blocks (as _start_steady would after the end at ``clock``), appended
         to ``needs``, when they fit in ``room``; returns the room left, or -1
-        with nothing changed when they do not fit."""
-        lazy_due, bs = self._lazy_due, self.kv.block_size
+        with nothing changed when they do not fit.
+
+        A member filed under ``clock`` has ``num_blocks * block_size - 1``
+        tokens of context at ``clock`` (its key's definition; materialising
+        keeps it): it needs exactly one block, and its next boundary is
+        ``clock + block_size``, so the members move to that key as one list."""
+        lazy_due = self._lazy_due
         members = lazy_due.pop(clock)
-        due = []
-        total = 0
-        for req in members:
-            if req.finish_s is None:
-                need = -(-(req.num_computed_tokens + clock - req.lazy_base + 2) // bs) - req.num_blocks
-                due.append((req, need))
-                if need > 0:
-                    total += need
-        if total > room:
+        live = [req for req in members if req.finish_s is None]
+        if len(live) > room:
             lazy_due[clock] = members
             return -1
-        for req, need in due:
-            if need > 0:
-                needs.append((req.owner_id, need))
-                req.num_blocks += need
-            key = req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens
-            at = lazy_due.get(key)
-            if at is None:
-                lazy_due[key] = [req]
-            else:
-                at.append(req)
-        return room - total
+        for req in live:
+            req.num_blocks += 1
+            needs.append((req.owner_id, 1))
+        key = clock + self.kv.block_size
+        at = lazy_due.get(key)
+        if at is None:
+            lazy_due[key] = live
+        else:
+            at.extend(live)
+        return room - len(live)
 
     def _advance_all(self, now_s: float) -> None:
         """Every running request, one by one: one token, finish or block check."""
