@@ -222,6 +222,9 @@ MUTATIONS: dict[str, tuple] = {
     "due-period": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
                    "shadowcore/engine/instance.py", "        key = clock + self.kv.block_size\n",
                    "        key = clock + self.kv.block_size + 1\n"),
+    "due-period-agg": ("tests/sim/test_speed_equivalence.py", "test_kv_reservations_identical_every_iteration",
+                       "shadowcore/engine/instance.py", "            key = self.num_fast_iterations + bs\n",
+                       "            key = self.num_fast_iterations + bs + 1\n"),
     # a decode-only iteration's memoised time is keyed by everything it depends on (table cell and batch size)
     "decode-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_aggregate_is_bit_identical_and_raises_alike",
                     "backends/shadow_sim/vidur_latency.py", 'key = cell * rt["memo_stride"] + nd', "key = nd"),

@@ -192,6 +192,9 @@ class EngineInstance:
     _ctx_total: int = 0
     _ctx_max: int = 0
     _due: list = attrs.Factory(list)
+    # Cohort members at their block boundary now (from _lazy_due at this clock): each needs exactly one
+    # block before the next decode, then files a block later; reserved with _due (_reserve_decodes).
+    _due_lazy: list = attrs.Factory(list)
     num_fast_iterations: int = 0  # iterations run by the fast path; the lazy cohort's clock
     _steady_s: float = 0.0
     # Lazy decode cohort (see _start_cohort): normal requests advance as offsets from the clock above.
@@ -368,7 +371,7 @@ class EngineInstance:
             if c + 2 > req.num_blocks * bs:
                 due.append(req)
         self._steady = bool(self.running) and not prefilling
-        self._ctx_total, self._ctx_max, self._due = total, longest, due
+        self._ctx_total, self._ctx_max, self._due, self._due_lazy = total, longest, due, []
         if self.running and self.lazy_decodes and (self._steady or self._agg_allowed()):
             self._start_cohort(prefilling)
 
@@ -415,7 +418,7 @@ class EngineInstance:
                 _materialise(req, clock)
                 req.lazy_base = -1
         self._eager, self._lazy_finish, self._lazy_due, self._longest = [], [], {}, []
-        self._prefilling, self._deadlines = [], None
+        self._prefilling, self._deadlines, self._due_lazy = [], None, []
         self._cohort = False
 
     # -- mixed iterations from the aggregates ---------------------------------------
@@ -498,7 +501,7 @@ class EngineInstance:
         if budget < 0:
             return None
         needs = self._decode_needs()
-        total = sum(n for n in needs if n > 0)
+        total = sum(n for n in needs if n > 0) + len(self._due_lazy)
         entries, grow = [], []
         for req in self._prefilling:
             if budget <= 0:
@@ -512,7 +515,7 @@ class EngineInstance:
             budget -= n
         if total > kv.num_free_blocks + kv.num_idle_blocks:
             return None
-        if self._due:
+        if self._due or self._due_lazy:
             self._reserve_decodes(needs, now_s)
         for req, need in grow:  # as _reserve, which finds them without preempting
             if not kv.extend(req.owner_id, (), need, now_s):
@@ -654,7 +657,7 @@ class EngineInstance:
         finds them made and plans)."""
         if len(self.running) > self.limits.token_budget:
             return None
-        if self._due and not self._reserve_decodes(self._decode_needs(), now_s):
+        if (self._due or self._due_lazy) and not self._reserve_decodes(self._decode_needs(), now_s):
             return None
         if self.hook is not None and not _fastpath.can_skip(self.hook):  # after the reservations, as begin_step is
             return None  # the slow path finds the blocks reserved and does the rest
@@ -678,16 +681,31 @@ class EngineInstance:
                   // bs) - r.num_blocks for r in self._due]
 
     def _reserve_decodes(self, needs: list[int], now_s: float) -> bool:
-        """The due list's blocks (``needs``), or False with nothing changed.
-        Every extend succeeds when they fit in free and idle blocks (a normal
-        owner may evict any idle block), so the slow path would preempt nobody
-        either; in running order, as _schedule reserves (one go: extend_private)."""
-        due, bs = self._due, self.kv.block_size
+        """The due list's blocks (``needs``) and one block for each member of
+        ``_due_lazy``, or False with nothing changed. Every extend succeeds
+        when they fit in free and idle blocks (a normal owner may evict any
+        idle block), so the slow path would preempt nobody either; in one go
+        (extend_private, whose outcome does not depend on the order of its
+        needs)."""
+        due, bs, at_boundary = self._due, self.kv.block_size, self._due_lazy
         if len(due) != len(needs):
             raise ValueError(f"{self.instance_id}: {len(needs)} needs for {len(due)} due requests")
-        if not self.kv.extend_private([(req.owner_id, need) for req, need in zip(due, needs) if need > 0], now_s):
+        grow = [(req.owner_id, need) for req, need in zip(due, needs) if need > 0]
+        if at_boundary:
+            grow += [(req.owner_id, 1) for req in at_boundary]
+        if not self.kv.extend_private(grow, now_s):
             return False
         lazy_due = self._lazy_due
+        if at_boundary:  # their context is num_blocks * bs - 1 now (see _reserve_due): a block later next
+            for req in at_boundary:
+                req.num_blocks += 1
+            key = self.num_fast_iterations + bs
+            at = lazy_due.get(key)
+            if at is None:
+                lazy_due[key] = at_boundary
+            else:
+                at.extend(at_boundary)
+            self._due_lazy = []
         for req, need in zip(due, needs):
             if need > 0:
                 req.num_blocks += need
@@ -735,7 +753,7 @@ class EngineInstance:
         job becomes pending only through another event)."""
         cls = type(self)
         if (not self.steady_runs or self._step is not None or self._agg is not None or not self._cohort or self._eager
-                or self._prefilling or self.waiting or self._due
+                or self._prefilling or self.waiting or self._due or self._due_lazy
                 or not self.busy or getattr(self.latency, "predict_decodes_s", None) is None
                 or cls.end_step is not EngineInstance.end_step or cls.start_step is not EngineInstance.start_step):
             return False
@@ -908,7 +926,9 @@ class EngineInstance:
                 total -= self._finish_lazy(heapq.heappop(finish)[2], clock, now_s)
         members = self._lazy_due.pop(clock, None)
         if members is not None:
-            due.extend(req for req in members if req.finish_s is None)
+            if self._due_lazy:  # every start reserves them or leaves the cohort
+                raise AssertionError(f"{self.instance_id}: boundary blocks of clock {clock - 1} not reserved")
+            self._due_lazy = [req for req in members if req.finish_s is None]
         if len(due) > 1:
             due.sort(key=_run_seq)
         self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
