@@ -112,6 +112,10 @@ class EngineRequest:
     # >= 0: in the instance's lazy decode cohort; num_computed_tokens, num_generated and the history lag
     # by (instance's steady iteration count - lazy_base) tokens until the instance materialises them.
     lazy_base: int = -1
+    # >= 0: a cohort member past its first block boundary (a phase member, see EngineInstance._reserve_due): its
+    # next block boundary not yet in num_blocks; the blocks of its boundaries from here to the instance's
+    # _pooled_upto are in the instance's decode pool (the KV owner _pool_id) until handed to it (_attribute).
+    pool_from: int = -1
     _owner: str = attrs.field(default="", init=False, repr=False)  # owner_id of admission _owner_of
     _owner_of: int = attrs.field(default=-1, init=False, repr=False)
 
@@ -195,6 +199,13 @@ class EngineInstance:
     # Cohort members at their block boundary now (from _lazy_due at this clock): each needs exactly one
     # block before the next decode, then files a block later; reserved with _due (_reserve_decodes).
     _due_lazy: list = attrs.Factory(list)
+    # The cohort's phase members (see _reserve_due): live ones per phase (clock mod block_size); how many need a
+    # block before the next decode (from _advance_cohort to the next start); the last clock whose phase blocks
+    # were taken into the decode pool, the KV owner _pool_id (made at the first cohort).
+    _phase_live: list = attrs.Factory(list)
+    _due_phase: int = 0
+    _pooled_upto: int = -1
+    _pool_id: str = ""
     num_fast_iterations: int = 0  # iterations run by the fast path; the lazy cohort's clock
     _steady_s: float = 0.0
     # Lazy decode cohort (see _start_cohort): normal requests advance as offsets from the clock above.
@@ -371,7 +382,7 @@ class EngineInstance:
             if c + 2 > req.num_blocks * bs:
                 due.append(req)
         self._steady = bool(self.running) and not prefilling
-        self._ctx_total, self._ctx_max, self._due, self._due_lazy = total, longest, due, []
+        self._ctx_total, self._ctx_max, self._due, self._due_lazy, self._due_phase = total, longest, due, [], 0
         if self.running and self.lazy_decodes and (self._steady or self._agg_allowed()):
             self._start_cohort(prefilling)
 
@@ -399,6 +410,10 @@ class EngineInstance:
             heapq.heapify(heap)
         self._eager, self._lazy_finish, self._lazy_due, self._longest = eager, finish, due_at, longest
         self._prefilling, self._deadlines = prefilling, None
+        self._phase_live, self._due_phase = [0] * bs, 0
+        if not self._pool_id:
+            self._pool_id = f"decode-pool:{self.instance_id}"
+            self.kv.pool_owner(self._pool_id)
         self._cohort = True
 
     def sync_requests(self) -> None:
@@ -410,6 +425,8 @@ class EngineInstance:
         for req in self.running:
             if req.lazy_base >= 0:
                 _materialise(req, clock)
+                if req.pool_from >= 0:
+                    self._attribute(req)
 
     def _drop_cohort(self) -> None:
         clock = self.num_fast_iterations
@@ -417,9 +434,24 @@ class EngineInstance:
             if req.lazy_base >= 0:
                 _materialise(req, clock)
                 req.lazy_base = -1
+                if req.pool_from >= 0:
+                    self._attribute(req)
+                    req.pool_from = -1
         self._eager, self._lazy_finish, self._lazy_due, self._longest = [], [], {}, []
-        self._prefilling, self._deadlines, self._due_lazy = [], None, []
+        self._prefilling, self._deadlines, self._due_lazy, self._due_phase = [], None, [], 0
+        self._phase_live = []
         self._cohort = False
+
+    def _attribute(self, req: EngineRequest) -> None:
+        """A phase member's blocks taken into the decode pool so far (its
+        boundaries from ``pool_from`` to ``_pooled_upto``, one block each)
+        handed to it: its ``num_blocks`` and its KV owner's blocks are exact."""
+        start, upto, bs = req.pool_from, self._pooled_upto, self.kv.block_size
+        if start <= upto:
+            k = (upto - start) // bs + 1
+            self.kv.move_private(self._pool_id, req.owner_id, k)
+            req.num_blocks += k
+            req.pool_from = start + k * bs
 
     # -- mixed iterations from the aggregates ---------------------------------------
     # While the lazy cohort lives, an iteration _start_steady cannot take
@@ -501,7 +533,7 @@ class EngineInstance:
         if budget < 0:
             return None
         needs = self._decode_needs()
-        total = sum(n for n in needs if n > 0) + len(self._due_lazy)
+        total = sum(n for n in needs if n > 0) + len(self._due_lazy) + self._due_phase
         entries, grow = [], []
         for req in self._prefilling:
             if budget <= 0:
@@ -515,7 +547,7 @@ class EngineInstance:
             budget -= n
         if total > kv.num_free_blocks + kv.num_idle_blocks:
             return None
-        if self._due or self._due_lazy:
+        if self._due or self._due_lazy or self._due_phase:
             self._reserve_decodes(needs, now_s)
         for req, need in grow:  # as _reserve, which finds them without preempting
             if not kv.extend(req.owner_id, (), need, now_s):
@@ -657,7 +689,7 @@ class EngineInstance:
         finds them made and plans)."""
         if len(self.running) > self.limits.token_budget:
             return None
-        if (self._due or self._due_lazy) and not self._reserve_decodes(self._decode_needs(), now_s):
+        if (self._due or self._due_lazy or self._due_phase) and not self._reserve_decodes(self._decode_needs(), now_s):
             return None
         if self.hook is not None and not _fastpath.can_skip(self.hook):  # after the reservations, as begin_step is
             return None  # the slow path finds the blocks reserved and does the rest
@@ -681,31 +713,30 @@ class EngineInstance:
                   // bs) - r.num_blocks for r in self._due]
 
     def _reserve_decodes(self, needs: list[int], now_s: float) -> bool:
-        """The due list's blocks (``needs``) and one block for each member of
-        ``_due_lazy``, or False with nothing changed. Every extend succeeds
-        when they fit in free and idle blocks (a normal owner may evict any
-        idle block), so the slow path would preempt nobody either; in one go
-        (extend_private, whose outcome does not depend on the order of its
-        needs)."""
-        due, bs, at_boundary = self._due, self.kv.block_size, self._due_lazy
+        """The due list's blocks (``needs``), one block for each member of
+        ``_due_lazy`` and ``_due_phase`` blocks into the decode pool, or False
+        with nothing changed. Every extend succeeds when they fit in free and
+        idle blocks (a normal owner may evict any idle block), so the slow
+        path would preempt nobody either; in one go (extend_private, whose
+        outcome does not depend on the order of its needs)."""
+        due, bs, at_boundary, num_phase = self._due, self.kv.block_size, self._due_lazy, self._due_phase
         if len(due) != len(needs):
             raise ValueError(f"{self.instance_id}: {len(needs)} needs for {len(due)} due requests")
         grow = [(req.owner_id, need) for req, need in zip(due, needs) if need > 0]
         if at_boundary:
             grow += [(req.owner_id, 1) for req in at_boundary]
+        if num_phase:
+            grow.append((self._pool_id, num_phase))
         if not self.kv.extend_private(grow, now_s):
             return False
-        lazy_due = self._lazy_due
-        if at_boundary:  # their context is num_blocks * bs - 1 now (see _reserve_due): a block later next
+        lazy_due, clock = self._lazy_due, self.num_fast_iterations
+        if at_boundary:  # their first boundary (see _reserve_due): phase members from here on
             for req in at_boundary:
                 req.num_blocks += 1
-            key = self.num_fast_iterations + bs
-            at = lazy_due.get(key)
-            if at is None:
-                lazy_due[key] = at_boundary
-            else:
-                at.extend(at_boundary)
+                req.pool_from = clock + bs
+            self._phase_live[clock % bs] += len(at_boundary)
             self._due_lazy = []
+        self._due_phase, self._pooled_upto = 0, clock
         for req, need in zip(due, needs):
             if need > 0:
                 req.num_blocks += need
@@ -753,7 +784,7 @@ class EngineInstance:
         job becomes pending only through another event)."""
         cls = type(self)
         if (not self.steady_runs or self._step is not None or self._agg is not None or not self._cohort or self._eager
-                or self._prefilling or self.waiting or self._due or self._due_lazy
+                or self._prefilling or self.waiting or self._due or self._due_lazy or self._due_phase
                 or not self.busy or getattr(self.latency, "predict_decodes_s", None) is None
                 or cls.end_step is not EngineInstance.end_step or cls.start_step is not EngineInstance.start_step):
             return False
@@ -773,7 +804,7 @@ class EngineInstance:
         normal owner's growth takes free blocks, then LRU idle blocks, with no
         regard to time or owner order, so one call leaves exactly the state of
         the calls one by one (``tests/sim/test_speed_equivalence_macro.py``)."""
-        finish, lazy_due = self._lazy_finish, self._lazy_due
+        finish, lazy_due, phase = self._lazy_finish, self._lazy_due, self._phase_live
         if finish and finish[0][0] <= self.num_fast_iterations + 1:  # the end in flight finishes a member
             return now_s, 0, now_s
         predict, kv = self.latency.predict_decodes_s, self.kv
@@ -788,7 +819,7 @@ class EngineInstance:
                 c = clock + 1
                 if c >= next_finish:
                     break
-                if c in lazy_due:
+                if phase[c % len(phase)] or c in lazy_due:  # a boundary at c (see _reserve_due)
                     if room == -2:  # nothing changes the pool in this loop: the same value as at its start
                         room = kv.num_free_blocks + kv.num_idle_blocks
                     room = self._reserve_due(c, room, needs)
@@ -860,26 +891,32 @@ class EngineInstance:
         to ``needs``, when they fit in ``room``; returns the room left, or -1
         with nothing changed when they do not fit.
 
-        A member filed under ``clock`` has ``num_blocks * block_size - 1``
-        tokens of context at ``clock`` (its key's definition; materialising
-        keeps it): it needs exactly one block, and its next boundary is
-        ``clock + block_size``, so the members move to that key as one list."""
-        lazy_due = self._lazy_due
-        members = lazy_due.pop(clock)
-        live = [req for req in members if req.finish_s is None]
-        if len(live) > room:
-            lazy_due[clock] = members
+        A member filed under ``clock`` in ``_lazy_due`` has ``num_blocks *
+        block_size - 1`` tokens of context at ``clock`` (its key's definition;
+        materialising keeps it): it needs exactly one block now and one every
+        ``block_size`` clocks after, at the clocks of its phase (``clock`` mod
+        ``block_size``), until it finishes. So from its first boundary on it
+        is a phase member: counted in ``_phase_live``, its blocks taken for
+        the whole phase at once into the decode pool (one need) and handed to
+        it later (_attribute): O(1) per boundary, not per member."""
+        bs = self.kv.block_size
+        phase, p = self._phase_live, clock % bs
+        num = phase[p]
+        members = self._lazy_due.pop(clock, None)
+        live = [req for req in members if req.finish_s is None] if members is not None else ()
+        if num + len(live) > room:
+            if members is not None:
+                self._lazy_due[clock] = members
             return -1
         for req in live:
             req.num_blocks += 1
             needs.append((req.owner_id, 1))
-        key = clock + self.kv.block_size
-        at = lazy_due.get(key)
-        if at is None:
-            lazy_due[key] = live
-        else:
-            at.extend(live)
-        return room - len(live)
+            req.pool_from = clock + bs
+        if num:
+            needs.append((self._pool_id, num))
+        phase[p] = num + len(live)
+        self._pooled_upto = clock
+        return room - num - len(live)
 
     def _advance_all(self, now_s: float) -> None:
         """Every running request, one by one: one token, finish or block check."""
@@ -924,11 +961,12 @@ class EngineInstance:
         else:  # the cohort's finishes alone, in running order (nothing here pushes onto the heap)
             while finish and finish[0][0] == clock:
                 total -= self._finish_lazy(heapq.heappop(finish)[2], clock, now_s)
+        if self._due_lazy or self._due_phase:  # every start reserves them or leaves the cohort
+            raise AssertionError(f"{self.instance_id}: boundary blocks of clock {clock - 1} not reserved")
         members = self._lazy_due.pop(clock, None)
         if members is not None:
-            if self._due_lazy:  # every start reserves them or leaves the cohort
-                raise AssertionError(f"{self.instance_id}: boundary blocks of clock {clock - 1} not reserved")
             self._due_lazy = [req for req in members if req.finish_s is None]
+        self._due_phase = self._phase_live[clock % self.kv.block_size]
         if len(due) > 1:
             due.sort(key=_run_seq)
         self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
@@ -967,6 +1005,10 @@ class EngineInstance:
         """Bring a finishing cohort member up to date and finish it; its context."""
         _materialise(req, clock)
         req.lazy_base = -1
+        if req.pool_from >= 0:  # its pooled blocks, then it leaves its phase
+            self._attribute(req)
+            self._phase_live[req.pool_from % self.kv.block_size] -= 1
+            req.pool_from = -1
         self.num_lazy_finishes += 1
         self._finish(req, now_s)
         return req.num_computed_tokens

@@ -232,6 +232,7 @@ class _Traced(EngineInstance):
 
     def end_step(self, now_s: float) -> None:
         super().end_step(now_s)
+        self.sync_requests()  # the cohort's counters and blocks exact (its members' decode blocks are pooled)
         self.trace.append((self.iteration, self.kv.num_free_blocks, sum(r.num_blocks for r in self.running)))
 
 
