@@ -40,8 +40,9 @@ set, every public method that reads or changes the instance's state
 ``sync_requests``) calls it first, so the state it reads is exact.
 
 While the lazy decode cohort lives (``EngineInstance.lazy_decodes``), a
-decoding normal request's ``num_computed_tokens``, ``num_generated`` and
-history count may lag; they are exact whenever the request finishes, whenever
+decoding normal request's ``num_computed_tokens``, ``num_generated``,
+history count and ``num_blocks`` (with its KV owner's private blocks: the rest
+sit in the instance's decode pool, a KV owner of its own) may lag; they are exact whenever the request finishes, whenever
 the instance runs a per-request (slow) iteration or builds a full snapshot for
 its hook, and after ``EngineInstance.sync_requests()``. Mixed iterations
 (prefill chunks, admissions) keep the cohort and are scheduled from its
@@ -352,9 +353,12 @@ class EngineInstance:
     # normal request whose only per-token work is its own history's count
     # (append_output_to_history, no token ids) is not touched per iteration:
     # its counters lag by (num_fast_iterations - lazy_base) tokens, its finish
-    # waits in a heap keyed by that clock, its next block boundary in a dict
+    # waits in a heap keyed by that clock, its first block boundary in a dict
     # from that clock to the members reaching one there (every clock value is
-    # looked up exactly once, as the clock passes it), and the longest context comes from a heap keyed by context - clock (every
+    # looked up exactly once, as the clock passes it); after it, it is a phase
+    # member whose boundaries' blocks are pooled (_reserve_due, _attribute:
+    # its num_blocks lags like its counters), and the longest context comes
+    # from a heap keyed by context - clock (every
     # context grows by one per iteration, so that order never changes). It is
     # brought up to date when it finishes (in running order among the others)
     # and before any slow iteration (_drop_cohort); sync_requests() does it on
@@ -417,8 +421,9 @@ class EngineInstance:
         self._cohort = True
 
     def sync_requests(self) -> None:
-        """Bring the lazy cohort's counters and histories up to date (they are
-        otherwise only while the instance runs a slow iteration)."""
+        """Bring the lazy cohort's counters, histories and blocks up to date
+        (they are otherwise only while the instance runs a slow iteration);
+        who holds the pooled blocks changes, nothing the pool shows."""
         if self.touched is not None:
             self.touched(False)
         clock = self.num_fast_iterations
