@@ -236,7 +236,7 @@ MUTATIONS: dict[str, tuple] = {
                     "        if req.pool_from >= 0:  # its pooled blocks, then it leaves its phase\n            pass\n"),
     # a decode-only iteration's memoised time is keyed by everything it depends on (table cell and batch size)
     "decode-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_aggregate_is_bit_identical_and_raises_alike",
-                    "backends/shadow_sim/vidur_latency.py", 'key = cell * rt["memo_stride"] + nd', "key = nd"),
+                    "backends/shadow_sim/vidur_latency.py", 'key = cell * stride + nd', "key = nd"),
     "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
                     "shadowcore/engine/_fastpath.py", '        return "no_jobs"\n', '        return "no_room"\n'),
     # lazy ticks (issue 17): every touch of a lazily running instance first applies its pending ends, and a
