@@ -42,9 +42,9 @@ set, every public method that reads or changes the instance's state
 While the lazy decode cohort lives (``EngineInstance.lazy_decodes``), a
 decoding normal request's ``num_computed_tokens``, ``num_generated``,
 history count and ``num_blocks`` (with its KV owner's private blocks: the rest
-sit in the instance's decode pool, a KV owner of its own) may lag; they are exact whenever the request finishes, whenever
-the instance runs a per-request (slow) iteration or builds a full snapshot for
-its hook, and after ``EngineInstance.sync_requests()``. Mixed iterations
+sit in the instance's decode pool, a KV owner of its own) may lag; they are
+exact whenever the request finishes, whenever the instance runs a
+per-request (slow) iteration or builds a full snapshot for its hook, and after ``EngineInstance.sync_requests()``. Mixed iterations
 (prefill chunks, admissions) keep the cohort and are scheduled from its
 aggregates (``EngineInstance._start_agg``): their per-request work is for the
 requests outside it, so their cost does not grow with the decode batch; their
@@ -197,8 +197,8 @@ class EngineInstance:
     _ctx_total: int = 0
     _ctx_max: int = 0
     _due: list = attrs.Factory(list)
-    # Cohort members at their block boundary now (from _lazy_due at this clock): each needs exactly one
-    # block before the next decode, then files a block later; reserved with _due (_reserve_decodes).
+    # Cohort members at their first block boundary now (from _lazy_due at this clock): each needs exactly
+    # one block before the next decode, then joins its phase; reserved with _due (_reserve_decodes).
     _due_lazy: list = attrs.Factory(list)
     # The cohort's phase members (see _reserve_due): live ones per phase (clock mod block_size); how many need a
     # block before the next decode (from _advance_cohort to the next start); the last clock whose phase blocks
@@ -214,8 +214,8 @@ class EngineInstance:
     _cohort: bool = False
     _eager: list = attrs.Factory(list)  # running requests outside the cohort, in running order
     _lazy_finish: list = attrs.Factory(list)  # heap (clock at finish, run_seq, request)
-    # clock -> the members whose next decode needs a block after the end at that clock (keys above the clock;
-    # every clock value is looked up once, by _reserve_due or _advance_cohort); finished ones are skipped there
+    # clock -> the members whose first block boundary is the end at that clock (keys above the clock; every
+    # clock value is looked up once, by _reserve_due or _advance_cohort); finished ones are skipped there
     _lazy_due: dict = attrs.Factory(dict)
     _longest: list = attrs.Factory(list)  # heap (-(context - clock), run_seq, request)
     _num_admitted: int = 0
