@@ -234,6 +234,11 @@ MUTATIONS: dict[str, tuple] = {
                     "shadowcore/engine/instance.py",
                     "        if req.pool_from >= 0:  # its pooled blocks, then it leaves its phase\n            self._attribute(req)\n",
                     "        if req.pool_from >= 0:  # its pooled blocks, then it leaves its phase\n            pass\n"),
+    # the longest-context heap rebuilt from the live members only (their maximum unchanged)
+    "longest-rebuild": ("tests/sim/test_speed_equivalence.py", "test_longest_context_is_the_live_members_max",
+                        "shadowcore/engine/instance.py",
+                        "self._longest = [e for e in longest if e[2].finish_s is None]",
+                        "self._longest = [e for e in longest if e[2].finish_s is None and e[1] % 2]"),
     # a decode-only iteration's memoised time is keyed by everything it depends on (table cell and batch size)
     "decode-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_aggregate_is_bit_identical_and_raises_alike",
                     "backends/shadow_sim/vidur_latency.py", 'key = cell * stride + nd', "key = nd"),

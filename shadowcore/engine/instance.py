@@ -669,7 +669,11 @@ class EngineInstance:
             self._ctx_max = c
         due = c + 2 > req.num_blocks * bs
         if _lazy_eligible(req):
-            heapq.heappush(self._longest, (clock - c, seq, req))
+            longest = self._longest
+            heapq.heappush(longest, (clock - c, seq, req))
+            if len(longest) > 4 * len(self.running) + _LONGEST_SLACK:  # mostly finished members: drop them at once
+                self._longest = [e for e in longest if e[2].finish_s is None]
+                heapq.heapify(self._longest)
             req.lazy_base = clock
             heapq.heappush(self._lazy_finish, (clock + req.num_output_tokens - req.num_generated, seq, req))
             if not due:
@@ -1211,6 +1215,9 @@ def _lazy_eligible(req: EngineRequest) -> bool:
 
 
 _CLASSIC = object()  # _start_agg: run the slow path
+# The longest-context heap keeps finished members until they surface; past 4 entries per running request plus
+# this many, _join rebuilds it from the live ones (the same minimum key: _cohort_max's answer does not change).
+_LONGEST_SLACK = 64
 
 
 class _ShadowRoom:
