@@ -23,7 +23,8 @@ Invariants (each has a property test):
 * The host tier never holds more than its capacity; a hit on it costs
   ``bytes / pcie_bytes_per_s`` and moves the block back to the device.
 * A normal hit on a shadow block promotes it to the normal class: the shadow
-  was used. ``num_shadow_blocks_used`` counts these hits, on the device and on
+  was used. So every block a normal owner holds is normal (only a shadow
+  owner's new blocks are shadow, and a block in use is never evicted). ``num_shadow_blocks_used`` counts these hits, on the device and on
   the host tier alike (a host hit reloads the block as normal), once per block;
   it is THE "shadow tokens used" of the results (times the block size).
 
@@ -73,7 +74,7 @@ import itertools
 from collections import deque
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat, takewhile
-from operator import and_, attrgetter, is_, itemgetter, not_
+from operator import and_, attrgetter, countOf, is_, itemgetter, not_
 from typing import TypeVar
 
 import attrs
@@ -976,7 +977,9 @@ class KVClassManager:
         head = owner.hashes
         k = len(head)
         blocks = self._blocks
-        if owner.kv_class is not KVClass.NORMAL or len(hashes) < k or list(hashes[:k]) != head:
+        if not isinstance(hashes, list):
+            hashes = list(hashes)
+        if owner.kv_class is not KVClass.NORMAL or len(hashes) < k or hashes[:k] != head:
             return False
         tail = hashes[k:]
         if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not blocks.keys().isdisjoint(tail)
@@ -985,15 +988,15 @@ class KVClassManager:
         del self._owners[owner_id]
         self.num_free_blocks += owner.num_private_blocks - len(tail)
         host = self._host
-        if host:
+        if host and not host.keys().isdisjoint(tail):
             self.num_reloaded_blocks += _run_length(host, tail)  # match_prefix's host part: the tail's run there
             self._host_tier.take(tail)
         release = self._num_releases + 1
         idle_state = (False, 0, now_s, release)
-        head_states = list(map(blocks.__getitem__, head))
-        if k == 0 or (list(map(_REF, head_states)).count(1) == k and not any(map(_KV_CLASS_FLAG, head_states))):
-            order = list(reversed(hashes))  # tail last block first, then the head last block first
-            if order:
+        # A block a normal owner holds is normal (see _ref_hits), so one reference each is the whole test.
+        if countOf(map(_REF, map(blocks.__getitem__, head)), 1) == k:
+            if hashes:  # tail last block first, then the head last block first
+                order = hashes[::-1]
                 blocks.update(zip(order, repeat(idle_state)))
                 self._idle[KVClass.NORMAL].append(idle_state, order)
                 self._new_release(release, len(order), now_s)
