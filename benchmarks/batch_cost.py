@@ -11,10 +11,11 @@ requests that decode throughout (prompt 64, output longer than the run) and,
 every iteration, one new request of a 256-token prompt and one output token:
 each iteration is a mixed one (B decodes + one prefill chunk), with one
 admission and one finish. The figure is CPU microseconds per iteration over
-``--iterations`` iterations after the decodes started. What still grows with
-``B`` is the decodes' block boundaries (one reservation per decode every
-``block_size`` tokens, B / 16 per iteration); a per-request engine grows by
-the whole batch. The same script runs against an older checkout (its
+``--iterations`` iterations after the decodes started. The decodes' block
+boundaries (one block per decode every ``block_size`` tokens, B / 16 per
+iteration) are taken per phase into the instance's decode pool, O(1) per
+iteration (``EngineInstance._reserve_due``); a per-request engine grows by the
+whole batch. The same script runs against an older checkout (its
 ``PYTHONPATH``) for before/after.
 """
 

@@ -864,6 +864,27 @@ class KVClassManager:
             self._owed += total - free
         return True
 
+    def pool_owner(self, owner_id: str) -> None:
+        """Make ``owner_id`` a normal owner holding nothing, if it is not one
+        yet: a pool that :meth:`extend_private` grows and
+        :meth:`move_private` hands out (changes nothing else)."""
+        owner = self._owners.get(owner_id)
+        if owner is None:
+            self._owners[owner_id] = _Owner(KVClass.NORMAL, [], 0)
+        elif owner.kv_class is not KVClass.NORMAL:
+            raise ValueError(f"owner {owner_id!r} is not a normal owner")
+
+    def move_private(self, src_id: str, dst_id: str, num: int) -> None:
+        """Hand ``num`` private blocks of normal owner ``src_id`` to normal
+        owner ``dst_id``: who holds them changes, nothing else (the pool, the
+        cache and the idle orders are as they were)."""
+        src, dst = self._owners[src_id], self._owners[dst_id]
+        if num < 0 or num > src.num_private_blocks or KVClass.SHADOW in (src.kv_class, dst.kv_class):
+            raise ValueError(f"cannot move {num} private blocks from {src_id!r} "
+                             f"({src.num_private_blocks}, {src.kv_class.name}) to {dst_id!r} ({dst.kv_class.name})")
+        src.num_private_blocks -= num
+        dst.num_private_blocks += num
+
     def release(self, owner_id: str, now_s: float) -> None:
         """Drop an owner's references; its hashed blocks stay cached (idle)."""
         if self._owed:

@@ -301,3 +301,27 @@ def test_a_hit_inside_a_release_of_both_classes_is_not_evicted() -> None:
     assert kv.allocate("p", [], 3, KVClass.NORMAL, 3.0) is not None  # the free blocks
     assert kv.allocate("q", [], 3, KVClass.NORMAL, 4.0) is not None  # evicts 3, then 2, then 8
     assert [kv.is_cached(h) for h in (1, 2, 3, 7, 8)] == [True, False, False, True, False]
+
+
+def test_decode_pool_hands_blocks_over_and_changes_nothing_else() -> None:
+    """pool_owner / move_private (the engine's pooled decode blocks): the pool
+    grows like any normal owner; a move changes who holds blocks, never the
+    free count; moving more than the pool holds, or to a shadow owner, is an error."""
+    import pytest
+
+    kv = KVClassManager(10, 16)
+    kv.pool_owner("pool")
+    kv.pool_owner("pool")  # again: nothing changes
+    assert kv.allocate("a", [1, 2], 1, KVClass.NORMAL, 0.0) is not None
+    assert kv.extend_private([("pool", 3)], 0.0) and kv.num_free_blocks == 4
+    kv.move_private("pool", "a", 2)
+    assert kv.num_free_blocks == 4
+    kv.release("a", 1.0)  # its 1 + 2 private blocks free, its two hashed blocks idle
+    assert kv.num_free_blocks == 7 and kv.num_idle_blocks == 2
+    with pytest.raises(ValueError, match="cannot move 2 private blocks"):
+        kv.move_private("pool", "pool", 2)
+    assert kv.allocate("s", [9], 0, KVClass.SHADOW, 1.0) is not None
+    with pytest.raises(ValueError, match="SHADOW"):
+        kv.move_private("pool", "s", 1)
+    with pytest.raises(ValueError, match="not a normal owner"):
+        kv.pool_owner("s")

@@ -224,9 +224,30 @@ MUTATIONS: dict[str, tuple] = {
     "join-due": ("tests/sim/test_speed_equivalence.py", "test_kv_reservations_identical_every_iteration",
                  "shadowcore/engine/instance.py", "        due = c + 2 > req.num_blocks * bs\n",
                  "        due = False\n"),
+    # a cohort member at its block boundary needs exactly one block and one per block_size clocks after (its
+    # phase); the phase's blocks are pooled and handed to each member when it finishes or is brought up to date
+    "due-period": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                   "shadowcore/engine/instance.py", "            req.pool_from = clock + bs\n        if num:",
+                   "            req.pool_from = clock + bs + 1\n        if num:"),
+    "due-period-agg": ("tests/sim/test_speed_equivalence.py", "test_kv_reservations_identical_every_iteration",
+                       "shadowcore/engine/instance.py",
+                       "                req.pool_from = clock + bs\n            self._phase_live",
+                       "                req.pool_from = clock + bs + 1\n            self._phase_live"),
+    "pool-count": ("tests/sim/test_speed_equivalence.py", "test_kv_reservations_identical_every_iteration",
+                   "shadowcore/engine/instance.py", "            k = (upto - start) // bs + 1\n",
+                   "            k = (upto - start) // bs\n"),
+    "pool-finish": ("tests/sim/test_speed_equivalence.py", "test_kv_reservations_identical_every_iteration",
+                    "shadowcore/engine/instance.py",
+                    "        if req.pool_from >= 0:  # its pooled blocks, then it leaves its phase\n            self._attribute(req)\n",
+                    "        if req.pool_from >= 0:  # its pooled blocks, then it leaves its phase\n            pass\n"),
+    # the longest-context heap rebuilt from the live members only (their maximum unchanged)
+    "longest-rebuild": ("tests/sim/test_speed_equivalence.py", "test_longest_context_is_the_live_members_max",
+                        "shadowcore/engine/instance.py",
+                        "self._longest = [e for e in longest if e[2].finish_s is None]",
+                        "self._longest = [e for e in longest if e[2].finish_s is None and e[1] % 2]"),
     # a decode-only iteration's memoised time is keyed by everything it depends on (table cell and batch size)
     "decode-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_aggregate_is_bit_identical_and_raises_alike",
-                    "backends/shadow_sim/vidur_latency.py", 'key = cell * rt["memo_stride"] + nd', "key = nd"),
+                    "backends/shadow_sim/vidur_latency.py", 'key = cell * stride + nd', "key = nd"),
     "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
                     "shadowcore/engine/_fastpath.py", '        return "no_jobs"\n', '        return "no_room"\n'),
     # lazy ticks (issue 17): every touch of a lazily running instance first applies its pending ends, and a

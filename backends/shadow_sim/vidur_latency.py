@@ -499,9 +499,14 @@ class VidurLatencyModel:
     lm_head_mfu: float = attrs.field(default=0.6, validator=fraction_open_closed)
     logits_bytes: float = attrs.field(default=4.0, validator=positive)
     _rt: dict[str, Any] = attrs.field(init=False, repr=False)
+    # predict_decodes_s's hot values out of _rt, in one tuple (the same objects: the memo is _rt's)
+    _decode_hot: tuple = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "_rt", self._runtime())
+        rt = self._runtime()
+        object.__setattr__(self, "_rt", rt)
+        object.__setattr__(self, "_decode_hot", (rt["bmax"], rt["kv_limit"], rt["decode_cols"], rt["memo_stride"],
+                                                 rt["decode_memo"], rt["geo"]))
 
     # ------------------------------------------------------------- factory
     @classmethod
@@ -657,23 +662,21 @@ class VidurLatencyModel:
         """:meth:`predict_s` of a decode-only batch of ``num_decodes`` sequences
         from its aggregates (total and longest context): the same lookups and
         float operations in the same order, so bit-identical; same errors."""
-        rt = self._rt
+        bmax, kv_limit, cols, stride, memo, geo = self._decode_hot
         nd = num_decodes
         if nd <= 0:
             return None
-        if nd > rt["bmax"]:
-            raise ProfileCoverageError("decode batch size", nd, f"beyond the tables' max_decode_batch {rt['bmax']}")
-        if max_context > rt["kv_limit"]:
-            raise ProfileCoverageError(
-                "decode context", max_context, f"beyond the tables' max_kv_tokens {rt['kv_limit']}"
-            )
+        if nd > bmax:
+            raise ProfileCoverageError("decode batch size", nd, f"beyond the tables' max_decode_batch {bmax}")
+        if max_context > kv_limit:
+            raise ProfileCoverageError("decode context", max_context, f"beyond the tables' max_kv_tokens {kv_limit}")
         total = total_context
-        j = (total + 255) >> 8 if total <= _DENSE_S else 257 + bisect.bisect_left(rt["geo"], total)
-        cell = (nd - 1) * rt["decode_cols"] + j
-        key = cell * rt["memo_stride"] + nd  # nd <= bmax: one key per (cell, nd)
-        memo = rt["decode_memo"]
+        j = (total + 255) >> 8 if total <= _DENSE_S else 257 + bisect.bisect_left(geo, total)
+        cell = (nd - 1) * cols + j
+        key = cell * stride + nd  # nd <= bmax: one key per (cell, nd)
         s = memo.get(key)
         if s is None:
+            rt = self._rt
             t = rt["decode"][cell]
             if nd > rt["limit"]:
                 raise ProfileCoverageError("batch tokens", nd, f"beyond the tables' max_batch_tokens {rt['limit']}")

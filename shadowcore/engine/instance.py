@@ -40,10 +40,11 @@ set, every public method that reads or changes the instance's state
 ``sync_requests``) calls it first, so the state it reads is exact.
 
 While the lazy decode cohort lives (``EngineInstance.lazy_decodes``), a
-decoding normal request's ``num_computed_tokens``, ``num_generated`` and
-history count may lag; they are exact whenever the request finishes, whenever
-the instance runs a per-request (slow) iteration or builds a full snapshot for
-its hook, and after ``EngineInstance.sync_requests()``. Mixed iterations
+decoding normal request's ``num_computed_tokens``, ``num_generated``,
+history count and ``num_blocks`` (with its KV owner's private blocks: the rest
+sit in the instance's decode pool, a KV owner of its own) may lag; they are
+exact whenever the request finishes, whenever the instance runs a
+per-request (slow) iteration or builds a full snapshot for its hook, and after ``EngineInstance.sync_requests()``. Mixed iterations
 (prefill chunks, admissions) keep the cohort and are scheduled from its
 aggregates (``EngineInstance._start_agg``): their per-request work is for the
 requests outside it, so their cost does not grow with the decode batch; their
@@ -112,6 +113,10 @@ class EngineRequest:
     # >= 0: in the instance's lazy decode cohort; num_computed_tokens, num_generated and the history lag
     # by (instance's steady iteration count - lazy_base) tokens until the instance materialises them.
     lazy_base: int = -1
+    # >= 0: a cohort member past its first block boundary (a phase member, see EngineInstance._reserve_due): its
+    # next block boundary not yet in num_blocks; the blocks of its boundaries from here to the instance's
+    # _pooled_upto are in the instance's decode pool (the KV owner _pool_id) until handed to it (_attribute).
+    pool_from: int = -1
     _owner: str = attrs.field(default="", init=False, repr=False)  # owner_id of admission _owner_of
     _owner_of: int = attrs.field(default=-1, init=False, repr=False)
 
@@ -192,6 +197,16 @@ class EngineInstance:
     _ctx_total: int = 0
     _ctx_max: int = 0
     _due: list = attrs.Factory(list)
+    # Cohort members at their first block boundary now (from _lazy_due at this clock): each needs exactly
+    # one block before the next decode, then joins its phase; reserved with _due (_reserve_decodes).
+    _due_lazy: list = attrs.Factory(list)
+    # The cohort's phase members (see _reserve_due): live ones per phase (clock mod block_size); how many need a
+    # block before the next decode (from _advance_cohort to the next start); the last clock whose phase blocks
+    # were taken into the decode pool, the KV owner _pool_id (made at the first cohort).
+    _phase_live: list = attrs.Factory(list)
+    _due_phase: int = 0
+    _pooled_upto: int = -1
+    _pool_id: str = ""
     num_fast_iterations: int = 0  # iterations run by the fast path; the lazy cohort's clock
     _steady_s: float = 0.0
     # Lazy decode cohort (see _start_cohort): normal requests advance as offsets from the clock above.
@@ -199,7 +214,9 @@ class EngineInstance:
     _cohort: bool = False
     _eager: list = attrs.Factory(list)  # running requests outside the cohort, in running order
     _lazy_finish: list = attrs.Factory(list)  # heap (clock at finish, run_seq, request)
-    _lazy_due: list = attrs.Factory(list)  # heap (clock when it needs a block, run_seq, request)
+    # clock -> the members whose first block boundary is the end at that clock (keys above the clock; every
+    # clock value is looked up once, by _reserve_due or _advance_cohort); finished ones are skipped there
+    _lazy_due: dict = attrs.Factory(dict)
     _longest: list = attrs.Factory(list)  # heap (-(context - clock), run_seq, request)
     _num_admitted: int = 0
     num_lazy_finishes: int = 0  # requests that finished as cohort members (a diagnostic)
@@ -336,8 +353,12 @@ class EngineInstance:
     # normal request whose only per-token work is its own history's count
     # (append_output_to_history, no token ids) is not touched per iteration:
     # its counters lag by (num_fast_iterations - lazy_base) tokens, its finish
-    # and its next block boundary wait in heaps keyed by that clock, and the
-    # longest context comes from a heap keyed by context - clock (every
+    # waits in a heap keyed by that clock, its first block boundary in a dict
+    # from that clock to the members reaching one there (every clock value is
+    # looked up exactly once, as the clock passes it); after it, it is a phase
+    # member whose boundaries' blocks are pooled (_reserve_due, _attribute:
+    # its num_blocks lags like its counters), and the longest context comes
+    # from a heap keyed by context - clock (every
     # context grows by one per iteration, so that order never changes). It is
     # brought up to date when it finishes (in running order among the others)
     # and before any slow iteration (_drop_cohort); sync_requests() does it on
@@ -365,7 +386,7 @@ class EngineInstance:
             if c + 2 > req.num_blocks * bs:
                 due.append(req)
         self._steady = bool(self.running) and not prefilling
-        self._ctx_total, self._ctx_max, self._due = total, longest, due
+        self._ctx_total, self._ctx_max, self._due, self._due_lazy, self._due_phase = total, longest, due, [], 0
         if self.running and self.lazy_decodes and (self._steady or self._agg_allowed()):
             self._start_cohort(prefilling)
 
@@ -375,7 +396,8 @@ class EngineInstance:
         clock, bs = self.num_fast_iterations, self.kv.block_size
         due = set(self._due)
         skip = set(prefilling)
-        eager, finish, due_heap, longest = [], [], [], []
+        eager, finish, longest = [], [], []
+        due_at: dict[int, list] = {}
         for req in self.running:
             if skip and req in skip:
                 continue
@@ -387,22 +409,29 @@ class EngineInstance:
             req.lazy_base = clock
             finish.append((clock + req.num_output_tokens - req.num_generated, seq, req))
             if req not in due:
-                due_heap.append((clock + req.num_blocks * bs - 1 - c, seq, req))
-        for heap in (finish, due_heap, longest):
+                _due_at(due_at, clock + req.num_blocks * bs - 1 - c, req)
+        for heap in (finish, longest):
             heapq.heapify(heap)
-        self._eager, self._lazy_finish, self._lazy_due, self._longest = eager, finish, due_heap, longest
+        self._eager, self._lazy_finish, self._lazy_due, self._longest = eager, finish, due_at, longest
         self._prefilling, self._deadlines = prefilling, None
+        self._phase_live, self._due_phase = [0] * bs, 0
+        if not self._pool_id:
+            self._pool_id = f"decode-pool:{self.instance_id}"
+            self.kv.pool_owner(self._pool_id)
         self._cohort = True
 
     def sync_requests(self) -> None:
-        """Bring the lazy cohort's counters and histories up to date (they are
-        otherwise only while the instance runs a slow iteration)."""
+        """Bring the lazy cohort's counters, histories and blocks up to date
+        (they are otherwise only while the instance runs a slow iteration);
+        who holds the pooled blocks changes, nothing the pool shows."""
         if self.touched is not None:
             self.touched(False)
         clock = self.num_fast_iterations
         for req in self.running:
             if req.lazy_base >= 0:
                 _materialise(req, clock)
+                if req.pool_from >= 0:
+                    self._attribute(req)
 
     def _drop_cohort(self) -> None:
         clock = self.num_fast_iterations
@@ -410,9 +439,24 @@ class EngineInstance:
             if req.lazy_base >= 0:
                 _materialise(req, clock)
                 req.lazy_base = -1
-        self._eager, self._lazy_finish, self._lazy_due, self._longest = [], [], [], []
-        self._prefilling, self._deadlines = [], None
+                if req.pool_from >= 0:
+                    self._attribute(req)
+                    req.pool_from = -1
+        self._eager, self._lazy_finish, self._lazy_due, self._longest = [], [], {}, []
+        self._prefilling, self._deadlines, self._due_lazy, self._due_phase = [], None, [], 0
+        self._phase_live = []
         self._cohort = False
+
+    def _attribute(self, req: EngineRequest) -> None:
+        """A phase member's blocks taken into the decode pool so far (its
+        boundaries from ``pool_from`` to ``_pooled_upto``, one block each)
+        handed to it: its ``num_blocks`` and its KV owner's blocks are exact."""
+        start, upto, bs = req.pool_from, self._pooled_upto, self.kv.block_size
+        if start <= upto:
+            k = (upto - start) // bs + 1
+            self.kv.move_private(self._pool_id, req.owner_id, k)
+            req.num_blocks += k
+            req.pool_from = start + k * bs
 
     # -- mixed iterations from the aggregates ---------------------------------------
     # While the lazy cohort lives, an iteration _start_steady cannot take
@@ -494,7 +538,7 @@ class EngineInstance:
         if budget < 0:
             return None
         needs = self._decode_needs()
-        total = sum(n for n in needs if n > 0)
+        total = sum(n for n in needs if n > 0) + len(self._due_lazy) + self._due_phase
         entries, grow = [], []
         for req in self._prefilling:
             if budget <= 0:
@@ -508,7 +552,7 @@ class EngineInstance:
             budget -= n
         if total > kv.num_free_blocks + kv.num_idle_blocks:
             return None
-        if self._due:
+        if self._due or self._due_lazy or self._due_phase:
             self._reserve_decodes(needs, now_s)
         for req, need in grow:  # as _reserve, which finds them without preempting
             if not kv.extend(req.owner_id, (), need, now_s):
@@ -625,11 +669,15 @@ class EngineInstance:
             self._ctx_max = c
         due = c + 2 > req.num_blocks * bs
         if _lazy_eligible(req):
-            heapq.heappush(self._longest, (clock - c, seq, req))
+            longest = self._longest
+            heapq.heappush(longest, (clock - c, seq, req))
+            if len(longest) > 4 * len(self.running) + _LONGEST_SLACK:  # mostly finished members: drop them at once
+                self._longest = [e for e in longest if e[2].finish_s is None]
+                heapq.heapify(self._longest)
             req.lazy_base = clock
             heapq.heappush(self._lazy_finish, (clock + req.num_output_tokens - req.num_generated, seq, req))
             if not due:
-                heapq.heappush(self._lazy_due, (clock + req.num_blocks * bs - 1 - c, seq, req))
+                _due_at(self._lazy_due, clock + req.num_blocks * bs - 1 - c, req)
             if self._deadlines is not None:
                 self._deadlines.add(req)
         else:
@@ -650,7 +698,7 @@ class EngineInstance:
         finds them made and plans)."""
         if len(self.running) > self.limits.token_budget:
             return None
-        if self._due and not self._reserve_decodes(self._decode_needs(), now_s):
+        if (self._due or self._due_lazy or self._due_phase) and not self._reserve_decodes(self._decode_needs(), now_s):
             return None
         if self.hook is not None and not _fastpath.can_skip(self.hook):  # after the reservations, as begin_step is
             return None  # the slow path finds the blocks reserved and does the rest
@@ -674,21 +722,35 @@ class EngineInstance:
                   // bs) - r.num_blocks for r in self._due]
 
     def _reserve_decodes(self, needs: list[int], now_s: float) -> bool:
-        """The due list's blocks (``needs``), or False with nothing changed.
-        Every extend succeeds when they fit in free and idle blocks (a normal
-        owner may evict any idle block), so the slow path would preempt nobody
-        either; in running order, as _schedule reserves (one go: extend_private)."""
-        due, bs = self._due, self.kv.block_size
+        """The due list's blocks (``needs``), one block for each member of
+        ``_due_lazy`` and ``_due_phase`` blocks into the decode pool, or False
+        with nothing changed. Every extend succeeds when they fit in free and
+        idle blocks (a normal owner may evict any idle block), so the slow
+        path would preempt nobody either; in one go (extend_private, whose
+        outcome does not depend on the order of its needs)."""
+        due, bs, at_boundary, num_phase = self._due, self.kv.block_size, self._due_lazy, self._due_phase
         if len(due) != len(needs):
             raise ValueError(f"{self.instance_id}: {len(needs)} needs for {len(due)} due requests")
-        if not self.kv.extend_private([(req.owner_id, need) for req, need in zip(due, needs) if need > 0], now_s):
+        grow = [(req.owner_id, need) for req, need in zip(due, needs) if need > 0]
+        if at_boundary:
+            grow += [(req.owner_id, 1) for req in at_boundary]
+        if num_phase:
+            grow.append((self._pool_id, num_phase))
+        if not self.kv.extend_private(grow, now_s):
             return False
-        lazy_due, push = self._lazy_due, heapq.heappush
+        lazy_due, clock = self._lazy_due, self.num_fast_iterations
+        if at_boundary:  # their first boundary (see _reserve_due): phase members from here on
+            for req in at_boundary:
+                req.num_blocks += 1
+                req.pool_from = clock + bs
+            self._phase_live[clock % bs] += len(at_boundary)
+            self._due_lazy = []
+        self._due_phase, self._pooled_upto = 0, clock
         for req, need in zip(due, needs):
             if need > 0:
                 req.num_blocks += need
             if req.lazy_base >= 0:  # its next block boundary
-                push(lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens, req.run_seq, req))
+                _due_at(lazy_due, req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens, req)
         due.clear()
         return True
 
@@ -731,7 +793,7 @@ class EngineInstance:
         job becomes pending only through another event)."""
         cls = type(self)
         if (not self.steady_runs or self._step is not None or self._agg is not None or not self._cohort or self._eager
-                or self._prefilling or self.waiting or self._due
+                or self._prefilling or self.waiting or self._due or self._due_lazy or self._due_phase
                 or not self.busy or getattr(self.latency, "predict_decodes_s", None) is None
                 or cls.end_step is not EngineInstance.end_step or cls.start_step is not EngineInstance.start_step):
             return False
@@ -751,7 +813,7 @@ class EngineInstance:
         normal owner's growth takes free blocks, then LRU idle blocks, with no
         regard to time or owner order, so one call leaves exactly the state of
         the calls one by one (``tests/sim/test_speed_equivalence_macro.py``)."""
-        finish, lazy_due = self._lazy_finish, self._lazy_due
+        finish, lazy_due, phase = self._lazy_finish, self._lazy_due, self._phase_live
         if finish and finish[0][0] <= self.num_fast_iterations + 1:  # the end in flight finishes a member
             return now_s, 0, now_s
         predict, kv = self.latency.predict_decodes_s, self.kv
@@ -766,7 +828,7 @@ class EngineInstance:
                 c = clock + 1
                 if c >= next_finish:
                     break
-                if lazy_due and lazy_due[0][0] <= c:
+                if phase[c % len(phase)] or c in lazy_due:  # a boundary at c (see _reserve_due)
                     if room == -2:  # nothing changes the pool in this loop: the same value as at its start
                         room = kv.num_free_blocks + kv.num_idle_blocks
                     room = self._reserve_due(c, room, needs)
@@ -836,28 +898,34 @@ class EngineInstance:
         """The cohort members whose block boundary ``clock`` reaches get their
         blocks (as _start_steady would after the end at ``clock``), appended
         to ``needs``, when they fit in ``room``; returns the room left, or -1
-        with nothing changed when they do not fit."""
-        lazy_due, bs = self._lazy_due, self.kv.block_size
-        due = []
-        total = 0
-        while lazy_due and lazy_due[0][0] <= clock:
-            entry = heapq.heappop(lazy_due)
-            req = entry[2]
-            if req.finish_s is None:
-                need = -(-(req.num_computed_tokens + clock - req.lazy_base + 2) // bs) - req.num_blocks
-                due.append((entry, need))
-                if need > 0:
-                    total += need
-        if total > room:
-            for entry, _ in due:
-                heapq.heappush(lazy_due, entry)
+        with nothing changed when they do not fit.
+
+        A member filed under ``clock`` in ``_lazy_due`` has ``num_blocks *
+        block_size - 1`` tokens of context at ``clock`` (its key's definition;
+        materialising keeps it): it needs exactly one block now and one every
+        ``block_size`` clocks after, at the clocks of its phase (``clock`` mod
+        ``block_size``), until it finishes. So from its first boundary on it
+        is a phase member: counted in ``_phase_live``, its blocks taken for
+        the whole phase at once into the decode pool (one need) and handed to
+        it later (_attribute): O(1) per boundary, not per member."""
+        bs = self.kv.block_size
+        phase, p = self._phase_live, clock % bs
+        num = phase[p]
+        members = self._lazy_due.pop(clock, None)
+        live = [req for req in members if req.finish_s is None] if members is not None else ()
+        if num + len(live) > room:
+            if members is not None:
+                self._lazy_due[clock] = members
             return -1
-        for (_, seq, req), need in due:
-            if need > 0:
-                needs.append((req.owner_id, need))
-                req.num_blocks += need
-            heapq.heappush(lazy_due, (req.lazy_base + req.num_blocks * bs - 1 - req.num_computed_tokens, seq, req))
-        return room - total
+        for req in live:
+            req.num_blocks += 1
+            needs.append((req.owner_id, 1))
+            req.pool_from = clock + bs
+        if num:
+            needs.append((self._pool_id, num))
+        phase[p] = num + len(live)
+        self._pooled_upto = clock
+        return room - num - len(live)
 
     def _advance_all(self, now_s: float) -> None:
         """Every running request, one by one: one token, finish or block check."""
@@ -902,11 +970,12 @@ class EngineInstance:
         else:  # the cohort's finishes alone, in running order (nothing here pushes onto the heap)
             while finish and finish[0][0] == clock:
                 total -= self._finish_lazy(heapq.heappop(finish)[2], clock, now_s)
-        lazy_due = self._lazy_due
-        while lazy_due and lazy_due[0][0] <= clock:
-            req = heapq.heappop(lazy_due)[2]
-            if req.finish_s is None:
-                due.append(req)
+        if self._due_lazy or self._due_phase:  # every start reserves them or leaves the cohort
+            raise AssertionError(f"{self.instance_id}: boundary blocks of clock {clock - 1} not reserved")
+        members = self._lazy_due.pop(clock, None)
+        if members is not None:
+            self._due_lazy = [req for req in members if req.finish_s is None]
+        self._due_phase = self._phase_live[clock % self.kv.block_size]
         if len(due) > 1:
             due.sort(key=_run_seq)
         self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
@@ -945,6 +1014,10 @@ class EngineInstance:
         """Bring a finishing cohort member up to date and finish it; its context."""
         _materialise(req, clock)
         req.lazy_base = -1
+        if req.pool_from >= 0:  # its pooled blocks, then it leaves its phase
+            self._attribute(req)
+            self._phase_live[req.pool_from % self.kv.block_size] -= 1
+            req.pool_from = -1
         self.num_lazy_finishes += 1
         self._finish(req, now_s)
         return req.num_computed_tokens
@@ -1122,6 +1195,15 @@ def _materialise(req: EngineRequest, clock: int) -> None:
         req.lazy_base = clock
 
 
+def _due_at(due_at: dict, clock: int, req: EngineRequest) -> None:
+    """``req`` needs a block after the end at ``clock`` (the lazy due index)."""
+    at = due_at.get(clock)
+    if at is None:
+        due_at[clock] = [req]
+    else:
+        at.append(req)
+
+
 def _run_seq(req: EngineRequest) -> int:
     return req.run_seq
 
@@ -1133,6 +1215,9 @@ def _lazy_eligible(req: EngineRequest) -> bool:
 
 
 _CLASSIC = object()  # _start_agg: run the slow path
+# The longest-context heap keeps finished members until they surface; past 4 entries per running request plus
+# this many, _join rebuilds it from the live ones (the same minimum key: _cohort_max's answer does not change).
+_LONGEST_SLACK = 64
 
 
 class _ShadowRoom:

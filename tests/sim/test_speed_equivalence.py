@@ -207,6 +207,41 @@ def test_cases_exercise_what_they_claim(golden: dict) -> None:
     assert golden["sim-no-shadow"]["summary"]["shadow_tokens"] == 0
 
 
+@pytest.mark.parametrize("slack", [-10**9, 64])
+def test_longest_context_is_the_live_members_max(slack: int, monkeypatch) -> None:
+    """The cohort's longest context (a heap that keeps finished members until
+    they surface, rebuilt from the live ones when they pile up: at every join
+    with the slack far below zero) is, at every iteration, the longest context
+    among the live members."""
+    from shadowcore.engine import instance
+    from shadowcore.engine.instance import EngineLimits, EngineRequest, append_output_to_history
+    from shadowcore.job import SessionHistory
+    from shadowcore.kv import KVClassManager
+    from shadowcore.latency import LinearLatencyModel
+    from shadowcore.types import RequestKind
+
+    monkeypatch.setattr(instance, "_LONGEST_SLACK", slack)
+    inst = EngineInstance("i0", "m", KVClassManager(20_000, 16), LinearLatencyModel(), 0.05, EngineLimits(2048, 64))
+    now, checked = 0.0, 0
+    for k in range(600):
+        history = SessionHistory(f"r{k}")
+        prompt = 32 + (k * 37) % 400
+        history.append(prompt)
+        inst.enqueue(EngineRequest(f"r{k}", RequestKind.NORMAL, history, prompt, 1 + (k * 53) % 90, now, 10.0, 0.05,
+                                   on_token=append_output_to_history))
+        for _ in range(3):
+            end = inst.start_step(now)
+            if end is None:
+                break
+            inst.end_step(end)
+            now = end
+            members = [r for r in inst.running if r.lazy_base >= 0]
+            if inst._cohort:
+                assert inst._cohort_max() == max((inst._context(r) for r in members), default=0)
+                checked += bool(members)
+    assert checked > 1000 and inst.num_lazy_finishes > 300
+
+
 @pytest.mark.parametrize("name", ["fake-harvest-slo-host", "fake-harvest-tight-kv", "fake-no-shadow",
                                   "sim-harvest-slo-host", "sim-pd-harvest-slo"])
 def test_lazy_cohort_runs_and_changes_nothing(name: str) -> None:
@@ -232,6 +267,7 @@ class _Traced(EngineInstance):
 
     def end_step(self, now_s: float) -> None:
         super().end_step(now_s)
+        self.sync_requests()  # the cohort's counters and blocks exact (its members' decode blocks are pooled)
         self.trace.append((self.iteration, self.kv.num_free_blocks, sum(r.num_blocks for r in self.running)))
 
 
