@@ -65,7 +65,7 @@ class Records:
     in order, with the values appended (floats as C doubles: exact; ints within
     64 bits, else ``append`` raises ``OverflowError``)."""
 
-    __slots__ = ("_columns", "_bools")
+    __slots__ = ("_bools", "_columns")
 
     def __init__(self, *typecodes: str) -> None:
         if not typecodes:
