@@ -3,6 +3,7 @@ hour, grown in instances and in load, each run in a fresh process.
 
     python benchmarks/scale.py                         # the whole table (long: hours at 128 instances)
     python benchmarks/scale.py --duration 300 --instances 8,32 --rhos 0.7
+    python benchmarks/scale.py --duration 120 --instances 8,32 --rhos 0.7 --seeds 0,1,2
     python benchmarks/scale.py --policies no-shadow --instances 8 --rhos 0.3,0.7,0.9
 
 Each run is the embedded default experiment of ``shadowprefill simulate``
@@ -12,6 +13,13 @@ cached calibrated capacity) with ``--duration`` seconds of arrivals after the
 default warm-up, ``instances`` in total (half per model) and the session rate
 scaled with the instance count (per-instance load unchanged). The instance
 axis runs at rho 0.7, the load axis at the first instance count.
+
+The sessions are one draw per seed, and a draw varies: at seed 0 the
+8-instance cluster gets 12 sessions with 93 routed calls (18 sessions are
+expected), the 32-instance one 70 with 841, so one seed's "32 instances cost
+6x" is partly a 9x larger routed workload. ``--seeds 0,1,2`` runs each point
+once per seed and the growth lines pool the seeds (sums of CPU time and
+workload); each growth line prints the workload's growth beside the cost's.
 
 Printed per run: wall and CPU seconds of the run loop (setup excluded, shown
 apart), engine iterations, iterations per CPU-second, simulated seconds per
@@ -79,7 +87,10 @@ def one_run(policy: str, instances: int, rho: float, duration_s: float, seed: in
             "wall_s": wall, "cpu_s": cpu, "iterations": iterations, "simulated_s": run.loop.now_s,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "calls": result.metrics["calls"], "normal_slo": result.metrics["normal_slo_attainment"],
-            "mean_batch": decoded / max(1, iterations)}
+            "mean_batch": decoded / max(1, iterations), "seed": seed,
+            "sessions": len(run.workload.sessions),
+            "routed_calls": sum(len(p.calls) for p in run.workload.sessions),
+            "normal_requests": len(run.workload.normal)}
 
 
 def in_child(policy: str, instances: int, rho: float, duration_s: float, seed: int) -> dict:
@@ -91,20 +102,44 @@ def in_child(policy: str, instances: int, rho: float, duration_s: float, seed: i
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'policy':<18} {'inst':>5} {'rho':>4} {'setup s':>8} {'wall s':>8} {'CPU s':>8} {'iterations':>11} "
-            f"{'iter/CPU-s':>11} {'us/iter':>8} {'batch':>6} {'sim s/wall s':>12} {'peak MB':>8} {'normal SLO':>10}")
+    head = (f"{'policy':<18} {'inst':>5} {'rho':>4} {'seed':>4} {'sessions':>8} {'calls':>6} {'setup s':>8} "
+            f"{'wall s':>8} {'CPU s':>8} {'iterations':>11} {'iter/CPU-s':>11} {'us/iter':>8} {'batch':>6} "
+            f"{'sim s/wall s':>12} {'peak MB':>8} {'normal SLO':>10}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['policy']:<18} {r['instances']:>5} {r['rho']:>4.1f} {r['setup_s']:>8.1f} {r['wall_s']:>8.1f} "
+        lines.append(f"{r['policy']:<18} {r['instances']:>5} {r['rho']:>4.1f} {r['seed']:>4} {r['sessions']:>8} "
+                     f"{r['routed_calls']:>6} {r['setup_s']:>8.1f} {r['wall_s']:>8.1f} "
                      f"{r['cpu_s']:>8.1f} {r['iterations']:>11,} {r['iterations'] / r['cpu_s']:>11,.0f} "
                      f"{1e6 * r['cpu_s'] / r['iterations']:>8.1f} {r['mean_batch']:>6.1f} "
                      f"{r['simulated_s'] / r['wall_s']:>12.1f} {r['peak_rss_mb']:>8.0f} {r['normal_slo']:>10.3f}")
-    lines.append("us/iter: CPU microseconds per engine iteration; batch: mean decodes per iteration "
+    lines.append("sessions, calls: the run's agent sessions and their routed calls (warm-up and drain included); "
+                 "us/iter: CPU microseconds per engine iteration; batch: mean decodes per iteration "
                  "(output tokens / iterations)")
     return "\n".join(lines)
 
 
+def pooled(rows: list[dict]) -> list[dict]:
+    """One row per (policy, instances, rho): the seeds' runs summed (``mean_batch`` weighted by iterations),
+    so the growth lines compare whole workloads, not one draw of each (a draw's sessions and routed calls
+    vary by tens of percent: seed 0's 8-instance workload has 93 routed calls, its 32-instance one 841)."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["policy"], r["instances"], r["rho"])
+        if key not in out:
+            out[key] = {**r, "seeds": 1}
+            continue
+        p = out[key]
+        batch = (p["mean_batch"] * p["iterations"] + r["mean_batch"] * r["iterations"]) / max(
+            1, p["iterations"] + r["iterations"])
+        for k in ("setup_s", "wall_s", "cpu_s", "iterations", "simulated_s", "sessions", "routed_calls",
+                  "normal_requests"):
+            p[k] += r[k]
+        p["mean_batch"], p["seeds"] = batch, p["seeds"] + 1
+    return list(out.values())
+
+
 def growth(rows: list[dict], first: int) -> list[str]:
+    """The growth lines, from :func:`pooled` rows."""
     out = []
     for policy in dict.fromkeys(r["policy"] for r in rows):
         mine = [r for r in rows if r["policy"] == policy]
@@ -113,7 +148,8 @@ def growth(rows: list[dict], first: int) -> list[str]:
             continue
         hour = ref["cpu_s"] * HOUR_S / ref["simulated_s"]
         scaled = f" (from {ref['simulated_s']:.0f} simulated s incl. warm-up and drain, scaled linearly)"
-        out.append(f"{policy}: one simulated hour of {first} instances at rho 0.7: {hour:.0f} CPU-s{scaled} "
+        seeds = f" ({ref['seeds']} seeds pooled)" if ref["seeds"] > 1 else ""
+        out.append(f"{policy}{seeds}: one simulated hour of {first} instances at rho 0.7: {hour:.0f} CPU-s{scaled} "
                    f"[target <= 30: {'MET' if hour <= 30 else 'NOT MET'}]")
         for r in mine:
             if r is ref:
@@ -122,8 +158,11 @@ def growth(rows: list[dict], first: int) -> list[str]:
                 k = r["instances"] / first
                 x = r["cpu_s"] / ref["cpu_s"]
                 verdict = f" [target <= 16x: {'MET' if x <= 16 else 'NOT MET'}]" if r["instances"] == 16 * first else ""
+                work = (f"; the workload: {r['routed_calls'] / ref['routed_calls']:.1f}x the routed calls, "
+                        f"{r['normal_requests'] / ref['normal_requests']:.1f}x the normal requests, "
+                        f"{r['iterations'] / ref['iterations']:.1f}x the iterations")
                 out.append(f"  {r['instances']} instances ({k:.0f}x): {x:.1f}x the CPU time, "
-                           f"{x / k:.2f}x per instance{verdict}")
+                           f"{x / k:.2f}x per instance{verdict}{work}")
             elif r["instances"] == first:
                 out.append(f"  rho {r['rho']:.1f}: {r['cpu_s'] / ref['cpu_s']:.2f}x the CPU time, "
                            f"{r['iterations'] / r['cpu_s'] / (ref['iterations'] / ref['cpu_s']):.2f}x the "
@@ -167,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", default="8,32,128", help="instance counts at rho 0.7 (even numbers)")
     ap.add_argument("--rhos", default="0.3,0.7,0.9", help="loads at the first instance count")
     ap.add_argument("--duration", type=float, default=HOUR_S, help="seconds of arrivals after the warm-up")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="seeds (comma-separated): each point runs once per seed and "
+                                                   "the growth lines pool them")
     ap.add_argument("--vidur", action="store_true",
                     help="also run benchmarks/sim_vs_vidur.py (metrics off, rho 0.7) and print its target lines")
     ap.add_argument("--vidur-trace", default=None, help="the Azure conversation trace for --vidur "
@@ -180,15 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
     counts = [int(x) for x in a.instances.split(",")]
     rhos = [float(x) for x in a.rhos.split(",")]
+    seeds = [int(x) for x in a.seeds.split(",")]
     grid = [(p, n, 0.7) for p in policies for n in counts]
     grid += [(p, counts[0], r) for p in policies for r in rhos if r != 0.7]
     rows = []
-    for p, n, r in grid:
-        rows.append(in_child(p, n, r, a.duration, a.seed))
-        print(f"done: {p} x {n} instances at rho {r} in {rows[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
-    rows.sort(key=lambda r: (policies.index(r["policy"]), r["rho"] != 0.7, r["instances"], r["rho"]))
+    for seed in seeds:
+        for p, n, r in grid:
+            rows.append(in_child(p, n, r, a.duration, seed))
+            print(f"done: {p} x {n} instances at rho {r}, seed {seed} in {rows[-1]['wall_s']:.1f} s",
+                  file=sys.stderr, flush=True)
+    rows.sort(key=lambda r: (policies.index(r["policy"]), r["rho"] != 0.7, r["instances"], r["rho"], r["seed"]))
     print(table(rows))
-    print("\n".join(growth(rows, counts[0])))
+    print("\n".join(growth(pooled(rows), counts[0])))
     if a.vidur:
         print("\n".join(vidur_targets(a.vidur_trace)))
     return 0

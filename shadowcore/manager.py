@@ -287,8 +287,10 @@ class ShadowManager:
         return s.sticky[model]
 
     def _least_loaded(self, model: str) -> str:
-        candidates = list(self.cluster.instances(model))
-        return min(candidates, key=lambda i: (self.cluster.estimated_prefill_completion_s(i, 0), candidates.index(i)))
+        """The instance of ``model`` whose queued prefill work finishes first (ties: the earlier in cluster order).
+        One estimate per instance: linear in the instance count."""
+        estimate = self.cluster.estimated_prefill_completion_s
+        return min(enumerate(self.cluster.instances(model)), key=lambda ki: (estimate(ki[1], 0), ki[0]))[1]
 
     def _retarget(self, s: SessionState) -> None:
         assert s.current_model is not None

@@ -112,3 +112,28 @@ def test_preemption_happens_and_recovers() -> None:
     run.run()
     assert sum(i.num_preemptions for i in run.cluster.by_id.values()) > 0
     assert len(run.normal) == sum(len(draw_normal(sc, k)) for k in range(4))
+
+
+def test_run_records_read_back_exactly_the_tuples_appended():
+    """ScenarioRun's per-request records (typed arrays) read as the list of tuples appended: values exact,
+    bools as bools, order kept; they pickle; an int beyond 64 bits is refused, not wrapped."""
+    import pickle
+
+    import pytest
+
+    from shadowcore.engine.run import Records
+
+    rows = [(0.1 + i / 7, i % 3 == 0) for i in range(50)]
+    rec = Records("d", "?")
+    for r in rows:
+        rec.append(r)
+    assert list(rec) == rows and len(rec) == 50 and rec[7] == rows[7] and rec == rows
+    assert all(type(m) is bool for _, m in rec)
+    assert pickle.loads(pickle.dumps(rec)) == rows
+    tokens = Records("d", "q", "q")
+    tokens.append((1.5, 2**40, 0))
+    assert list(tokens) == [(1.5, 2**40, 0)]
+    with pytest.raises(OverflowError):
+        tokens.append((1.0, 2**64, 0))
+    with pytest.raises(ValueError, match="3 fields"):
+        tokens.append((1.0, 2))

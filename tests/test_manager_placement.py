@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from shadowcore.manager import ShadowManager
 from shadowcore.switch import EmpiricalSwitchPredictor, TopK
-from shadowcore.types import CallArrival
+from shadowcore.types import CallArrival, JobKey
 
 MODELS = ("A", "B")
 
@@ -60,3 +60,17 @@ def test_placement_reads_only_and_agrees_with_on_call_arrival(calls):
                                     key=lambda i: (cluster.estimated_prefill_completion_s(i, 0),
                                                    cluster.instances(model).index(i)))
         manager.on_output_tokens(sid, tokens)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.dictionaries(st.sampled_from([f"B-{i}" for i in range(3)]), st.sampled_from([0.0, 0.01, 0.02])))
+def test_a_shadow_job_opens_on_the_least_loaded_instance_first_in_order_on_ties(load):
+    """A session's first job on a model it never ran on lives on that model's least loaded instance (the
+    queued prefill work finishing first), the earliest in cluster order among equals."""
+    cluster = _Cluster(load)
+    manager = ShadowManager(cluster, MODELS, EmpiricalSwitchPredictor(0.5), TopK(1))
+    manager.on_call_arrival(CallArrival("s", "A", 100, 0.0))
+    job = manager.job(JobKey("s", "B"))
+    assert job is not None  # TopK(1) targets the other model
+    best = min(cluster.load.get(i, 0.0) for i in cluster.instances("B"))
+    assert job.instance_id == next(i for i in cluster.instances("B") if cluster.load.get(i, 0.0) == best)

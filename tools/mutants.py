@@ -75,6 +75,11 @@ MUTATIONS: dict[str, tuple] = {
     "order-hook": (UNIT, "test_jobs_served_in_nonincreasing_switch_probability", "shadowcore/hook.py",
                    "    left = num_tokens\n    for job in jobs:\n",
                    "    left = num_tokens\n    for job in sorted(jobs, key=lambda j: j.switch_probability):\n"),
+    # a session's first job on a model goes to its least loaded instance, the first in cluster order on ties
+    "least-loaded-tie": ("tests/test_manager_placement.py",
+                         "test_a_shadow_job_opens_on_the_least_loaded_instance_first_in_order_on_ties",
+                         "shadowcore/manager.py", "key=lambda ki: (estimate(ki[1], 0), ki[0]))[1]",
+                         "key=lambda ki: (estimate(ki[1], 0), -ki[0]))[1]"),
     "order-manager": (UNIT, "test_jobs_served_in_nonincreasing_switch_probability", "shadowcore/manager.py",
                       "jobs.sort(key=lambda j: (-j.switch_probability, j.sequence))",
                       "jobs.sort(key=lambda j: (j.switch_probability, j.sequence))"),

@@ -25,6 +25,7 @@ A pair with its own published statistics (Table 5) gets them through
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 from typing import Any
 
@@ -240,11 +241,11 @@ class ExperimentRun(SimRun):
         ex = self.experiment
         assert ex is not None
         serving = [self.cluster.by_id[i] for i in self.serving_instances()]
+        peers = collections.Counter(i.model for i in serving)  # serving instances per model
         streams = []
         for k, inst in enumerate(serving):
-            peers = [i for i in serving if i.model == inst.model]
             streams.append((inst.instance_id, ex.normal.arrivals(
-                self.capacity[inst.model], ex.end_s + ex.drain_s, self.scenario.seed, k, len(peers))))
+                self.capacity[inst.model], ex.end_s + ex.drain_s, self.scenario.seed, k, peers[inst.model])))
         return normal_requests(streams)
 
 
