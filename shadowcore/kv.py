@@ -23,7 +23,8 @@ Invariants (each has a property test):
 * The host tier never holds more than its capacity; a hit on it costs
   ``bytes / pcie_bytes_per_s`` and moves the block back to the device.
 * A normal hit on a shadow block promotes it to the normal class: the shadow
-  was used. ``num_shadow_blocks_used`` counts these hits, on the device and on
+  was used. So every block a normal owner holds is normal (only a shadow
+  owner's new blocks are shadow, and a block in use is never evicted). ``num_shadow_blocks_used`` counts these hits, on the device and on
   the host tier alike (a host hit reloads the block as normal), once per block;
   it is THE "shadow tokens used" of the results (times the block size).
 
@@ -55,7 +56,10 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
   and a normal requester's victims do not depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
   debt without settling it.
 * Device and host tier are disjoint, so a spilled run enters the host tier in
-  one update with one capacity check (exactly an LRU of single spills).
+  one update with one capacity check (exactly an LRU of single spills). The
+  tier is a plain dict in LRU order plus the runs spills appended
+  (:class:`_HostTier`), so its least recent blocks leave by a slice of the
+  head run, not a linked-list node per block.
 * A fast path only takes a run whose blocks are distinct and alike (one
   class, one owner holding them); anything else goes block by block, with
   the same result.
@@ -67,10 +71,10 @@ import bisect
 import enum
 import heapq
 import itertools
-from collections import OrderedDict, deque
-from collections.abc import Container, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat, takewhile
-from operator import and_, attrgetter, is_, itemgetter, not_
+from operator import and_, attrgetter, countOf, is_, itemgetter, not_
 from typing import TypeVar
 
 import attrs
@@ -440,6 +444,104 @@ class _IdleItems:
         return self._idle.count
 
 
+class _HostTier:
+    """The host tier: an LRU of evicted blocks, spilled as the runs evictions
+    make. ``blocks`` maps each hash in the tier to the token of the spill
+    that put it there (``(class, spill id)``, one tuple per spill); the
+    manager reads and pops it directly (C-level passes). A plain dict keeps
+    insertion order, and a key enters only by a spill (device and host tier
+    are disjoint, so never twice), so its order is the LRU order; what a
+    plain dict cannot do cheaply is drop its oldest entries, which is what
+    the runs are for.
+
+    Invariants: ``_runs`` holds the spills in order as ``(token, hashes)``,
+    ``_pos`` the head run's first entry not yet trimmed; an entry is live
+    while its block still holds that very token (``blocks.get(h) is
+    token``: a reload pops the block, a later spill gives it a new token),
+    each block in the tier has exactly one live entry, so ``_stored`` (the
+    entries from the head position on) minus ``len(blocks)`` is the number
+    of stale ones, and ``_stale`` counts them per token (a run whose token
+    is absent has none: its entries from the head on are sliced unchecked);
+    trimming takes live entries from the head in order (exactly an LRU of
+    single spills, each trimming to capacity), and the
+    runs are rebuilt from ``blocks``' order when stale entries outnumber the
+    live ones by more than ``_COMPACT_SLACK`` (amortised O(1) per stale
+    entry)."""
+
+    __slots__ = ("_pos", "_runs", "_spills", "_stale", "_stored", "blocks")
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[KVClass, int]] = {}
+        self._runs: deque[tuple[tuple[KVClass, int], list[int]]] = deque()
+        self._pos = 0
+        self._stored = 0
+        self._spills = 0
+        self._stale: dict[tuple[KVClass, int], int] = {}  # per spill token: its stale entries (none: absent)
+
+    def spill(self, victims: list[int], kv_class: KVClass, capacity: int) -> None:
+        """``victims`` (none in the tier; not changed afterwards) enter as its
+        most recent entries, in order; the least recent leave to
+        ``capacity`` (> 0)."""
+        self._spills += 1
+        token = (kv_class, self._spills)
+        blocks = self.blocks
+        if len(victims) >= capacity:  # the run alone fills the tier: only its last ``capacity`` stay
+            kept = victims[len(victims) - capacity :]
+            blocks.clear()
+            blocks.update(zip(kept, repeat(token)))
+            self._runs.clear()
+            self._stale.clear()
+            self._runs.append((token, kept))
+            self._pos, self._stored = 0, capacity
+            return
+        blocks.update(zip(victims, repeat(token)))
+        self._runs.append((token, victims))
+        self._stored += len(victims)
+        excess = len(blocks) - capacity
+        if excess > 0:  # the least recent leave first
+            self._trim(excess)
+
+    def _trim(self, excess: int) -> None:
+        """Drop the ``excess`` least recent blocks (live entries from the head)."""
+        blocks, runs, stale = self.blocks, self._runs, self._stale
+        while excess > 0:
+            token, hashes = runs[0]
+            pos = self._pos
+            end = min(len(hashes), pos + excess)
+            chunk = hashes[pos:end]
+            if token in stale:  # a run with stale entries: take its live ones
+                live = list(compress(chunk, map(is_, map(blocks.get, chunk), repeat(token))))
+                left = stale[token] - (len(chunk) - len(live))
+                if left:
+                    stale[token] = left
+                else:
+                    del stale[token]
+                chunk = live
+            deque(map(blocks.__delitem__, chunk), 0)
+            excess -= len(chunk)
+            self._stored -= end - pos
+            if end == len(hashes):
+                runs.popleft()
+                end = 0
+            self._pos = end
+
+    def take(self, hashes: Iterable[int]) -> None:
+        """Reload: the blocks of ``hashes`` that are in the tier leave it
+        (their entries go stale); compact when stale ones are too many."""
+        popped = list(filter(None, map(self.blocks.pop, hashes, repeat(None))))
+        if not popped:
+            return
+        stale = self._stale
+        for token, group in itertools.groupby(popped):  # a reloaded chain's blocks come from few spills
+            stale[token] = stale.get(token, 0) + len(list(group))
+        live = len(self.blocks)
+        if self._stored - live > live + _COMPACT_SLACK:
+            self._runs = deque((token, list(map(_FIRST, run)))
+                               for token, run in itertools.groupby(self.blocks.items(), _SECOND))
+            self._pos, self._stored = 0, live
+            stale.clear()
+
+
 @attrs.define(eq=False)
 class _Owner:
     kv_class: KVClass
@@ -464,7 +566,8 @@ class KVClassManager:
     _blocks: dict[int, tuple] = attrs.field(init=False, factory=dict)  # hash -> state (see _HELD)
     _idle: dict[KVClass, _IdleRuns] = attrs.field(init=False)  # hash -> idle since, release order
     _owners: dict[str, _Owner] = attrs.field(init=False, factory=dict)
-    _host: OrderedDict[int, KVClass] = attrs.field(init=False, factory=OrderedDict)
+    _host_tier: _HostTier = attrs.field(init=False, factory=_HostTier)
+    _host: dict[int, tuple[KVClass, int]] = attrs.field(init=False)  # _host_tier.blocks: hash -> spill token
     # Releases not yet cold, in order, as (time, release id); _live[id]: the blocks still idle from that
     # release. A release leaves both once older than the cold age (_refresh_cold); its blocks still idle are
     # then cold: counted in _num_cold_idle until they leave idle (O(1) per release, not per block).
@@ -480,6 +583,7 @@ class KVClassManager:
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
+        self._host = self._host_tier.blocks
         self._idle = {KVClass.SHADOW: _IdleRuns(self._blocks, True, self._idle_left, self._mixed),
                       KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left, self._mixed)}
         self._num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
@@ -687,7 +791,8 @@ class KVClassManager:
             return None
         used = self._ref_hits(hits, kv_class)
         if kv_class is KVClass.NORMAL and self._host:  # a host-tier shadow block served to a normal owner: used
-            host_used = sum(map(is_, map(self._host.get, hashes[match.num_device_blocks : match.num_blocks]),
+            host_used = sum(map(is_, map(_FIRST, map(self._host.__getitem__,
+                                                     hashes[match.num_device_blocks : match.num_blocks])),
                                 repeat(KVClass.SHADOW)))
             self.num_shadow_blocks_used += host_used
             used += host_used
@@ -699,7 +804,7 @@ class KVClassManager:
         self._take(num_new, kv_class, now_s, protect=(), owe=not in_host)
         host_hits = hashes[match.num_device_blocks : match.num_blocks]
         if in_host:
-            deque(map(host.pop, fresh, repeat(None)), 0)  # device and host tier stay disjoint
+            self._host_tier.take(fresh)  # device and host tier stay disjoint
         blocks.update(zip(fresh, repeat(_HELD[kv_class])))
         self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks)
         self.num_reloaded_blocks += len(host_hits)
@@ -725,7 +830,7 @@ class KVClassManager:
         in_host = bool(host) and not host.keys().isdisjoint(fresh)
         self._take(num_new, owner.kv_class, now_s, protect=(), owe=not in_host)  # as in allocate: nothing idle
         if in_host:
-            deque(map(host.pop, fresh, repeat(None)), 0)
+            self._host_tier.take(fresh)
         self._blocks.update(zip(fresh, repeat(_HELD[owner.kv_class])))
         owner.hashes.extend(hashes)
         owner.num_private_blocks += num_private_blocks
@@ -853,9 +958,8 @@ class KVClassManager:
         self._leave_idle(map(_RELEASE, left_idle))
         self.num_shadow_blocks_used += used
         self.num_reloaded_blocks += match.num_host_blocks
-        for h in fresh:
-            self._host.pop(h, None)
-            blocks[h] = _HELD[KVClass.NORMAL]
+        self._host_tier.take(fresh)
+        blocks.update(zip(fresh, repeat(_HELD[KVClass.NORMAL])))
         self._unref(reversed(hashes), hits, now_s)  # the cache owner's release
 
     def _release_and_cache_chain(self, owner_id: str, owner: _Owner, hashes: Sequence[int], now_s: float) -> bool:
@@ -873,7 +977,9 @@ class KVClassManager:
         head = owner.hashes
         k = len(head)
         blocks = self._blocks
-        if owner.kv_class is not KVClass.NORMAL or len(hashes) < k or list(hashes[:k]) != head:
+        if not isinstance(hashes, list):
+            hashes = list(hashes)
+        if owner.kv_class is not KVClass.NORMAL or len(hashes) < k or hashes[:k] != head:
             return False
         tail = hashes[k:]
         if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not blocks.keys().isdisjoint(tail)
@@ -882,15 +988,15 @@ class KVClassManager:
         del self._owners[owner_id]
         self.num_free_blocks += owner.num_private_blocks - len(tail)
         host = self._host
-        if host:
+        if host and not host.keys().isdisjoint(tail):
             self.num_reloaded_blocks += _run_length(host, tail)  # match_prefix's host part: the tail's run there
-            deque(map(host.pop, tail, repeat(None)), 0)
+            self._host_tier.take(tail)
         release = self._num_releases + 1
         idle_state = (False, 0, now_s, release)
-        head_states = list(map(blocks.__getitem__, head))
-        if k == 0 or (list(map(_REF, head_states)).count(1) == k and not any(map(_KV_CLASS_FLAG, head_states))):
-            order = list(reversed(hashes))  # tail last block first, then the head last block first
-            if order:
+        # A block a normal owner holds is normal (see _ref_hits), so one reference each is the whole test.
+        if countOf(map(_REF, map(blocks.__getitem__, head)), 1) == k:
+            if hashes:  # tail last block first, then the head last block first
+                order = hashes[::-1]
                 blocks.update(zip(order, repeat(idle_state)))
                 self._idle[KVClass.NORMAL].append(idle_state, order)
                 self._new_release(release, len(order), now_s)
@@ -1055,21 +1161,11 @@ class KVClassManager:
         """Put evicted blocks of one class in the host tier, in order, each as
         its most recent entry, trimming its least recent to capacity: exactly
         one block at a time with a trim after each (an LRU keeps the last
-        ``capacity`` of its insertions either way), with one capacity check.
-        The victims were on the device, so none is in the host tier
-        (device and host tier are disjoint)."""
+        ``capacity`` of its insertions either way), with one capacity check
+        (:class:`_HostTier`)."""
         capacity = self.host_capacity_blocks
-        if capacity == 0:
-            return
-        host = self._host
-        if len(victims) >= capacity:  # the run alone fills the tier: only its last ``capacity`` stay
-            host.clear()
-            host.update(zip(victims[len(victims) - capacity :], repeat(kv_class)))
-            return
-        host.update(zip(victims, repeat(kv_class)))
-        excess = len(host) - capacity
-        if excess > 0:  # the least recent leave first
-            deque(map(host.pop, list(islice(host, excess))), 0)
+        if capacity:
+            self._host_tier.spill(victims, kv_class, capacity)
 
     def _free(self, num_private: int, kv_class: KVClass) -> None:
         self.num_free_blocks += num_private

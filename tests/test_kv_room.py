@@ -120,6 +120,38 @@ def test_a_spilled_run_keeps_the_host_tier_an_lru_of_single_spills() -> None:
     assert [h for h in (1, 2, 3, 7, 8) if kv.in_host(h)] == [1, 7, 8]
 
 
+def test_a_trim_skips_the_host_entries_reloads_left_stale() -> None:
+    """The host tier keeps its spills as runs; a reload leaves its blocks'
+    entries behind (stale), and a block spilled again is the newest entry.
+    Trims must still take the least recent live blocks one by one: here the
+    tier ends exactly as an LRU of single spills would."""
+    from shadowcore.kv import HostTierParams
+
+    kv = KVClassManager(4, 4, KVClassPolicy(host=HostTierParams(capacity_bytes=4 * 4 * 131072.0)))
+    universe = range(1, 10)
+
+    def host() -> list[int]:
+        return [h for h in universe if kv.in_host(h)]
+
+    assert kv.allocate("a", [1, 2, 3, 4], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("a", 1.0)
+    assert kv.allocate("x", [], 4, KVClass.NORMAL, 2.0) is not None  # spills 4, 3, 2, 1 (tail first)
+    kv.release("x", 2.0)
+    assert host() == [1, 2, 3, 4]
+    alloc = kv.allocate("b", [1, 2], 0, KVClass.NORMAL, 3.0)  # reloads 1 and 2: their first entries go stale
+    assert alloc is not None and alloc.num_host_hit_blocks == 2 and host() == [3, 4]
+    kv.release("b", 3.0)
+    assert kv.allocate("y", [], 4, KVClass.NORMAL, 4.0) is not None  # spills 2, 1 again: LRU order 4 3 2 1
+    kv.release("y", 4.0)
+    expected = [[1, 2, 3, 5], [1, 2, 5, 6], [1, 5, 6, 7], [5, 6, 7, 8], [6, 7, 8, 9]]  # 4, 3, 2, 1, 5 leave
+    for h, want in zip(range(5, 10), expected):
+        assert kv.allocate(f"c{h}", [h], 0, KVClass.NORMAL, float(h)) is not None
+        kv.release(f"c{h}", float(h))
+        assert kv.allocate(f"z{h}", [], 4, KVClass.NORMAL, float(h)) is not None  # evicts h: one spill, one trim
+        kv.release(f"z{h}", float(h))
+        assert host() == want, (h, host(), want)
+
+
 def test_a_released_run_goes_idle_only_where_no_other_owner_holds_it() -> None:
     """A release of a chain that another owner also holds leaves its blocks
     in use (not idle, not evictable); the last holder's release makes the
