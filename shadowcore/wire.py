@@ -113,11 +113,11 @@ def parse_tag(extra_args: Mapping[str, Any] | None) -> ShadowTag | None:
     p = _number(extra_args, PROBABILITY_KEY, 1.0)
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"{PROBABILITY_KEY} = {p!r}: must be in [0, 1]")
-    imminent = extra_args.get(IMMINENT_KEY, False)
-    if isinstance(imminent, str) and imminent.lower() in ("true", "false"):  # as numbers may come as strings
-        imminent = imminent.lower() == "true"
-    if not isinstance(imminent, bool):
-        raise ValueError(f"{IMMINENT_KEY} = {imminent!r}: must be true or false")
+    raw = extra_args.get(IMMINENT_KEY, False)  # a bool, or (as numbers may) a string
+    imminent = raw if isinstance(raw, bool) else {"true": True, "false": False}.get(raw.lower()) \
+        if isinstance(raw, str) else None
+    if imminent is None:
+        raise ValueError(f"{IMMINENT_KEY} = {raw!r}: must be true or false")
     return ShadowTag(kind, session, target, int(epoch), float(p), imminent)
 
 
