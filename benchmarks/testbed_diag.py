@@ -43,15 +43,16 @@ def run(seed: int, arm: str, policy) -> dict:
             slack = hook.slack
             orig = slack.budget
 
-            def budget(snapshot, lat, orig=orig, counter=counter, slack=slack):
-                b = orig(snapshot, lat)
+            def budget(snapshot, lat, orig=orig, counter=counter, slack=slack, **imminence):
+                b = orig(snapshot, lat, **imminence)  # imminent= for a controller that reads_imminence
                 kind = "routed-prefill" if snapshot.has_routed and _prefilling(snapshot) else \
                     "routed-decode" if snapshot.has_routed else "no-routed"
                 why = b.reason.value
                 if b.reason.value == "slo-slack" and b.budget_s <= 0 and kind == "routed-decode":
                     from shadowcore.slack import min_batch_slack_s, routed_decode_slack_s
 
-                    routed = routed_decode_slack_s(snapshot, max(slack.margin, slack.routed_decode_margin))
+                    rm = slack.imminent_margin if imminence.get("imminent") else slack.routed_decode_margin
+                    routed = routed_decode_slack_s(snapshot, max(slack.margin, rm))
                     batch = min_batch_slack_s(snapshot, lat, slack.margin, slack.chunk_tokens)
                     why += "(routed<=0)" if routed <= 0 else "(batch<=0)" if batch <= 0 else "(small)"
                 counter[(why, kind, b.budget_s > 0)] += 1

@@ -98,7 +98,7 @@ class EngineJobs:
         history = SessionHistory(tag.session_id, epoch=tag.epoch, num_tokens=request.num_prompt_tokens)
         job = ShadowJob(
             key, self.instance_id, history, self.block_size, switch_probability=tag.switch_probability,
-            sequence=sequence, epoch=tag.epoch,
+            sequence=sequence, epoch=tag.epoch, imminent=tag.imminent,
         )
         entry = ShadowEntry(request, tag, job)
         self._by_key[key] = entry

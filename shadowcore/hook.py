@@ -15,6 +15,8 @@ Invariants (property-tested):
   missing tokens of the jobs; a plan below ``n_min`` is empty.
 * Grants are whole blocks, go to jobs in the manager's order (non-increasing
   switch probability), and start where the job's held prefix ends.
+* A controller that ``reads_imminence`` is told whether the first pending
+  job (the one the grant starts with) is imminent; no other is told anything.
 * Deterministic: the same snapshots and outcomes give the same plans.
 
 The hook's face is the plan/commit protocol only. The engines of this
@@ -94,11 +96,11 @@ class EngineHook:
             raise RuntimeError(f"{self.instance_id}: begin_step twice without end_step")
         base = snapshot.batch_shape
         base_s = self.latency.predict_s(base)
-        budget = self.slack.budget(snapshot, self.latency)
+        budget, jobs = self.budget(snapshot)
         grants: tuple[ShadowGrant, ...] = ()
         predicted = base_s
         if budget.budget_s > 0:
-            jobs = self._refreshed_jobs()
+            jobs = self._refreshed_jobs() if jobs is None else jobs
             limit = min(snapshot.num_free_token_budget, snapshot.num_shadow_room_tokens)
             grants, predicted = self._size(jobs, lambda chunks: self.latency.predict_s(base.with_prefills(chunks)),
                                            base_s, budget, limit)
@@ -131,6 +133,16 @@ class EngineHook:
         self.observers.emit("on_step_end", snapshot, plan, outcome)
 
     # -- planning -------------------------------------------------------------------
+    def budget(self, snapshot: StepSnapshot) -> tuple[SlackBudget, list[ShadowJob] | None]:
+        """The controller's budget for ``snapshot``, and the refreshed pending
+        jobs when they were needed for it (a controller that
+        ``reads_imminence`` is told whether the first is imminent); ``None``
+        when they were not read. Changes no state but the refresh."""
+        if not self.slack.reads_imminence:
+            return self.slack.budget(snapshot, self.latency), None
+        jobs = self._refreshed_jobs()
+        return self.slack.budget(snapshot, self.latency, imminent=bool(jobs) and jobs[0].imminent), jobs
+
     def _refreshed_jobs(self) -> list[ShadowJob]:
         """Pending jobs in the source's order, each checked against the cache;
         the source is asked again only when a refresh may have changed which

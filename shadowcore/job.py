@@ -155,6 +155,10 @@ class ShadowJob:
     num_inflight_tokens: int = 0
     num_computed_tokens: int = 0  # lifetime shadow tokens this job computed
     validated_at: int | None = None  # the port's eviction count when held was last checked
+    #: The session's switch call may come any moment: its routed call has finished and its next call has
+    #: not arrived (its tool gap is running). Set by the job source (``ShadowManager.on_call_done``, or the
+    #: shadow request's tag); read by controllers with an imminent-job rule (``SlackController.reads_imminence``).
+    imminent: bool = False
     #: Called with the job when :meth:`refresh` lowers its held prefix (the manager's index).
     on_held_lowered: Callable[[ShadowJob], None] | None = attrs.field(default=None, repr=False)
 

@@ -24,6 +24,10 @@ Invariants:
   flight), from where only those events can make tokens go missing again.
   Idle sessions whose jobs are complete cost nothing per call.
 * Per session, at most one job per target model; a job lives on one instance.
+* With ``track_imminence`` (set when the policy's controller reads it), a
+  session's jobs are ``imminent`` exactly between the end of a routed call
+  (:meth:`ShadowManager.on_call_done`) and the arrival of its next call;
+  without it no job is ever imminent.
 * The manager owns its sessions: drivers read them through :meth:`ShadowManager.session`
   (a frozen :class:`SessionInfo`) and :meth:`ShadowManager.history`, never by
   reaching into its state.
@@ -102,6 +106,8 @@ class ShadowManager:
     #: grew or changed epoch, its held prefix was lowered): an engine that defers work until observed
     #: (``EngineCluster.watch_jobs``) must see that before its next iteration starts.
     on_job_active: Callable[[str], None] | None = None
+    #: Mark a session's jobs ``imminent`` during its tool gaps (:meth:`on_call_done`); off: never.
+    track_imminence: bool = False
     _sessions: dict[str, SessionState] = attrs.field(init=False, factory=dict)
     _jobs: dict[JobKey, ShadowJob] = attrs.field(init=False, factory=dict)
     _by_instance: dict[str, dict[JobKey, ShadowJob]] = attrs.field(init=False, factory=dict)
@@ -124,6 +130,8 @@ class ShadowManager:
         self._touch(s)
         is_switch = previous is not None and previous != call.model
         self._close(JobKey(s.session_id, call.model))
+        for job in s.jobs.values():  # the gap is over: the call is here
+            job.imminent = False
         instance = self._place(s, call.model)
         s.current_model = call.model
         s.num_calls += 1
@@ -153,6 +161,15 @@ class ShadowManager:
         s = self._known(session_id)
         s.history.append(num_tokens, token_ids)
         self._touch(s)
+
+    def on_call_done(self, session_id: str) -> None:
+        """The session's routed call finished and another will follow (its
+        tool gap starts): with ``track_imminence`` its jobs are ``imminent``
+        until the next call arrives (jobs opened then start not imminent)."""
+        s = self._known(session_id)
+        if self.track_imminence:
+            for job in s.jobs.values():
+                job.imminent = True
 
     def on_tool_result(self, session_id: str, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         """Tokens appended between calls (a tool result known before the next call)."""

@@ -123,5 +123,6 @@ def build_runtime(
         policy.targeting,
         shadow_instances=dict(shadow_instances or {}),
         oracle=policy.oracle,
+        track_imminence=policy.slack.build(np.random.default_rng(0)).reads_imminence,
     )
     return ShadowRuntime(config, policy, manager, observers, rng)

@@ -22,7 +22,9 @@ Invariants:
   Under ``routed_decode_margin`` (off by default) this bound covers the
   iterations in which a routed call prefills; one whose routed calls all
   decode is bounded by its batch's Eq. 1 slack (routed decodes at that
-  margin) and ``beta * T``, like an iteration without a routed call.
+  margin) and ``beta * T``, like an iteration without a routed call. Under
+  ``imminent_margin`` (off by default) the same holds at that margin for an
+  iteration whose highest-priority pending job is imminent.
 """
 
 from __future__ import annotations
@@ -110,6 +112,16 @@ class SlackController(ABC):
     Subclasses implement :meth:`budget`; stateful ones also override
     :meth:`commit` (called with the plan the hook made from the budget) and
     :meth:`observe` (called with the engine's outcome).
+
+    A controller whose :attr:`reads_imminence` is true is called as
+    ``budget(snapshot, latency, imminent=...)``: ``imminent`` says whether the
+    highest-priority job the hook would grant to (the first of its pending
+    jobs, after the hook's refresh) is :attr:`~shadowcore.job.ShadowJob.imminent`
+    (its session's routed call has finished, the next has not arrived); false
+    when no job is pending. Others are called without it. Either way an
+    implementer must guarantee the core's rules: no budget while a request
+    waits or an admission is blocked, and a budget that keeps the iteration
+    within the TPOT SLO.
     """
 
     #: Shadow chunks smaller than this are deferred (each chunk re-reads the
@@ -122,6 +134,9 @@ class SlackController(ABC):
     #: no-op. A statement about the policy, not a speed-up (engines decide what
     #: to skip themselves, by exact type: ``shadowcore.engine._fastpath``).
     never_grants: bool = False
+    #: True for a controller whose :meth:`budget` takes ``imminent=`` (see above); the job
+    #: sources then track it (``ShadowManager.track_imminence``).
+    reads_imminence: bool = False
 
     @abstractmethod
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
@@ -233,7 +248,16 @@ class SloSlackController(SlackController):
     keeps its mean TPOT within ``(1 - routed_decode_margin) * T``. Only an
     iteration in which a routed call prefills (the part of a call its TTFT
     is made of) is left to the credit; shadow work next to routed decodes
-    costs them TPOT, never TTFT."""
+    costs them TPOT, never TTFT.
+
+    ``imminent_margin`` (default ``None``: off): the same rule, with the
+    routed decodes' slack taken at this margin (at least ``margin``) in an
+    iteration whose highest-priority pending job is imminent (``budget``'s
+    ``imminent``: its session is in its tool gap, so its switch call may
+    come any moment); in other iterations ``routed_decode_margin`` applies
+    as above (``None``: the credit). Iterations in which a routed call
+    prefills are still paid only from the credit; a routed decode keeps its
+    mean TPOT within ``(1 - imminent_margin) * T``."""
 
     beta: float = attrs.field(default=0.5, validator=positive)
     delta: float = attrs.field(default=0.025, validator=non_negative)
@@ -243,12 +267,18 @@ class SloSlackController(SlackController):
     credit_accrual: CreditAccrual = attrs.field(default=CreditAccrual.ROUTED, converter=_accrual)
     routed_decode_margin: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(fraction_closed_open))
+    imminent_margin: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(fraction_closed_open))
     credit: CreditAccount = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.credit = CreditAccount(self.delta, self.credit_accrual)
 
-    def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
+    @property
+    def reads_imminence(self) -> bool:  # type: ignore[override]
+        return self.imminent_margin is not None
+
+    def budget(self, snapshot: StepSnapshot, latency: LatencyModel, imminent: bool = False) -> SlackBudget:
         gated = _gate(snapshot)
         if gated is not None:
             return gated
@@ -257,11 +287,13 @@ class SloSlackController(SlackController):
             return SlackBudget(cap, BudgetReason.IDLE)
         slack = math.inf
         if snapshot.has_routed:
-            if self.routed_decode_margin is None or routed_prefilling(snapshot):
+            routed_margin = self.imminent_margin if imminent and self.imminent_margin is not None \
+                else self.routed_decode_margin
+            if routed_margin is None or routed_prefilling(snapshot):
                 return SlackBudget(
                     max(0.0, min(self.credit.balance_s, cap)), BudgetReason.ROUTED_CREDIT, bounds_stretch=True
                 )
-            slack = routed_decode_slack_s(snapshot, max(self.margin, self.routed_decode_margin))
+            slack = routed_decode_slack_s(snapshot, max(self.margin, routed_margin))
         slack = min(slack, min_batch_slack_s(snapshot, latency, self.margin, self.chunk_tokens))
         return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)
 

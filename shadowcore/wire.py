@@ -45,6 +45,7 @@ SESSION_KEY = PREFIX + "session"
 TARGET_KEY = PREFIX + "target_model"
 EPOCH_KEY = PREFIX + "epoch"
 PROBABILITY_KEY = PREFIX + "switch_probability"
+IMMINENT_KEY = PREFIX + "imminent"
 
 
 STOP_PREFIX = "shadowprefill:"
@@ -65,6 +66,9 @@ class ShadowTag:
     target_model: str = ""  # shadow requests only
     epoch: int = attrs.field(default=0, validator=non_negative_int)
     switch_probability: float = attrs.field(default=1.0, validator=probability)
+    #: The session's routed call has finished and its next call has not arrived (``ShadowJob.imminent``);
+    #: sent only when true, so a tag without it reads false.
+    imminent: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         if self.kind is TagKind.SHADOW and not self.target_model:
@@ -80,6 +84,8 @@ class ShadowTag:
             out[TARGET_KEY] = self.target_model
             out[EPOCH_KEY] = self.epoch
             out[PROBABILITY_KEY] = self.switch_probability
+            if self.imminent:
+                out[IMMINENT_KEY] = True
         return out
 
 
@@ -107,7 +113,12 @@ def parse_tag(extra_args: Mapping[str, Any] | None) -> ShadowTag | None:
     p = _number(extra_args, PROBABILITY_KEY, 1.0)
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"{PROBABILITY_KEY} = {p!r}: must be in [0, 1]")
-    return ShadowTag(kind, session, target, int(epoch), float(p))
+    raw = extra_args.get(IMMINENT_KEY, False)  # a bool, or (as numbers may) a string
+    imminent = raw if isinstance(raw, bool) else {"true": True, "false": False}.get(raw.lower()) \
+        if isinstance(raw, str) else None
+    if imminent is None:
+        raise ValueError(f"{IMMINENT_KEY} = {raw!r}: must be true or false")
+    return ShadowTag(kind, session, target, int(epoch), float(p), imminent)
 
 
 def _number(extra_args: Mapping[str, Any], key: str, default: float) -> float:

@@ -357,6 +357,64 @@ def test_routed_decode_margin_budget():
         assert plan.grants == ()
 
 
+# -- imminent_margin (idle-first-host's imminent-job rule, issue 16 item 7) --------------------------
+def imm(imminent_margin: float, routed_margin: float | None = 0.5) -> SloSlackController:
+    return SloSlackController(beta=0.5, delta=0.0, n_min=0, margin=0.1, chunk_tokens=2048,
+                              routed_decode_margin=routed_margin, imminent_margin=imminent_margin)
+
+
+def imminent_hook(controller, *imminent: bool):
+    """``make_hook`` with one 4096-token job per flag, in falling switch probability, imminent as given."""
+    hook, source = make_hook(controller, *((0.9 - 0.1 * i, 4096) for i in range(len(imminent))))
+    for i, flag in enumerate(imminent):
+        source.job(JobKey(f"s{i}", "B")).imminent = flag
+    return hook
+
+
+def test_imminent_margin_budget():
+    """The first pending job imminent: routed decodes' Eq. 1 slack at imminent_margin; otherwise at
+    routed_decode_margin (or, without it, the credit); a routed prefill, a waiting request: as ever."""
+    routed = decode("r", now=1.0, since_first=0.015, kind=RequestKind.ROUTED)
+    # imminent, margin 0.2: 0.8 * 0.04 - 0.015 = 0.017 (below beta * T = 0.02)
+    plan = run(imminent_hook(imm(0.2), True), snap([routed]))
+    assert plan.budget.reason is BudgetReason.SLO_SLACK and not plan.budget.bounds_stretch
+    assert plan.budget.budget_s == pytest.approx(0.017)
+    assert plan.num_shadow_tokens == 208  # 0.004 + 6e-5 n <= 0.017 -> n <= 216 -> 208 (whole blocks)
+    # not imminent: routed_decode_margin 0.5: 0.5 * 0.04 - 0.015 = 0.005
+    assert run(imminent_hook(imm(0.2), False), snap([routed])).budget.budget_s == pytest.approx(0.005)
+    # only the first pending job counts (the grant starts with it): the second imminent is not enough
+    assert run(imminent_hook(imm(0.2), False, True), snap([routed])).budget.budget_s == pytest.approx(0.005)
+    assert run(imminent_hook(imm(0.2), True, False), snap([routed])).budget.budget_s == pytest.approx(0.017)
+    # without routed_decode_margin: the credit (none) unless imminent
+    off = run(imminent_hook(imm(0.2, None), False), snap([routed]))
+    assert off.budget == SlackBudget(0.0, BudgetReason.ROUTED_CREDIT, bounds_stretch=True) and off.grants == ()
+    assert run(imminent_hook(imm(0.2, None), True), snap([routed])).budget.budget_s == pytest.approx(0.017)
+    # a margin below the controller's own: the controller's (0.9 * 0.04 - 0.02 = 0.016, not 0.02)
+    loose = decode("r", now=1.0, since_first=0.02, kind=RequestKind.ROUTED)
+    assert run(imminent_hook(imm(0.0), True), snap([loose])).budget.budget_s == pytest.approx(0.016)
+    # a normal decode with less slack still bounds it: 0.9 * 0.04 - 0.03 = 0.006
+    tight = decode("d", now=1.0, since_first=0.03)
+    assert run(imminent_hook(imm(0.2), True), snap([routed, tight])).budget.budget_s == pytest.approx(0.006)
+    # a routed call prefilling: the credit pays (none earned); a waiting request or a blocked admission: nothing
+    routed_prefill = prefill("p", arrival=0.9, scheduled=512, remaining=0, kind=RequestKind.ROUTED)
+    plan = run(imminent_hook(imm(0.2), True), snap([routed, routed_prefill]))
+    assert plan.budget == SlackBudget(0.0, BudgetReason.ROUTED_CREDIT, bounds_stretch=True) and plan.grants == ()
+    assert run(imminent_hook(imm(0.2), True), snap([routed], waiting=1)).budget.reason is BudgetReason.WAITING
+    assert run(imminent_hook(imm(0.2), True), snap([routed], blocked=True)).budget.reason is BudgetReason.BLOCKED
+
+
+def test_imminence_reaches_only_controllers_that_read_it():
+    """A controller without reads_imminence is called with (snapshot, latency) only, as before."""
+    class TwoArgs(SloSlackController):
+        def budget(self, snapshot, latency):  # a user's controller written before the option
+            return super().budget(snapshot, latency)
+
+    assert not slo().reads_imminence and imm(0.2).reads_imminence
+    routed = decode("r", now=1.0, since_first=0.015, kind=RequestKind.ROUTED)
+    plan = run(imminent_hook(TwoArgs(beta=0.5, delta=0.0, n_min=0, routed_decode_margin=0.5), True), snap([routed]))
+    assert plan.budget.budget_s == pytest.approx(0.005)
+
+
 def test_routed_prefill_credit_accrual():
     """credit_accrual="routed-prefill": only iterations in which a routed call prefills earn (delta of
     their duration); the credit then pays for the next one."""

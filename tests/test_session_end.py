@@ -115,3 +115,23 @@ def test_default_hook_is_a_no_op():
 def test_task_memory_rejects_bad_bound():
     with pytest.raises(Exception, match="max_tasks"):
         TaskMemory(0)
+
+
+def test_jobs_are_imminent_exactly_during_the_tool_gap():
+    """With track_imminence a session's jobs are imminent from the end of its call (on_call_done) to
+    the next call's arrival; a job opened at that arrival starts not imminent; without it never."""
+    for track in (True, False):
+        manager = ShadowManager(_Cluster(), ("A", "B"), EmpiricalSwitchPredictor(), AllOthers(),
+                                track_imminence=track)
+        manager.on_call_arrival(CallArrival("s", "A", 32, 0.0, "fix"))
+        (job,) = manager.jobs()
+        assert job.key.target_model == "B" and not job.imminent
+        manager.on_call_done("s")
+        assert job.imminent is track
+        manager.on_call_arrival(CallArrival("s", "A", 32, 1.0, "fix"))  # same model: the gap is over
+        assert manager.job(job.key) is job and not job.imminent
+        manager.on_call_done("s")
+        manager.on_call_arrival(CallArrival("s", "B", 32, 2.0, "fix"))  # the switch: B's job closed, A's opened
+        assert [j.key.target_model for j in manager.jobs()] == ["A"] and not any(j.imminent for j in manager.jobs())
+    with pytest.raises(KeyError, match="nope"):
+        manager.on_call_done("nope")

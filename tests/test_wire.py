@@ -17,6 +17,18 @@ def test_shadow_tag_round_trips(session: str, model: str, epoch: int, p: float) 
     assert parse_tag(tag.to_extra_args()) == tag
 
 
+def test_imminence_round_trips_and_is_sent_only_when_true() -> None:
+    tag = ShadowTag(TagKind.SHADOW, "s", "m", 2, 0.5, imminent=True)
+    assert tag.to_extra_args()["shadowprefill_imminent"] is True
+    assert parse_tag(tag.to_extra_args()) == tag
+    plain = ShadowTag(TagKind.SHADOW, "s", "m", 2, 0.5)
+    assert "shadowprefill_imminent" not in plain.to_extra_args()
+    assert parse_tag(plain.to_extra_args()).imminent is False
+    assert parse_tag({**plain.to_extra_args(), "shadowprefill_imminent": "true"}).imminent is True
+    with pytest.raises(ValueError, match="shadowprefill_imminent"):
+        parse_tag({**plain.to_extra_args(), "shadowprefill_imminent": 1})
+
+
 def test_routed_tag_and_normal_traffic() -> None:
     assert parse_tag(ShadowTag(TagKind.ROUTED, "s").to_extra_args()) == ShadowTag(TagKind.ROUTED, "s")
     assert parse_tag(None) is None

@@ -50,6 +50,17 @@ without a routed call, the routed decodes' slack taken at margin ``m_r``
 call prefills still get nothing. It buys switch-call TTFT with routed calls'
 TPOT (``docs/policies.md`` has what it costs in each engine).
 
+A second option, off by default (``imminent_margin``): the same rule, at
+this margin instead, in an iteration whose highest-priority pending job is
+*imminent* (its session's routed call has finished and the next has not
+arrived: the tool gap, ahead of the switch call, is running). The diagnosis
+(``benchmarks/testbed_diag.py``) found switch calls to the one 70B instance
+missing their shadow because the whole tool gap is routed-decode iterations
+with no slack left at ``routed_decode_margin``; ``imminent_margin = m`` spends
+routed decodes' TPOT slack down to ``(1 - m) * T`` only while a switch call
+may be about to arrive, and keeps ``routed_decode_margin`` (or no budget at
+all) otherwise.
+
 Guarantees (the core's invariants, none weakened; the conformance check and
 ``tests/sim/test_idle_first.py`` test them):
 
@@ -57,7 +68,8 @@ Guarantees (the core's invariants, none weakened; the conformance check and
 * no shadow token in an iteration that carries a routed call (``delta = 0``);
   with ``routed_decode_margin``: none in an iteration in which a routed call
   prefills, and a routed decode keeps its mean TPOT within
-  ``(1 - routed_decode_margin) * T``;
+  ``(1 - routed_decode_margin) * T``; with ``imminent_margin``: the same, within
+  ``(1 - imminent_margin) * T``, and only while the first pending job is imminent;
 * an iteration with shadow work is predicted to fit ``beta * T`` (idle) or
   the batch's smallest Eq. 1 slack, capped at ``beta * T`` (busy), so every
   request in it stays within its SLO margin; ``beta <= 1`` keeps it within
@@ -84,14 +96,15 @@ N_MIN_TOKENS = 16
 def idle_first_host(gate: float = 0.1, max_k: int = 2, prior_strength: float = 4.0, session_weight: float = 2.0,
                     beta: float = 1.0, delta: float = 0.0, n_min: int = N_MIN_TOKENS, margin: float = 0.1,
                     chunk_tokens: int = 2048, eviction_order: str = "lru", routed_decode_margin: float | None = None,
-                    credit_accrual: str = "routed", **kv) -> PolicySpec:
+                    credit_accrual: str = "routed", imminent_margin: float | None = None, **kv) -> PolicySpec:
     if not isinstance(beta, bool) and isinstance(beta, (int, float)) and beta > 1:
         raise ConfigError("beta", beta, "must be in (0, 1]: a shadow iteration is never longer than the TPOT SLO")
     spec = benefit_host(gate=gate, max_k=max_k, prior_strength=prior_strength, session_weight=session_weight,
                         beta=beta, delta=delta, n_min=n_min, margin=margin, chunk_tokens=chunk_tokens,
                         eviction_order=eviction_order, **kv)
     extra = {k: v for k, v, default in (("routed_decode_margin", routed_decode_margin, None),
-                                        ("credit_accrual", credit_accrual, "routed")) if v != default}
+                                        ("credit_accrual", credit_accrual, "routed"),
+                                        ("imminent_margin", imminent_margin, None)) if v != default}
     if extra:
         try:
             spec = attrs.evolve(spec, slack=Component(spec.slack.cls, {**spec.slack.kwargs, **extra}))

@@ -184,10 +184,11 @@ def empty_plan_reason(hook: EngineHook, snapshot: StepSnapshot,
     (``shadow_room_blocks``) leaves that out for the other iterations."""
     if _may_skip(hook) is None or type(hook.slack) not in _BUDGET_ON_AGGREGATE:
         return None
-    budget = hook.slack.budget(snapshot, hook.latency)
+    budget, jobs = hook.budget(snapshot)
     if not budget.budget_s > 0:
         return _ZERO_BUDGET.get(budget.reason, "zero_budget")
-    jobs = hook._refreshed_jobs()  # as begin_step does next (then, with nothing left to refresh, again)
+    if jobs is None:
+        jobs = hook._refreshed_jobs()  # as begin_step does next (then, with nothing left to refresh, again)
     if not jobs:
         return "no_jobs"
     room = snapshot.num_shadow_room_tokens if room_tokens is None else room_tokens()

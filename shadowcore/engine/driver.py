@@ -13,7 +13,8 @@ Invariants:
   port starts it on the placed instance, the port settles (idle engines wake,
   shadow requests are fed). Its streamed tokens extend the session
   (``on_output_tokens``) as they arrive. When it finishes, it is recorded and
-  the next call is scheduled ``gap_after_s`` later (or the session ends), then
+  (unless it was the session's last) the manager is told the tool gap started
+  (``on_call_done``) and the next call is scheduled ``gap_after_s`` later (or the session ends), then
   the port settles again.
 * A compacting call (``compact_to_tokens``) on a port with token ids asks
   the port for ``compact_to_tokens + num_new_tokens`` ids at once: the first
@@ -182,6 +183,7 @@ class SessionDriver:
             out.num_cached_tokens,
         ))
         if index + 1 < len(s.calls):
+            self.manager.on_call_done(s.session_id)
             self.loop.at(self.loop.now_s + s.calls[index].gap_after_s, CALL, lambda t: self._call(s, index + 1))
         else:
             self.manager.on_session_end(s.session_id)

@@ -33,13 +33,14 @@ def test_policy_loads_with_its_defaults_and_names_bad_arguments() -> None:
         == "shadow-first"
     for bad, field in (({"n_min": -1}, "n_min"), ({"gate": 2.0}, "gate"), ({"beta": 0}, "beta"), ({"beta": 1.5}, "beta"),
                        ({"shadow_cap": 0}, "shadow_cap"), ({"top_k": 1}, "top_k"),
-                       ({"routed_decode_margin": 1.0}, "routed_decode_margin")):
+                       ({"routed_decode_margin": 1.0}, "routed_decode_margin"),
+                       ({"imminent_margin": -0.1}, "imminent_margin")):
         with pytest.raises(ConfigError) as info:
             load_policy(PluginRef("idle-first-host", bad))
         assert info.value.field == f"policy.args.{field}", info.value
 
 
-@pytest.mark.parametrize("args", [{}, {"routed_decode_margin": 0.1}])
+@pytest.mark.parametrize("args", [{}, {"routed_decode_margin": 0.1}, {"imminent_margin": 0.1}])
 def test_conforms(args: dict) -> None:
     from shadowcore.testing.conformance import check_policy
 
@@ -116,11 +117,39 @@ def _routed_grants(args: dict) -> RoutedGrants:
 @pytest.mark.parametrize(("args", "next_to_prefill", "next_to_decode"), [
     ({}, False, False),  # delta = 0: never a shadow token next to a routed call
     ({"routed_decode_margin": 0.1}, False, True),  # next to routed decodes only (their SLO slack)
+    ({"imminent_margin": 0.1}, False, True),  # the same, while the first pending job is imminent
     ({"delta": 0.1}, True, True),  # a credit: the check does see shadow work next to routed prefills
 ])
 def test_shadow_work_next_to_routed_calls(args: dict, next_to_prefill: bool, next_to_decode: bool) -> None:
     log = _routed_grants(args)
     assert (log.prefilling > 0, log.decoding > 0) == (next_to_prefill, next_to_decode), vars(log)
+
+
+def test_imminent_margin_grants_next_to_routed_decodes_only_to_an_imminent_first_job() -> None:
+    """imminent_margin alone (no routed_decode_margin): every plan next to a routed call starts its
+    grant with a job whose session is in its tool gap (the manager's imminence, end to end)."""
+    from shadowcore.testing.conformance import SMALL_SCENARIO
+
+    class Lead(RoutedGrants):
+        def __init__(self, manager) -> None:
+            super().__init__()
+            self.manager, self.imminent, self.not_imminent = manager, 0, 0
+
+        def on_plan(self, snapshot, plan) -> None:
+            super().on_plan(snapshot, plan)
+            if snapshot.has_routed and plan.grants:
+                job = self.manager.job(plan.grants[0].job)
+                self.imminent += job.imminent
+                self.not_imminent += not job.imminent
+
+    scenario = {**SMALL_SCENARIO, "normal_rate_per_s": 6.0, "duration_s": 30.0}
+    run = FakeRun(FakeScenario.from_dict(scenario),
+                  ShadowConfig(PluginRef("idle-first-host", {"imminent_margin": 0.1}), seed=0))
+    log = Lead(run.runtime.manager)
+    run.runtime.observers.add(log)
+    run.run()
+    assert run.runtime.manager.track_imminence
+    assert log.imminent > 0 and log.not_imminent == 0 and log.prefilling == 0, vars(log)
 
 
 def test_routed_decode_margin_keeps_every_slo_slack_budget_within_the_batch_slack() -> None:

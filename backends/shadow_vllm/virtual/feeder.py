@@ -2,7 +2,8 @@
 engines (:class:`TaggedShadowFeeder`), as a gateway sends them.
 
 Invariants: at most one live request per job; a job whose block-aligned
-target, epoch or switch probability changed is sent again (the newer request
+target, epoch, switch probability or imminence (``ShadowJob.imminent``, which
+changes only where the manager tracks it) changed is sent again (the newer request
 supersedes the older one); a job the router side closed, or that moved
 instance, has its request aborted.
 """
@@ -34,8 +35,8 @@ class TaggedShadowFeeder:
     #: instance: it is planned at the instance's next kick (a routed call's
     #: arrival or end anywhere, as ``kick_all`` does).
     wake: bool = False
-    #: job key -> (instance, request id, target tokens, epoch, switch probability) of its live request
-    submitted: dict[Any, tuple[str, str, int, int, float]] = attrs.Factory(dict)
+    #: job key -> (instance, request id, target tokens, epoch, switch probability, imminent) of its live request
+    submitted: dict[Any, tuple[str, str, int, int, float, bool]] = attrs.Factory(dict)
     num_submitted: int = 0
     num_aborted: int = 0
 
@@ -48,11 +49,11 @@ class TaggedShadowFeeder:
                 del self.submitted[key]
                 self.num_aborted += 1
         for key, job in live.items():
-            state = (job.num_target_tokens, job.history.epoch, job.switch_probability)
+            state = (job.num_target_tokens, job.history.epoch, job.switch_probability, job.imminent)
             prev = self.submitted.get(key)
             if state[0] == 0 or (prev is not None and prev[2:] == state):
                 continue
-            tag = ShadowTag(TagKind.SHADOW, key.session_id, key.target_model, state[1], state[2])
+            tag = ShadowTag(TagKind.SHADOW, key.session_id, key.target_model, state[1], state[2], state[3])
             rid = f"shadow:{key.session_id}:{key.target_model}:{self.num_submitted}"
             self.num_submitted += 1
             self.submitted[key] = (job.instance_id, rid, *state)
