@@ -394,7 +394,21 @@ class _HostMachine(KVClassMachine):
 
 def test_host_tier_capacity_and_reload_cost():
     """Host tier: never above its capacity; evicted blocks spill to it; a hit
-    costs num_host_hit_blocks * block_size * kv_bytes_per_token / pcie."""
+    costs num_host_hit_blocks * block_size * kv_bytes_per_token / pcie.
+
+    A pinned case first: the machine reaches a host hit only by chance (the
+    mutant ``host-cost`` survived one full mutants run)."""
+    from shadowcore.kv import HostTierParams
+
+    host = HostTierParams(capacity_bytes=8 * 4 * 1000.0, pcie_bytes_per_s=2000.0)
+    kv = KVClassManager(4, 4, KVClassPolicy(host=host), kv_bytes_per_token=1000.0)
+    assert kv.allocate("a", [1, 2, 3, 4], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("a", 1.0)
+    assert kv.allocate("x", [], 4, KVClass.NORMAL, 2.0) is not None  # the chain spills to the host tier
+    kv.release("x", 3.0)
+    alloc = kv.allocate("b", [1, 2, 3], 0, KVClass.NORMAL, 4.0)
+    assert alloc is not None and alloc.num_host_hit_blocks == 3
+    assert alloc.reload_s == 3 * 4 * 1000.0 / 2000.0  # blocks x block_size x bytes per token / PCIe
     _run(_HostMachine, 50, 35)
 
 
