@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 _METHODS = ("allocate", "extend", "extend_private", "release", "release_and_cache", "match_prefix",
-            "shadow_room_blocks", "class_of", "is_cached", "in_host", "idle_order", "idle_since")
+            "shadow_room_blocks", "class_of", "is_cached", "in_host", "idle_order", "idle_since",
+            "pool_owner", "move_private")
 _PROPERTIES = ("num_host_blocks", "num_idle_blocks", "num_cached_blocks", "eviction_count", "num_shadow_blocks",
                "num_evicted_blocks")
 
@@ -87,14 +87,6 @@ def record(policy: str, duration_s: float) -> list[tuple]:
         for n, v in saved.items():
             setattr(manager, n, v)
     return trace
-
-
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _convert(mod, trace: list[tuple]) -> list[tuple]:
@@ -155,6 +147,9 @@ def main() -> int:
     parser.add_argument("--against", default="main", help="git ref of the other kv.py (default: main)")
     parser.add_argument("--reps", type=int, default=6)
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tools"))  # tools/ is not a package
+    from kv_diff import load_module
+
     t0 = time.process_time()
     trace = record(args.policy, args.duration)
     print(f"recorded {len(trace)} calls of {args.policy} ({args.duration:g} s of arrivals) "
@@ -163,8 +158,8 @@ def main() -> int:
         other = Path(tmp) / "kv_other.py"
         other.write_text(subprocess.run(["git", "show", f"{args.against}:shadowcore/kv.py"], cwd=ROOT, check=True,
                                         capture_output=True, text=True).stdout)
-        versions = {args.against: _load(other, "kv_replay_other"),
-                    "this checkout": _load(ROOT / "shadowcore" / "kv.py", "kv_replay_this")}
+        versions = {args.against: load_module(other, "kv_replay_other"),
+                    "this checkout": load_module(ROOT / "shadowcore" / "kv.py", "kv_replay_this")}
     ops = {name: _convert(mod, trace) for name, mod in versions.items()}
     del trace
     gc.collect()

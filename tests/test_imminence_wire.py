@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from one_instance_cluster import OneInstanceCluster
 from shadow_vllm.virtual.feeder import TaggedShadowFeeder
 
 from shadowcore.engine_jobs import EngineJobs
@@ -13,20 +14,6 @@ from shadowcore.manager import ShadowManager
 from shadowcore.switch import AllOthers, EmpiricalSwitchPredictor
 from shadowcore.types import CallArrival
 from shadowcore.wire import parse_tag
-
-
-class _Cluster:
-    def instances(self, model):
-        return (f"{model}-0",)
-
-    def block_size(self, instance_id):
-        return 16
-
-    def cached_prefix_tokens(self, instance_id, history):
-        return 0
-
-    def estimated_prefill_completion_s(self, instance_id, num_uncached_tokens):
-        return 0.0
 
 
 class _Engine:
@@ -44,7 +31,7 @@ class _Engine:
 
 
 def test_feeder_resends_a_shadow_when_its_session_enters_and_leaves_the_gap() -> None:
-    manager = ShadowManager(_Cluster(), ("A", "B"), EmpiricalSwitchPredictor(), AllOthers(), track_imminence=True)
+    manager = ShadowManager(OneInstanceCluster(), ("A", "B"), EmpiricalSwitchPredictor(), AllOthers(), track_imminence=True)
     engine = _Engine()
     run = SimpleNamespace(runtime=SimpleNamespace(manager=manager), cluster=SimpleNamespace(by_id={"B-0": engine}))
     feeder = TaggedShadowFeeder()

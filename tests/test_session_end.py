@@ -4,26 +4,13 @@ is bounded by ``max_tasks``, and a predictor can learn P(another call)."""
 from __future__ import annotations
 
 import pytest
+from one_instance_cluster import OneInstanceCluster
 from shadow_policies.adaptive import SessionAwarePredictor
 from shadow_policies.benefit import PopulationBackoffPredictor
 
 from shadowcore.manager import ShadowManager
 from shadowcore.switch import AllOthers, EmpiricalSwitchPredictor, SwitchPredictor, TaskMemory
 from shadowcore.types import CallArrival
-
-
-class _Cluster:
-    def instances(self, model):
-        return (f"{model}-0",)
-
-    def block_size(self, instance_id):
-        return 16
-
-    def cached_prefix_tokens(self, instance_id, history):
-        return 0
-
-    def estimated_prefill_completion_s(self, instance_id, num_uncached_tokens):
-        return 0.0
 
 
 class _Recorder(EmpiricalSwitchPredictor):
@@ -43,7 +30,7 @@ def _calls(manager: ShadowManager, sid: str, task: str, models: str) -> None:
 
 def test_manager_tells_the_predictor_once_per_known_session():
     predictor = _Recorder()
-    manager = ShadowManager(_Cluster(), ("A", "B"), predictor, AllOthers())
+    manager = ShadowManager(OneInstanceCluster(), ("A", "B"), predictor, AllOthers())
     _calls(manager, "s1", "fix", "AB")
     manager.on_session_end("s1")
     manager.on_session_end("s1")  # unknown now: no second report
@@ -55,7 +42,7 @@ def test_manager_tells_the_predictor_once_per_known_session():
 @pytest.mark.parametrize("make", [lambda: SessionAwarePredictor(), lambda: PopulationBackoffPredictor()])
 def test_session_state_dropped_and_others_unchanged(make):
     predictor = make()
-    manager = ShadowManager(_Cluster(), ("A", "B", "C"), predictor, AllOthers())
+    manager = ShadowManager(OneInstanceCluster(), ("A", "B", "C"), predictor, AllOthers())
     for i in range(200):
         _calls(manager, f"s{i}", "fix", "ABAC")
     _calls(manager, "live", "fix", "ABA")
@@ -71,7 +58,7 @@ def test_session_state_dropped_and_others_unchanged(make):
 
 def test_max_tasks_keeps_the_most_recent_tasks_only():
     predictor = EmpiricalSwitchPredictor(1.0, max_tasks=3)
-    manager = ShadowManager(_Cluster(), ("A", "B"), predictor, AllOthers())
+    manager = ShadowManager(OneInstanceCluster(), ("A", "B"), predictor, AllOthers())
     for i in range(50):
         _calls(manager, f"s{i}", f"task{i}", "AB")
         manager.on_session_end(f"s{i}")
@@ -93,7 +80,7 @@ def test_fitted_tasks_are_never_forgotten():
 
 def test_another_call_probability_learns_session_length():
     predictor = EmpiricalSwitchPredictor(1.0)
-    manager = ShadowManager(_Cluster(), ("A", "B"), predictor, AllOthers())
+    manager = ShadowManager(OneInstanceCluster(), ("A", "B"), predictor, AllOthers())
     assert predictor.another_call_probability("t") == 0.5
     for i in range(10):
         _calls(manager, f"s{i}", "t", "ABAB")  # 3 transitions, then the end
@@ -121,7 +108,7 @@ def test_jobs_are_imminent_exactly_during_the_tool_gap():
     """With track_imminence a session's jobs are imminent from the end of its call (on_call_done) to
     the next call's arrival; a job opened at that arrival starts not imminent; without it never."""
     for track in (True, False):
-        manager = ShadowManager(_Cluster(), ("A", "B"), EmpiricalSwitchPredictor(), AllOthers(),
+        manager = ShadowManager(OneInstanceCluster(), ("A", "B"), EmpiricalSwitchPredictor(), AllOthers(),
                                 track_imminence=track)
         manager.on_call_arrival(CallArrival("s", "A", 32, 0.0, "fix"))
         (job,) = manager.jobs()

@@ -32,7 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(path: Path, name: str):
+def load_module(path: Path, name: str):
+    """Import the file at ``path`` as module ``name`` (two versions of kv.py side by side)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -153,7 +154,7 @@ def main() -> int:
             text = subprocess.run(["git", "show", f"{args.against}:shadowcore/kv.py"], cwd=ROOT, check=True,
                                   capture_output=True, text=True).stdout
             old_path.write_text(text)
-        old, new = _load(old_path, "kv_diff_old"), _load(args.new, "kv_diff_new")
+        old, new = load_module(old_path, "kv_diff_old"), load_module(args.new, "kv_diff_new")
         for seed in range(args.seeds):
             problem = run(seed, old, new, args.sparse)
             if problem is not None:
