@@ -25,12 +25,14 @@ def _chain(c: int, n: int) -> list[int]:
 
 
 def _state(kv: KVClassManager) -> tuple:
+    # host entries by hash and class in LRU order: a spill's id says which call spilled it, and one composite
+    # call spills in one run what its calls one by one spill in several (the same LRU, the same trims)
     kv._settle()  # the evictions extend_private owes (every query makes them; the raw fields below do not)
     blocks = {h: (kv.class_of(h), ref, since if ref == 0 else None, kv._cold(h))
               for h, (_, ref, since, _) in kv._blocks.items()}
     owners = {o: (w.kv_class, list(w.hashes), w.num_private_blocks) for o, w in kv._owners.items()}
     return (kv.num_free_blocks, kv.eviction_count, kv.num_shadow_blocks, dict(kv.num_evicted_blocks),
-            kv.num_shadow_blocks_used, kv.num_reloaded_blocks, list(kv._host.items()),
+            kv.num_shadow_blocks_used, kv.num_reloaded_blocks, [(h, token[0]) for h, token in kv._host.items()],
             kv.idle_order(KVClass.SHADOW), kv.idle_order(KVClass.NORMAL), blocks, owners, kv._num_cold_idle)
 
 
