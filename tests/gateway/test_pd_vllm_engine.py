@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from shadow_gateway.pd import decode_fields, prefill_body
 
 from .conftest import GatewayServer, wait_for
 from .test_pd_vllm import (
@@ -49,11 +51,35 @@ if not _HAVE_NIXL:
                 allow_module_level=True)
 
 
+def warm_nixl(urls: dict[str, dict[str, str]], attempts: int = 4) -> None:
+    """One P -> D transfer per model, straight to the servers (not through the
+    gateway, whose counters the test reads), retried: the first transfer makes
+    D's NIXL handshake with P, which vLLM 0.32 gives a hard-coded 5 s ZMQ
+    receive timeout (``nixl`` worker, no setting), too short at times for four
+    servers on 2 loaded cores; a failed handshake fails only that request, and
+    the next one handshakes again. The warm-up prompt shares no block with the
+    test's prompts (its first token differs)."""
+    prompt = _ids(9, 100)
+    for name, u in urls.items():
+        errors = []
+        for _ in range(attempts):
+            body = {"model": name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            pre = httpx.post(u["prefill"] + "/v1/completions", json=prefill_body(body), timeout=180).json()
+            out = httpx.post(u["decode"] + "/v1/completions", json={**body, **decode_fields(pre)}, timeout=180).json()
+            if "choices" in out and "kv_transfer_params" in pre:
+                break
+            errors.append((pre.get("error"), out.get("error")))
+            time.sleep(2.0)
+        else:
+            raise RuntimeError(f"{name}: no P -> D transfer in {attempts} attempts: {errors}")
+
+
 @pytest.fixture(scope="module")
 def engine_servers(tmp_path_factory) -> Iterator[dict[str, dict[str, str]]]:
     procs, urls = start_pd_servers(tmp_path_factory.mktemp("pd_engine_e2e"), engine_level=True)
     try:
         wait_healthy(procs, urls)
+        warm_nixl(urls)
         yield urls
     finally:
         stop_servers(procs)
