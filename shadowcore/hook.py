@@ -13,10 +13,15 @@ Invariants (property-tested):
   iteration for slack and idle budgets, the added time for credit budgets.
 * Shadow tokens never exceed the token budget left, the shadow KV room, or the
   missing tokens of the jobs; a plan below ``n_min`` is empty.
-* Grants are whole blocks, go to jobs in the manager's order (non-increasing
-  switch probability), and start where the job's held prefix ends.
+* Grants are whole blocks, go to jobs in the grant order, and start where
+  the job's held prefix ends. The grant order is the job source's
+  (non-increasing switch probability, older job first), except under a
+  controller that is ``imminent_first``: then imminent jobs first, then the
+  others, each group in the source's order (:func:`grant_order`, the one
+  owner of the rule; the simulator and vLLM's scheduler both plan here).
 * A controller that ``reads_imminence`` is told whether the first pending
-  job (the one the grant starts with) is imminent; no other is told anything.
+  job in the grant order (the one the grant starts with) is imminent; no
+  other is told anything.
 * Deterministic: the same snapshots and outcomes give the same plans.
 
 The hook's face is the plan/commit protocol only. The engines of this
@@ -110,7 +115,7 @@ class EngineHook:
         self.step_counts[why] = self.step_counts.get(why, 0) + 1
         plan = StepPlan(
             self.instance_id, snapshot.iteration, budget, grants, base_s, predicted,
-            normal_priority=self.slack.normal_priority,
+            normal_priority=self.slack.normal_priority, imminent_first=self.slack.imminent_first,
         )
         self._reserve(plan)
         self.slack.commit(snapshot, plan)
@@ -144,9 +149,10 @@ class EngineHook:
         return self.slack.budget(snapshot, self.latency, imminent=bool(jobs) and jobs[0].imminent), jobs
 
     def _refreshed_jobs(self) -> list[ShadowJob]:
-        """Pending jobs in the source's order, each checked against the cache;
-        the source is asked again only when a refresh may have changed which
-        jobs are pending (a job whose prefix got fully cached drops out)."""
+        """Pending jobs in the grant order (:func:`grant_order`), each checked
+        against the cache; the source is asked again only when a refresh may
+        have changed which jobs are pending (a job whose prefix got fully
+        cached drops out)."""
         evictions = self.port.eviction_count()
         jobs = self.manager.pending_jobs(self.instance_id)
         refreshed = False
@@ -154,7 +160,9 @@ class EngineHook:
             if job.validated_at != evictions or job.epoch != job.history.epoch:
                 job.refresh(self.port.cached_prefix_tokens(job.history), evictions)
                 refreshed = True
-        return self.manager.pending_jobs(self.instance_id) if refreshed else jobs
+        if refreshed:
+            jobs = self.manager.pending_jobs(self.instance_id)
+        return grant_order(jobs) if self.slack.imminent_first else jobs
 
     def _size(
         self, jobs: Sequence[ShadowJob], predict_with: Callable[[tuple[PrefillChunk, ...]], float], base_s: float,
@@ -220,6 +228,13 @@ class EngineHook:
             job.commit(grant.epoch, grant.start_token, grant.num_tokens, num_computed)
 
 
+def grant_order(jobs: Sequence[ShadowJob]) -> list[ShadowJob]:
+    """The grant order under an ``imminent_first`` controller: ``jobs`` (in the
+    source's order) with the imminent ones moved ahead of the rest, each group
+    keeping its order (a stable partition)."""
+    return [j for j in jobs if j.imminent] + [j for j in jobs if not j.imminent]
+
+
 def _take(jobs: Sequence[ShadowJob], num_tokens: int) -> list[tuple[ShadowJob, int]]:
     out = []
     left = num_tokens
@@ -239,6 +254,6 @@ def _chunks(jobs: Sequence[ShadowJob], num_tokens: int) -> tuple[PrefillChunk, .
 
 def _grants(jobs: Sequence[ShadowJob], num_tokens: int) -> tuple[ShadowGrant, ...]:
     return tuple(
-        ShadowGrant(job.key, job.epoch, job.next_token, n, job.switch_probability)
+        ShadowGrant(job.key, job.epoch, job.next_token, n, job.switch_probability, job.imminent)
         for job, n in _take(jobs, num_tokens)
     )

@@ -122,6 +122,13 @@ class SlackController(ABC):
     implementer must guarantee the core's rules: no budget while a request
     waits or an admission is blocked, and a budget that keeps the iteration
     within the TPOT SLO.
+
+    A controller whose :attr:`imminent_first` is true changes the hook's
+    grant order: pending jobs that are imminent come before the others,
+    each group in the job source's order (non-increasing switch
+    probability, older job first); ``imminent`` above is then true when any
+    pending job is imminent. Such a controller must also ``reads_imminence``
+    (the job sources track imminence only then).
     """
 
     #: Shadow chunks smaller than this are deferred (each chunk re-reads the
@@ -137,6 +144,8 @@ class SlackController(ABC):
     #: True for a controller whose :meth:`budget` takes ``imminent=`` (see above); the job
     #: sources then track it (``ShadowManager.track_imminence``).
     reads_imminence: bool = False
+    #: True for a controller under which the hook grants imminent jobs first (see above).
+    imminent_first: bool = False
 
     @abstractmethod
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel) -> SlackBudget:
@@ -257,7 +266,12 @@ class SloSlackController(SlackController):
     come any moment); in other iterations ``routed_decode_margin`` applies
     as above (``None``: the credit). Iterations in which a routed call
     prefills are still paid only from the credit; a routed decode keeps its
-    mean TPOT within ``(1 - imminent_margin) * T``."""
+    mean TPOT within ``(1 - imminent_margin) * T``.
+
+    ``imminent_first`` (default ``False``): the hook grants imminent jobs
+    before the others (:class:`SlackController`), so ``imminent`` is true
+    whenever some pending job is imminent, and that job's shadow is the one
+    an ``imminent_margin`` budget is spent on. Budgets are unchanged."""
 
     beta: float = attrs.field(default=0.5, validator=positive)
     delta: float = attrs.field(default=0.025, validator=non_negative)
@@ -269,6 +283,7 @@ class SloSlackController(SlackController):
         default=None, validator=attrs.validators.optional(fraction_closed_open))
     imminent_margin: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(fraction_closed_open))
+    imminent_first: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     credit: CreditAccount = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -276,7 +291,7 @@ class SloSlackController(SlackController):
 
     @property
     def reads_imminence(self) -> bool:  # type: ignore[override]
-        return self.imminent_margin is not None
+        return self.imminent_margin is not None or self.imminent_first
 
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel, imminent: bool = False) -> SlackBudget:
         gated = _gate(snapshot)

@@ -179,13 +179,16 @@ class JobKey:
 @attrs.frozen
 class ShadowGrant:
     """One shadow chunk in a plan: compute tokens ``[start_token, start_token +
-    num_tokens)`` of the session history (``epoch``) on this instance."""
+    num_tokens)`` of the session history (``epoch``) on this instance.
+    ``switch_probability`` and ``imminent`` are the job's when granted (the
+    grant order's keys, :class:`StepPlan`)."""
 
     job: JobKey
     epoch: int = attrs.field(validator=non_negative_int)
     start_token: int = attrs.field(validator=non_negative_int)
     num_tokens: int = attrs.field(validator=positive_int)
     switch_probability: float = attrs.field(validator=probability)
+    imminent: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     @property
     def end_token(self) -> int:
@@ -195,7 +198,12 @@ class ShadowGrant:
 @attrs.frozen
 class StepPlan:
     """The hook's answer to one snapshot: shadow chunks to run, in batch order,
-    after everything in the snapshot's batch."""
+    after everything in the snapshot's batch.
+
+    Grant order (``EngineHook``'s invariant): non-increasing switch
+    probability; with ``imminent_first`` (the controller's option) every
+    imminent grant comes before every other, each group in non-increasing
+    switch probability."""
 
     instance_id: str
     iteration: int
@@ -204,6 +212,8 @@ class StepPlan:
     predicted_base_s: float = attrs.field(validator=non_negative)
     predicted_s: float = attrs.field(validator=non_negative)
     normal_priority: bool = False
+    #: The grants were ordered imminent jobs first (``SlackController.imminent_first``).
+    imminent_first: bool = False
 
     @property
     def num_shadow_tokens(self) -> int:

@@ -415,6 +415,78 @@ def test_imminence_reaches_only_controllers_that_read_it():
     assert plan.budget.budget_s == pytest.approx(0.005)
 
 
+# -- imminent_first (idle-first-host's grant order, issue 16 item 7) ---------------------------------
+def first(imminent_margin: float | None = None, on: bool = True) -> SloSlackController:
+    return SloSlackController(beta=0.5, delta=0.0, n_min=0, margin=0.1, chunk_tokens=2048,
+                              routed_decode_margin=0.5, imminent_margin=imminent_margin, imminent_first=on)
+
+
+def flagged_hook(controller, *jobs: tuple[float, int, bool]):
+    """``make_hook`` with one job per ``(switch_probability, history tokens, imminent)``."""
+    hook, source = make_hook(controller, *((p, n) for p, n, _ in jobs))
+    for i, (_, _, flag) in enumerate(jobs):
+        source.job(JobKey(f"s{i}", "B")).imminent = flag
+    return hook
+
+
+def test_imminent_first_grant_order():
+    """imminent_first: imminent jobs are granted before the others, each group by falling switch
+    probability; off: the source's order whatever the flags. Idle: budget beta * T = 0.02 s, so
+    0.004 + 6e-5 n <= 0.02 fits n = 256 tokens: four 64-token jobs whole, or the first of long ones."""
+    four = ((0.9, 64, False), (0.8, 64, True), (0.7, 64, False), (0.6, 64, True))
+    order = [(g.job.session_id, g.num_tokens, g.imminent) for g in run(flagged_hook(first(), *four), snap()).grants]
+    assert order == [("s1", 64, True), ("s3", 64, True), ("s0", 64, False), ("s2", 64, False)]
+    off = [g.job.session_id for g in run(flagged_hook(first(on=False), *four), snap()).grants]
+    assert off == ["s0", "s1", "s2", "s3"]
+    # the budget goes to the imminent job although a more probable one is pending
+    long = ((0.9, 4096, False), (0.8, 4096, True))
+    assert [(g.job.session_id, g.num_tokens) for g in run(flagged_hook(first(), *long), snap()).grants] == [("s1", 256)]
+    assert [g.job.session_id for g in run(flagged_hook(first(on=False), *long), snap()).grants] == ["s0"]
+
+
+def test_imminent_first_tells_the_budget_of_any_imminent_job():
+    """With imminent_first the imminent rule applies when any pending job is imminent (it is first in
+    the grant order): routed slack at imminent_margin 0.2, 0.8 * 0.04 - 0.015 = 0.017, granted to that
+    job; the option alone reads imminence but leaves budgets as they were (routed_decode_margin 0.5:
+    0.5 * 0.04 - 0.015 = 0.005)."""
+    routed = decode("r", now=1.0, since_first=0.015, kind=RequestKind.ROUTED)
+    two = ((0.9, 4096, False), (0.8, 4096, True))
+    plan = run(flagged_hook(first(0.2), *two), snap([routed]))
+    assert plan.budget.budget_s == pytest.approx(0.017) and plan.imminent_first
+    assert [(g.job.session_id, g.num_tokens) for g in plan.grants] == [("s1", 208)]
+    assert run(flagged_hook(first(0.2, on=False), *two), snap([routed])).budget.budget_s == pytest.approx(0.005)
+    alone = first(None)
+    assert alone.reads_imminence and not first(None, on=False).reads_imminence
+    plan = run(flagged_hook(alone, *two), snap([routed]))
+    assert plan.budget.budget_s == pytest.approx(0.005) and plan.grants[0].job.session_id == "s1"
+    with pytest.raises(TypeError, match="imminent_first"):
+        SloSlackController(imminent_first=1)
+
+
+def test_order_rule_of_the_contract_reads_imminent_first():
+    """plan_problems' ``order``: (imminent, switch probability) non-increasing in a plan made
+    imminent_first, switch probability alone otherwise; the hook's own plans pass."""
+    from shadowcore.testing.contracts import plan_problems
+
+    four = ((0.9, 64, False), (0.8, 64, True), (0.7, 64, False), (0.6, 64, True))
+    for on in (True, False):
+        plan = run(flagged_hook(first(on=on), *four), snap())
+        assert plan_problems(snap(), plan, block_size=16) == []
+
+    def made(on: bool, *grants: tuple[float, bool]) -> StepPlan:
+        gs = [ShadowGrant(JobKey(f"s{i}", "B"), 0, 0, 16, p, flag) for i, (p, flag) in enumerate(grants)]
+        return StepPlan("i0", 0, SlackBudget(0.02, BudgetReason.IDLE), gs, 0.004, 0.006, imminent_first=on)
+
+    def order_problems(plan: StepPlan) -> list[str]:
+        return [p for p in plan_problems(snap(), plan, block_size=16) if p.startswith("order")]
+
+    assert order_problems(made(True, (0.8, True), (0.9, False))) == []
+    assert order_problems(made(False, (0.9, False), (0.8, True))) == []
+    assert order_problems(made(True, (0.9, False), (0.8, True)))  # a non-imminent grant before an imminent one
+    assert order_problems(made(True, (0.6, True), (0.8, True)))  # within the imminent group
+    assert order_problems(made(False, (0.8, True), (0.9, False)))  # imminence first without the option
+
+
 def test_routed_prefill_credit_accrual():
     """credit_accrual="routed-prefill": only iterations in which a routed call prefills earn (delta of
     their duration); the credit then pays for the next one."""

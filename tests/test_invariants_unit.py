@@ -179,29 +179,46 @@ def _deployments(draw):
     return predictor, calls
 
 
+class _ImminentFirstEager(EagerController):
+    """Eager (no budget limit) under the imminent-first grant order."""
+
+    reads_imminence = True
+    imminent_first = True
+
+    def budget(self, snapshot, latency, imminent=False):
+        return super().budget(snapshot, latency)
+
+
 def test_jobs_served_in_nonincreasing_switch_probability():
     """Line 15: the job source hands jobs out highest switch probability first
-    (ties: older job first), and the hook grants them greedily in that order."""
+    (ties: older job first), and the hook grants them greedily in that order;
+    under an ``imminent_first`` controller, jobs of sessions in their tool gap
+    first, then the others, each in that order."""
     _run(_OrderMachine, 30, 25)
 
     @settings(max_examples=60, deadline=None, suppress_health_check=SUPPRESS, phases=PHASES)
-    @given(_deployments(), sst.targetings(max_k=3), st.sampled_from([1, 16]))
-    def with_the_real_manager(deployment, targeting, block_size):
+    @given(_deployments(), sst.targetings(max_k=3), st.sampled_from([1, 16]), st.sets(st.integers(0, 4)))
+    def with_the_real_manager(deployment, targeting, block_size, in_gap):
         predictor, calls = deployment
-        manager = ShadowManager(_Cluster(block_size), MODELS, predictor, targeting)
+        manager = ShadowManager(_Cluster(block_size), MODELS, predictor, targeting, track_imminence=True)
         for t, (session, model, tokens, task) in enumerate(calls):
             manager.on_call_arrival(CallArrival(f"s{session}", model, tokens, float(t), task))
             manager.on_output_tokens(f"s{session}", tokens // 2)
+        for session in sorted(in_gap):
+            if f"s{session}" in manager:
+                manager.on_call_done(f"s{session}")
+        empty = StepSnapshot("i", 0, 0.0, (), 0, False, 0.05, 10**6, 10**6)
         for instance in itertools.chain.from_iterable(_Cluster(block_size).instances(m) for m in MODELS):
             jobs = manager.pending_jobs(instance)
             keys = [(-j.switch_probability, j.sequence) for j in jobs]
             assert keys == sorted(keys), f"{instance}: jobs not in non-increasing switch probability: {keys}"
-            hook = EngineHook(instance, manager, EagerController(), sst.LinearLatencyModel(), StubEnginePort(block_size))
-            plan = hook.begin_step(StepSnapshot(instance, 0, 0.0, (), 0, False, 0.05, 10**6, 10**6))
-            ps = [g.switch_probability for g in plan.grants]
-            assert ps == sorted(ps, reverse=True), f"{instance}: grants out of order {ps}"
-            assert [g.job for g in plan.grants] == [j.key for j in jobs[: len(plan.grants)]]
-            hook.end_step(StepOutcome(instance, 0, plan.predicted_s))
+            gap_first = sorted(jobs, key=lambda j: (not j.imminent, -j.switch_probability, j.sequence))
+            for controller, expected in ((EagerController(), jobs), (_ImminentFirstEager(), gap_first)):
+                hook = EngineHook(instance, manager, controller, sst.LinearLatencyModel(), StubEnginePort(block_size))
+                plan = hook.begin_step(attrs.evolve(empty, instance_id=instance))
+                assert [g.job for g in plan.grants] == [j.key for j in expected[: len(plan.grants)]], \
+                    f"{instance}: grants out of order ({type(controller).__name__})"
+                hook.end_step(StepOutcome(instance, 0, plan.predicted_s))
 
     with_the_real_manager()
 

@@ -61,6 +61,13 @@ routed decodes' TPOT slack down to ``(1 - m) * T`` only while a switch call
 may be about to arrive, and keeps ``routed_decode_margin`` (or no budget at
 all) otherwise.
 
+A third option, off by default (``imminent_first``): the hook grants imminent
+jobs before the others (then by switch probability, as always), so the
+imminent rule applies whenever some pending job on the instance is imminent,
+not only when the highest-probability one is, and its budget goes to that
+job's shadow (the session whose switch call may come next) rather than to a
+session still in its call.
+
 Guarantees (the core's invariants, none weakened; the conformance check and
 ``tests/sim/test_idle_first.py`` test them):
 
@@ -69,7 +76,8 @@ Guarantees (the core's invariants, none weakened; the conformance check and
   with ``routed_decode_margin``: none in an iteration in which a routed call
   prefills, and a routed decode keeps its mean TPOT within
   ``(1 - routed_decode_margin) * T``; with ``imminent_margin``: the same, within
-  ``(1 - imminent_margin) * T``, and only while the first pending job is imminent;
+  ``(1 - imminent_margin) * T``, and only while the first pending job (in the
+  grant order: with ``imminent_first`` imminent jobs come first) is imminent;
 * an iteration with shadow work is predicted to fit ``beta * T`` (idle) or
   the batch's smallest Eq. 1 slack, capped at ``beta * T`` (busy), so every
   request in it stays within its SLO margin; ``beta <= 1`` keeps it within
@@ -96,15 +104,19 @@ N_MIN_TOKENS = 16
 def idle_first_host(gate: float = 0.1, max_k: int = 2, prior_strength: float = 4.0, session_weight: float = 2.0,
                     beta: float = 1.0, delta: float = 0.0, n_min: int = N_MIN_TOKENS, margin: float = 0.1,
                     chunk_tokens: int = 2048, eviction_order: str = "lru", routed_decode_margin: float | None = None,
-                    credit_accrual: str = "routed", imminent_margin: float | None = None, **kv) -> PolicySpec:
+                    credit_accrual: str = "routed", imminent_margin: float | None = None,
+                    imminent_first: bool = False, **kv) -> PolicySpec:
     if not isinstance(beta, bool) and isinstance(beta, (int, float)) and beta > 1:
         raise ConfigError("beta", beta, "must be in (0, 1]: a shadow iteration is never longer than the TPOT SLO")
+    if not isinstance(imminent_first, bool):
+        raise ConfigError("imminent_first", imminent_first, "must be true or false")
     spec = benefit_host(gate=gate, max_k=max_k, prior_strength=prior_strength, session_weight=session_weight,
                         beta=beta, delta=delta, n_min=n_min, margin=margin, chunk_tokens=chunk_tokens,
                         eviction_order=eviction_order, **kv)
     extra = {k: v for k, v, default in (("routed_decode_margin", routed_decode_margin, None),
                                         ("credit_accrual", credit_accrual, "routed"),
-                                        ("imminent_margin", imminent_margin, None)) if v != default}
+                                        ("imminent_margin", imminent_margin, None),
+                                        ("imminent_first", imminent_first, False)) if v != default}
     if extra:
         try:
             spec = attrs.evolve(spec, slack=Component(spec.slack.cls, {**spec.slack.kwargs, **extra}))

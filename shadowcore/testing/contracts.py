@@ -23,7 +23,9 @@ Rules, per value checked:
   - ``fit``: the predicted iteration (the stretch, for ``bounds_stretch``
     budgets) is within the budget;
   - ``room``: shadow tokens <= min(free token budget, shadow KV room);
-  - ``order``: grants in non-increasing switch probability;
+  - ``order``: grants in non-increasing switch probability; in a plan made
+    ``imminent_first``, imminent grants first, then the others, each group
+    in non-increasing switch probability;
   - ``blocks``: grants of whole blocks.
 
   A ``normal_priority`` plan (Eager) is exempt from ``gate``, ``bounded``
@@ -123,9 +125,11 @@ def plan_problems(snapshot: StepSnapshot, plan: StepPlan, block_size: int | None
             f"room: {plan.num_shadow_tokens} shadow tokens > min(token budget "
             f"{snapshot.num_free_token_budget}, shadow KV room {snapshot.num_shadow_room_tokens})"
         )
-    probs = [g.switch_probability for g in plan.grants]
-    if any(a < b for a, b in itertools.pairwise(probs)):
-        out.append(f"order: grants not in non-increasing switch probability: {probs}")
+    keys = [(plan.imminent_first and g.imminent, g.switch_probability) for g in plan.grants]
+    if any(a < b for a, b in itertools.pairwise(keys)):
+        shown = keys if plan.imminent_first else [p for _, p in keys]
+        what = "(imminent, switch probability)" if plan.imminent_first else "switch probability"
+        out.append(f"order: grants not in non-increasing {what}: {shown}")
     if block_size and any(g.num_tokens % block_size or g.start_token % block_size for g in plan.grants):
         out.append(f"blocks: a grant is not whole blocks of {block_size}: {plan.grants}")
     return out
