@@ -125,10 +125,13 @@ def test_shadow_work_next_to_routed_calls(args: dict, next_to_prefill: bool, nex
     assert (log.prefilling > 0, log.decoding > 0) == (next_to_prefill, next_to_decode), vars(log)
 
 
-def test_imminent_margin_grants_next_to_routed_decodes_only_to_an_imminent_first_job() -> None:
+@pytest.mark.parametrize("first", [False, True])
+def test_imminent_margin_grants_next_to_routed_decodes_only_to_an_imminent_first_job(first: bool) -> None:
     """imminent_margin alone (no routed_decode_margin): every plan next to a routed call starts its
-    grant with a job whose session is in its tool gap (the manager's imminence, end to end)."""
+    grant with a job whose session is in its tool gap (the manager's imminence, end to end); with
+    imminent_first every plan is made so and keeps the contract's order rule, imminent grants first."""
     from shadowcore.testing.conformance import SMALL_SCENARIO
+    from shadowcore.testing.contracts import plan_problems
 
     class Lead(RoutedGrants):
         def __init__(self, manager) -> None:
@@ -137,14 +140,17 @@ def test_imminent_margin_grants_next_to_routed_decodes_only_to_an_imminent_first
 
         def on_plan(self, snapshot, plan) -> None:
             super().on_plan(snapshot, plan)
+            assert plan.imminent_first is first
+            assert not [p for p in plan_problems(snapshot, plan) if p.startswith("order")]
             if snapshot.has_routed and plan.grants:
                 job = self.manager.job(plan.grants[0].job)
+                assert plan.grants[0].imminent is job.imminent
                 self.imminent += job.imminent
                 self.not_imminent += not job.imminent
 
     scenario = {**SMALL_SCENARIO, "normal_rate_per_s": 6.0, "duration_s": 30.0}
-    run = FakeRun(FakeScenario.from_dict(scenario),
-                  ShadowConfig(PluginRef("idle-first-host", {"imminent_margin": 0.1}), seed=0))
+    args = {"imminent_margin": 0.1, **({"imminent_first": True} if first else {})}
+    run = FakeRun(FakeScenario.from_dict(scenario), ShadowConfig(PluginRef("idle-first-host", args), seed=0))
     log = Lead(run.runtime.manager)
     run.runtime.observers.add(log)
     run.run()
