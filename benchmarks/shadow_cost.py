@@ -26,11 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import scale  # noqa: E402
+import scale
 
-from shadowcore import hook, kv  # noqa: E402
-from shadowcore.engine import _fastpath  # noqa: E402
-from shadowcore.engine import instance as engine  # noqa: E402
+from shadowcore import hook, kv
+from shadowcore.engine import _fastpath
+from shadowcore.engine import instance as engine
 
 #: (owner, attribute, row): what is timed. Module functions are looked up by the engine at call time.
 PIECES = (
