@@ -169,7 +169,7 @@ class KVClassPolicy:
         its head) slices the idle maps directly: an idle map that has a
         ``first(num)`` method (the manager's: equal to
         ``list(islice(m, num))``) is asked for it."""
-        if self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect:
+        if self.takes_heads(requester, protect):
             runs = []
             for cls in _SHADOW_FIRST:
                 if num <= 0:
@@ -182,6 +182,13 @@ class KVClassPolicy:
             return runs
         chosen = itertools.islice(self.victims(idle, requester, now_s, protect), num)
         return [(cls, [block for block, _ in run]) for cls, run in itertools.groupby(chosen, itemgetter(1))]
+
+    def takes_heads(self, requester: KVClass, protect: Container = ()) -> bool:
+        """Whether :meth:`victim_runs` for ``requester`` takes each class's
+        release order from its head (shadow-first, a normal requester, nothing
+        protected): no cold check, nothing skipped, nothing read but the
+        heads' next blocks."""
+        return self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect
 
     def _class_victims(self, idle: Mapping[KVClass, Mapping[_B, float]], shadow_requester: bool, now_s: float,
                        protect: Container[_B]) -> Iterator[tuple[_B, KVClass]]:
@@ -277,13 +284,17 @@ class _IdleRuns(Mapping):
     ``_COMPACT_SLACK`` (amortised O(1) per stale entry). The owner must not
     change the order while it iterates."""
 
-    __slots__ = ("_blocks", "_mixed", "_pos", "_releases", "_runs", "_shadow", "_stored", "count")
+    __slots__ = ("_anon", "_blocks", "_mixed", "_pos", "_releases", "_runs", "_shadow", "_stored", "count")
 
-    def __init__(self, blocks: dict[int, tuple], shadow: bool, releases: dict[int, int], mixed: Container[int]) -> None:
+    def __init__(self, blocks: dict[int, tuple], shadow: bool, releases: dict[int, int], mixed: Container[int],
+                 anon: Container[int] = ()) -> None:
         # releases: per release, its blocks still idle; mixed: the releases that made blocks of both classes idle.
         # A run of a release not mixed whose idle count is the number of its entries from the head on has no
         # stale entry there (its live entries are all at or after the head).
+        # anon: the releases whose runs are private (KVClassManager: blocks not in ``blocks``): such a run's
+        # blocks leave idle only by eviction from its front, so its live entries are its last ``releases[r]``.
         self._blocks, self._shadow, self._releases, self._mixed = blocks, shadow, releases, mixed
+        self._anon = anon
         self._runs: deque[tuple[tuple, list[int]]] = deque()
         self._pos = 0  # the head run's first entry not yet trimmed
         self.count = 0  # live entries
@@ -320,6 +331,8 @@ class _IdleRuns(Mapping):
         self.left(len(victims))
 
     def _live(self, state: tuple, hashes: Sequence[int], start: int = 0) -> Iterator[int]:
+        if state[3] in self._anon:  # a private run: its last releases[r] entries are live
+            return islice(hashes, max(start, len(hashes) - self._releases.get(state[3], 0)), None)
         return compress(islice(hashes, start, None), map(is_, map(self._blocks.get, islice(hashes, start, None)),
                                                          repeat(state)))
 
@@ -334,6 +347,11 @@ class _IdleRuns(Mapping):
                 self._stored -= n - pos
                 self._pos = 0
                 continue
+            if state[3] in self._anon:  # a private run: live from its last releases[r] entries on
+                live_from = max(pos, n - releases[state[3]])
+                self._stored -= live_from - pos
+                self._pos = live_from
+                return
             if pos < n and get(hashes[pos]) is state:
                 return
             if pos + 1 < n and get(hashes[pos + 1]) is state:  # the usual: the head was just evicted
@@ -405,6 +423,17 @@ class _IdleRuns(Mapping):
 
     def __reversed__(self) -> Iterator[int]:
         return reversed(list(self))
+
+    def runs_from_head(self) -> Iterator[tuple[tuple, Sequence[int]]]:
+        """The runs as ``(state, hashes)`` in order, the head run from its
+        first untrimmed entry (entries before it are not live); dead and
+        stale entries are the caller's to skip."""
+        self._trim()
+        runs = self._runs
+        if runs:
+            state, hashes = runs[0]
+            yield state, hashes[self._pos :]
+            yield from islice(runs, 1, None)
 
     def __len__(self) -> int:
         return self.count
@@ -547,6 +576,8 @@ class _Owner:
     kv_class: KVClass
     hashes: list[int] = attrs.Factory(list)
     num_private_blocks: int = 0
+    #: Its blocks of ``hashes`` are private (``allocate(private=True)``): held, but not in the block map.
+    private: bool = False
 
 
 @attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)  # validated at construction; counters mutate freely
@@ -580,12 +611,17 @@ class KVClassManager:
     _num_releases: int = attrs.field(init=False, default=0)
     # Evictions owed: blocks normal owners took from idle whose victims are not chosen yet (_settle).
     _owed: int = attrs.field(init=False, default=0)
+    # Private blocks (allocate(private=True)), not in _blocks: the held ones' count, and per release of a
+    # private owner's finished chain its idle run (state, hashes in idle order) until evicted or named.
+    _num_private_held: int = attrs.field(init=False, default=0)
+    _private_runs: dict[int, tuple[tuple, list[int]]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
         self._host = self._host_tier.blocks
         self._idle = {KVClass.SHADOW: _IdleRuns(self._blocks, True, self._idle_left, self._mixed),
-                      KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left, self._mixed)}
+                      KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left, self._mixed,
+                                                self._private_runs)}
         self._num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
 
     # -- queries -----------------------------------------------------------------
@@ -619,7 +655,8 @@ class KVClassManager:
     def num_cached_blocks(self) -> int:
         if self._owed:
             self._settle()
-        return len(self._blocks)
+        idle_private = sum(map(self._idle_left.__getitem__, self._private_runs))
+        return len(self._blocks) + self._num_private_held + idle_private
 
     @property
     def eviction_count(self) -> int:
@@ -652,15 +689,45 @@ class KVClassManager:
             self._owed = 0
             self._evict(owed, KVClass.NORMAL, 0.0, ())
 
+    def _name_private(self, held: bool = True) -> None:
+        """Give private blocks (``allocate(private=True)``) their entries in
+        the block map: the idle ones (each with its release's idle state, so
+        its idle-order entry is live as a named one), and with ``held`` the
+        held ones too. A change of representation only: nothing a caller can
+        see changes. Done before anything that reads idle blocks one by one
+        by hash (the policy's general victim order, per-block queries)."""
+        runs, blocks = self._private_runs, self._blocks
+        if runs:
+            left = self._idle_left
+            for release, (state, hashes) in runs.items():
+                blocks.update(zip(hashes[len(hashes) - left[release] :], repeat(state)))
+            runs.clear()
+        if held and self._num_private_held:
+            for owner in self._owners.values():
+                if owner.private:
+                    self._name_held(owner)
+
+    def _name_held(self, owner: _Owner) -> None:
+        """A private owner's held blocks enter the block map (it is an ordinary owner from now on)."""
+        blocks = self._blocks
+        if not blocks.keys().isdisjoint(owner.hashes):
+            raise AssertionError("a private owner's block hash is cached by another owner "
+                                 "(allocate(private=True) promises none is)")
+        blocks.update(zip(owner.hashes, repeat(_HELD[KVClass.NORMAL])))
+        self._num_private_held -= len(owner.hashes)
+        owner.private = False
+
     def class_of(self, block_hash: int) -> KVClass | None:
         if self._owed:
             self._settle()
+        self._name_private()
         block = self._blocks.get(block_hash)
         return None if block is None else _KV_CLASS[block[0]]
 
     def is_cached(self, block_hash: int) -> bool:
         if self._owed:
             self._settle()
+        self._name_private()
         return block_hash in self._blocks
 
     def in_host(self, block_hash: int) -> bool:
@@ -677,6 +744,7 @@ class KVClassManager:
     def idle_since(self, block_hash: int) -> float:
         if self._owed:
             self._settle()
+        self._name_private()
         return self._blocks[block_hash][2]
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
@@ -735,6 +803,8 @@ class KVClassManager:
         else:
             del self._idle_left[release]
             self._mixed.discard(release)
+            if self._private_runs:
+                self._private_runs.pop(release, None)
 
     def _evicted_from_idle(self, releases: list[int]) -> None:
         """:meth:`_leave_idle` for the releases of evicted blocks of one
@@ -752,6 +822,7 @@ class KVClassManager:
         """Idle and counted cold (for tests: the cold count is this, summed)."""
         if self._owed:
             self._settle()
+        self._name_private()
         _, ref, _, release = self._blocks[block_hash]
         return ref == 0 and release not in self._live
 
@@ -763,17 +834,31 @@ class KVClassManager:
         num_private_blocks: int,
         kv_class: KVClass,
         now_s: float,
+        *,
+        private: bool = False,
     ) -> Allocation | None:
         """Give ``owner_id`` the blocks for ``hashes`` (hits are shared, misses
         and host hits take new device blocks) plus private unhashed blocks.
 
         All or nothing: ``None`` when the blocks cannot be found under the rules
         of ``kv_class``; the pool is then unchanged.
+
+        ``private`` (a normal owner): the caller guarantees that ``hashes`` are
+        distinct, that none is cached or in the host tier, and that no other
+        owner ever names one of them, nor does any later ``hashes`` passed to
+        this manager except this owner's own ``release_and_cache`` (a normal
+        request's fresh prompt, whose history is its own). Then nothing can hit
+        these blocks but the owner itself after a ``release`` (a preemption),
+        and the manager keeps them as counts and runs, out of its block map:
+        the result, and everything a caller can see afterwards, is exactly that
+        of the same call without ``private``.
         """
         if owner_id in self._owners:
             raise ValueError(f"owner {owner_id!r} already holds blocks")
         if self._owed:
             self._settle()
+        if private:
+            return self._allocate_private(owner_id, hashes, num_private_blocks, kv_class, now_s)
         match = self.match_prefix(hashes)
         hits = hashes[: match.num_device_blocks]
         # Blocks past the first miss may still be cached (a chain's head can be
@@ -811,11 +896,28 @@ class KVClassManager:
         reload_s = self.reload_seconds(len(host_hits))
         return Allocation(match.num_device_blocks, len(host_hits), num_new, reload_s, used)
 
+    def _allocate_private(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, kv_class: KVClass,
+                          now_s: float) -> Allocation | None:
+        """allocate(private=True): what the general path does when nothing of
+        ``hashes`` is cached anywhere (no hit, all fresh, no reload), without
+        the block map."""
+        if kv_class is not KVClass.NORMAL:
+            raise ValueError("a private allocation is for a normal owner")
+        num_new = len(hashes) + num_private_blocks
+        if num_new > self.num_free_blocks and self.num_free_blocks + self.num_idle_blocks < num_new:
+            return None  # _can_take of a normal owner with nothing excluded
+        self._take(num_new, kv_class, now_s, protect=(), owe=True)
+        self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks, private=True)
+        self._num_private_held += len(hashes)
+        return Allocation(0, 0, num_new, 0.0, 0)
+
     def extend(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, now_s: float) -> bool:
         """Grow an owner (decode): new hashed and private blocks; all or nothing."""
         owner = self._owners[owner_id]
         if self._owed:
             self._settle()
+        if hashes and owner.private:
+            self._name_held(owner)
         if not hashes and num_private_blocks <= self.num_free_blocks and owner.kv_class is KVClass.NORMAL:
             self.num_free_blocks -= num_private_blocks  # the general path below, when only free blocks are taken
             owner.num_private_blocks += num_private_blocks
@@ -890,6 +992,8 @@ class KVClassManager:
         if self._owed:
             self._settle()
         owner = self._owners.pop(owner_id)
+        if owner.private:  # its blocks stay cached: by hash from now on (the owner's next allocation may hit them)
+            self._name_held(owner)
         self._unref(reversed(owner.hashes), (), now_s)  # tail first, so LRU evicts a context's tail first (as vLLM)
         self._free(owner.num_private_blocks, owner.kv_class)
 
@@ -944,6 +1048,10 @@ class KVClassManager:
         if self._owed:
             self._settle()
         blocks = self._blocks
+        if owner.private:
+            if self._release_and_cache_private(owner_id, owner, hashes, now_s):
+                return
+            self._name_held(owner)
         if self._release_and_cache_chain(owner_id, owner, hashes, now_s):
             return
         held = set(owner.hashes)
@@ -1041,6 +1149,37 @@ class KVClassManager:
             self._new_release(release, len(newly_idle) + len(shadow_idle), now_s)
         return True
 
+    def _release_and_cache_private(self, owner_id: str, owner: _Owner, hashes: Sequence[int], now_s: float) -> bool:
+        """:meth:`_release_and_cache_chain` of a private owner (whose blocks
+        only it holds, none in the block map): the chain goes idle last block
+        first as one release, kept as one private run (no block map entry).
+        False (nothing changed) when the chain case does not apply."""
+        head = owner.hashes
+        k = len(head)
+        if not isinstance(hashes, list):
+            hashes = list(hashes)
+        if len(hashes) < k or hashes[:k] != head:
+            return False
+        tail = hashes[k:]
+        if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not self._blocks.keys().isdisjoint(tail)
+                or len(set(hashes)) != len(hashes)):
+            return False
+        del self._owners[owner_id]
+        self._num_private_held -= k
+        self.num_free_blocks += owner.num_private_blocks - len(tail)
+        host = self._host
+        if host and not host.keys().isdisjoint(tail):
+            self.num_reloaded_blocks += _run_length(host, tail)
+            self._host_tier.take(tail)
+        if hashes:
+            release = self._num_releases + 1
+            idle_state = (False, 0, now_s, release)
+            order = hashes[::-1]
+            self._private_runs[release] = (idle_state, order)
+            self._idle[KVClass.NORMAL].append(idle_state, order)
+            self._new_release(release, len(order), now_s)
+        return True
+
     def reload_seconds(self, num_blocks: int) -> float:
         host = self.policy.host
         if host is None or num_blocks == 0:
@@ -1053,6 +1192,8 @@ class KVClassManager:
             return False
         if num <= self.num_free_blocks:
             return True
+        if kv_class is not KVClass.NORMAL:
+            self._name_private(held=False)  # the policy's general order reads idle blocks by hash
         excluded = set(compress(exclude, map(not_, map(_REF, map(self._blocks.__getitem__, exclude)))))  # the idle
         if kv_class is KVClass.NORMAL:  # any idle block but the excluded ones (all idle: ref count 0)
             return self.num_free_blocks + self.num_idle_blocks - len(excluded) >= num
@@ -1158,6 +1299,8 @@ class KVClassManager:
     def _evict(self, num: int, requester: KVClass, now_s: float, protect: set[int]) -> None:
         """Evict the first ``num`` of the policy's victims for ``requester``
         (:meth:`KVClassPolicy.victim_runs`), in that order."""
+        if self._private_runs and not self.policy.takes_heads(requester, protect):
+            self._name_private(held=False)  # the policy's general order reads idle blocks by hash
         runs = self.policy.victim_runs(self._idle, requester, num, now_s, protect)
         if sum(map(len, map(_SECOND, runs))) < num:
             raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
@@ -1169,7 +1312,10 @@ class KVClassManager:
         (to the host tier if any): one C-level pass per step, not a Python
         call per block."""
         blocks = self._blocks
-        self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
+        if self._private_runs and cls is KVClass.NORMAL:
+            self._evict_with_private(victims)
+        else:
+            self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
         self._idle[cls].evicted(victims)  # their idle entries are stale now
         if self.policy.host is not None:
             self._spill(victims, cls)
@@ -1177,6 +1323,43 @@ class KVClassManager:
             self._num_shadow_blocks -= len(victims)
         self._num_evicted_blocks[cls] += len(victims)
         self._eviction_count += len(victims)
+
+    def _evict_with_private(self, victims: list[int]) -> None:
+        """The block map and release counts of evicting ``victims``, the next
+        idle normal blocks from the head of the normal idle order (what
+        :meth:`KVClassPolicy.victim_runs` gives when it takes heads; any other
+        order names private blocks first), some of them private: a private
+        run's victims are counted per run, the rest popped from the map."""
+        blocks, left, private = self._blocks, self._idle_left, self._private_runs
+        pieces = []  # (release, private, victims of the run), in order
+        i, n = 0, len(victims)
+        for state, hashes in self._idle[KVClass.NORMAL].runs_from_head():
+            release = state[3]
+            if release not in left:
+                continue
+            if release in private:
+                start = len(hashes) - left[release]
+                m = min(n - i, left[release])
+                if hashes[start : start + m] != victims[i : i + m]:
+                    break
+                pieces.append((release, True, m))
+            else:
+                live = list(islice(compress(hashes, map(is_, map(blocks.get, hashes), repeat(state))), n - i))
+                m = len(live)
+                if live != victims[i : i + m]:
+                    break
+                pieces.append((release, False, live))
+            i += m
+            if i == n:
+                break
+        if i != n:
+            raise AssertionError("victims with private blocks are not the head of the normal idle order")
+        for release, is_private, run in pieces:
+            if is_private:
+                self._left_release(release, run)
+            else:
+                deque(map(blocks.__delitem__, run), 0)
+                self._left_release(release, len(run))
 
     def _spill(self, victims: list[int], kv_class: KVClass) -> None:
         """Put evicted blocks of one class in the host tier, in order, each as

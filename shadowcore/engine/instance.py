@@ -117,6 +117,10 @@ class EngineRequest:
     # next block boundary not yet in num_blocks; the blocks of its boundaries from here to the instance's
     # _pooled_upto are in the instance's decode pool (the KV owner _pool_id) until handed to it (_attribute).
     pool_from: int = -1
+    #: Its history's block hashes are its own: no other request, session or job ever names one (a normal
+    #: request's fresh prompt in a count-only history of its own). Its first admission then allocates its
+    #: blocks as the KV manager's private blocks (``KVClassManager.allocate(private=True)``).
+    private_kv: bool = False
     _owner: str = attrs.field(default="", init=False, repr=False)  # owner_id of admission _owner_of
     _owner_of: int = attrs.field(default=-1, init=False, repr=False)
 
@@ -1098,7 +1102,8 @@ class EngineInstance:
                 self.kv.release(owner, now_s)
         hashes = req.history.block_hashes(bs, req.num_tokens // bs)
         total = -(-(req.num_tokens + 1) // bs)
-        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s)
+        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s,
+                                 private=req.private_kv and req.num_admissions == 0)
         if alloc is None:
             return False
         # vLLM's get_computed_blocks: a hit covers at most num_tokens - 1 tokens in whole blocks (the last
