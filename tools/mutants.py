@@ -29,6 +29,7 @@ UNIT = "tests/test_invariants_unit.py"
 E2E = "tests/test_invariants_e2e.py"
 AUTH = "tests/gateway/test_auth.py"
 MALFORMED = "tests/gateway/test_malformed.py"
+KV_EQ = "tests/sim/test_speed_equivalence_kv.py"
 EVICT_CLASSES = "_SHADOW_FIRST = (KVClass.SHADOW, KVClass.NORMAL)"
 
 MUTATIONS: dict[str, tuple] = {
@@ -233,8 +234,28 @@ MUTATIONS: dict[str, tuple] = {
                    ""),
     "victim-runs": ("tests/test_kv_room.py", "test_victim_runs_are_the_first_victims_grouped_by_class",
                     "shadowcore/kv.py",
-                    'if self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect:',
-                    "if requester is KVClass.NORMAL and not protect:"),
+                    'return self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect',
+                    "return requester is KVClass.NORMAL and not protect"),
+    # private blocks (issue 17: a normal request's fresh prompt out of the block map): a finished chain goes
+    # idle tail first; a private run's live entries are its last idle-left ones (head trim, iteration); naming
+    # gives only the blocks still idle their entries; any order but the heads' names private blocks first
+    "private-order": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                      "            order = hashes[::-1]\n            self._private_runs[release]",
+                      "            order = hashes\n            self._private_runs[release]"),
+    "private-live": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                     "        if state[3] in self._anon:  # a private run: its last releases[r] entries are live",
+                     "        if False:"),
+    "private-trim": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                     "live_from = max(pos, n - releases[state[3]])", "live_from = pos"),
+    "private-name": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                     "blocks.update(zip(hashes[len(hashes) - left[release] :], repeat(state)))",
+                     "blocks.update(zip(hashes, repeat(state)))"),
+    "private-name-order": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                           "        if self._private_runs and not self.policy.takes_heads(requester, protect):",
+                           "        if False:"),
+    "private-evict-count": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                            "                pieces.append((release, True, m))",
+                            "                pieces.append((release, True, max(1, m - 1)))"),
     "contract-last": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
                       "            elif seen_shadow:\n", "            elif False:\n"),
     "contract-grant": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
