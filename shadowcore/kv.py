@@ -615,6 +615,9 @@ class KVClassManager:
     # private owner's finished chain its idle run (state, hashes in idle order) until evicted or named.
     _num_private_held: int = attrs.field(init=False, default=0)
     _private_runs: dict[int, tuple[tuple, list[int]]] = attrs.field(init=False, factory=dict)
+    # The first block's hash of each private chain (held or idle) -> how many: a lookup that starts there
+    # names the private blocks first (match_prefix), so a private chain is found by hash like any other.
+    _private_heads: dict[int, int] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
@@ -701,6 +704,7 @@ class KVClassManager:
             left = self._idle_left
             for release, (state, hashes) in runs.items():
                 blocks.update(zip(hashes[len(hashes) - left[release] :], repeat(state)))
+                self._private_head(hashes[-1], -1)
             runs.clear()
         if held and self._num_private_held:
             for owner in self._owners.values():
@@ -716,6 +720,17 @@ class KVClassManager:
         blocks.update(zip(owner.hashes, repeat(_HELD[KVClass.NORMAL])))
         self._num_private_held -= len(owner.hashes)
         owner.private = False
+        if owner.hashes:
+            self._private_head(owner.hashes[0], -1)
+
+    def _private_head(self, block_hash: int, delta: int) -> None:
+        """One private chain more (``delta`` 1) or less (-1) starting at ``block_hash``."""
+        heads = self._private_heads
+        n = heads.get(block_hash, 0) + delta
+        if n:
+            heads[block_hash] = n
+        else:
+            del heads[block_hash]
 
     def class_of(self, block_hash: int) -> KVClass | None:
         if self._owed:
@@ -751,6 +766,9 @@ class KVClassManager:
         if self._owed:
             self._settle()
         n_dev = _run_length(self._blocks, hashes)
+        if not n_dev and self._private_heads and hashes and hashes[0] in self._private_heads:
+            self._name_private()  # a lookup of a private chain (its owner's own, or a test's): by hash from now on
+            n_dev = _run_length(self._blocks, hashes)
         n_host = _run_length(self._host, itertools.islice(hashes, n_dev, None)) if self._host else 0
         return PrefixMatch(n_dev, n_host)
 
@@ -804,7 +822,9 @@ class KVClassManager:
             del self._idle_left[release]
             self._mixed.discard(release)
             if self._private_runs:
-                self._private_runs.pop(release, None)
+                run = self._private_runs.pop(release, None)
+                if run is not None:
+                    self._private_head(run[1][-1], -1)
 
     def _evicted_from_idle(self, releases: list[int]) -> None:
         """:meth:`_leave_idle` for the releases of evicted blocks of one
@@ -909,6 +929,8 @@ class KVClassManager:
         self._take(num_new, kv_class, now_s, protect=(), owe=True)
         self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks, private=True)
         self._num_private_held += len(hashes)
+        if hashes:
+            self._private_head(hashes[0], 1)
         return Allocation(0, 0, num_new, 0.0, 0)
 
     def extend(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, now_s: float) -> bool:
@@ -1171,6 +1193,8 @@ class KVClassManager:
         if host and not host.keys().isdisjoint(tail):
             self.num_reloaded_blocks += _run_length(host, tail)
             self._host_tier.take(tail)
+        if hashes and not k:
+            self._private_head(hashes[0], 1)  # an empty head: the chain starts with its tail
         if hashes:
             release = self._num_releases + 1
             idle_state = (False, 0, now_s, release)

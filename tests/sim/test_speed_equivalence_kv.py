@@ -135,6 +135,7 @@ _PRIVATE_OP = st.one_of(
     st.tuples(st.just("grow"), st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), min_size=1, max_size=3)),
     st.tuples(st.just("room"),),
     st.tuples(st.just("query"),),
+    st.tuples(st.just("lookup"), st.integers(0, 40), st.integers(0, 8)),
 )
 
 
@@ -189,6 +190,10 @@ def test_private_blocks_equal_named_ones(host: bool, order: str, ops: list) -> N
             assert priv.extend_private(needs, now) == named.extend_private(needs, now)
         elif op[0] == "room":
             assert priv.shadow_room_blocks(now) == named.shadow_room_blocks(now)
+        elif op[0] == "lookup":  # a prefix lookup of a fresh chain (idle, held, evicted or spilled) finds it
+            chains = [*range(6), *range(100, 100 + n)]  # the shared chains, and every op's fresh one
+            hashes = _chain(chains[op[1] % len(chains)], op[2])
+            assert priv.match_prefix(hashes) == named.match_prefix(hashes), (n, op)
         elif op[0] == "query":  # a by-hash query names the private blocks; then every block compares
             assert not priv.is_cached(-1)
             assert _state(priv) == _state(named), (n, op)
