@@ -424,6 +424,21 @@ class _IdleRuns(Mapping):
     def __reversed__(self) -> Iterator[int]:
         return reversed(list(self))
 
+    def private_head_of(self, victims: Sequence[int]) -> int | None:
+        """The release of the head run when it is private and ``victims``
+        are its next live entries (O(1) for a range), else None."""
+        runs = self._runs
+        if not runs:
+            return None
+        state, hashes = runs[0]
+        release = state[3]
+        if release not in self._anon:
+            return None
+        start = max(self._pos, len(hashes) - self._releases.get(release, 0))
+        if type(hashes) is type(victims) and hashes[start : start + len(victims)] == victims:
+            return release
+        return None
+
     def runs_from_head(self) -> Iterator[tuple[tuple, Sequence[int]]]:
         """The runs as ``(state, hashes)`` in order, the head run from its
         first untrimmed entry (entries before it are not live); dead and
@@ -720,6 +735,7 @@ class KVClassManager:
         blocks.update(zip(owner.hashes, repeat(_HELD[KVClass.NORMAL])))
         self._num_private_held -= len(owner.hashes)
         owner.private = False
+        owner.hashes = list(owner.hashes)  # it may be a range
         if owner.hashes:
             self._private_head(owner.hashes[0], -1)
 
@@ -927,7 +943,9 @@ class KVClassManager:
         if num_new > self.num_free_blocks and self.num_free_blocks + self.num_idle_blocks < num_new:
             return None  # _can_take of a normal owner with nothing excluded
         self._take(num_new, kv_class, now_s, protect=(), owe=True)
-        self._owners[owner_id] = _Owner(kv_class, list(hashes), num_private_blocks, private=True)
+        # A range (consecutive hashes) is kept as it is: slices, reversal and comparisons of ranges are O(1).
+        kept = hashes if isinstance(hashes, range) else list(hashes)
+        self._owners[owner_id] = _Owner(kv_class, kept, num_private_blocks, private=True)
         self._num_private_held += len(hashes)
         if hashes:
             self._private_head(hashes[0], 1)
@@ -956,7 +974,8 @@ class KVClassManager:
         if in_host:
             self._host_tier.take(fresh)
         self._blocks.update(zip(fresh, repeat(_HELD[owner.kv_class])))
-        owner.hashes.extend(hashes)
+        if hashes:  # (a private owner's may be a range; it is named above when it grows by hashes)
+            owner.hashes.extend(hashes)
         owner.num_private_blocks += num_private_blocks
         return True
 
@@ -1178,13 +1197,18 @@ class KVClassManager:
         False (nothing changed) when the chain case does not apply."""
         head = owner.hashes
         k = len(head)
-        if not isinstance(hashes, list):
+        if not isinstance(hashes, (list, range)):
             hashes = list(hashes)
+        if type(hashes) is not type(head):  # a list and a range never compare equal
+            hashes = list(hashes) if isinstance(head, list) else hashes
+            if type(hashes) is not type(head):
+                return False
         if len(hashes) < k or hashes[:k] != head:
             return False
         tail = hashes[k:]
+        distinct = isinstance(hashes, range) or len(set(hashes)) == len(hashes)  # a range's are (step 1)
         if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not self._blocks.keys().isdisjoint(tail)
-                or len(set(hashes)) != len(hashes)):
+                or not distinct):
             return False
         del self._owners[owner_id]
         self._num_private_held -= k
@@ -1337,7 +1361,11 @@ class KVClassManager:
         call per block."""
         blocks = self._blocks
         if self._private_runs and cls is KVClass.NORMAL:
-            self._evict_with_private(victims)
+            release = self._idle[cls].private_head_of(victims)
+            if release is not None:  # the usual: the next blocks of the head run, a private one
+                self._left_release(release, len(victims))
+            else:
+                self._evict_with_private(victims)
         else:
             self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
         self._idle[cls].evicted(victims)  # their idle entries are stale now
@@ -1364,13 +1392,13 @@ class KVClassManager:
             if release in private:
                 start = len(hashes) - left[release]
                 m = min(n - i, left[release])
-                if hashes[start : start + m] != victims[i : i + m]:
+                if list(hashes[start : start + m]) != list(victims[i : i + m]):
                     break
                 pieces.append((release, True, m))
             else:
                 live = list(islice(compress(hashes, map(is_, map(blocks.get, hashes), repeat(state))), n - i))
                 m = len(live)
-                if live != victims[i : i + m]:
+                if live != list(victims[i : i + m]):
                     break
                 pieces.append((release, False, live))
             i += m

@@ -259,6 +259,10 @@ MUTATIONS: dict[str, tuple] = {
     "private-run": ("tests/sim/test_speed_equivalence_macro.py", "test_private_normal_kv_changes_nothing",
                     "shadowcore/kv.py", "            self._private_runs[release] = (idle_state, order)\n",
                     "            self._private_runs[release] = (idle_state, order[1:])\n"),
+    "private-extend": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                       "        if hashes:  # (a private owner's may be a range; it is named above when it grows by hashes)\n"
+                       "            owner.hashes.extend(hashes)\n",
+                       "        owner.hashes.extend(hashes)\n"),
     "private-evict-count": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                             "                pieces.append((release, True, m))",
                             "                pieces.append((release, True, max(1, m - 1)))"),

@@ -124,6 +124,11 @@ def _observed(kv: KVClassManager) -> tuple:
             kv.idle_order(KVClass.NORMAL), owners, kv._num_cold_idle)
 
 
+def _run(c: int, n: int) -> list[int] | range:
+    """``_chain(c, n)``, a fresh chain (c >= 100) as a range (what ``SessionHistory.block_hash_run`` gives)."""
+    return range(c * 1000, c * 1000 + n) if c >= 100 else _chain(c, n)
+
+
 _PRIVATE_OP = st.one_of(
     st.tuples(st.just("alloc"), st.integers(0, 5), st.integers(0, 8), st.integers(0, 2), st.booleans()),
     st.tuples(st.just("fresh"), st.integers(0, 8), st.integers(0, 2)),
@@ -136,6 +141,7 @@ _PRIVATE_OP = st.one_of(
     st.tuples(st.just("room"),),
     st.tuples(st.just("query"),),
     st.tuples(st.just("lookup"), st.integers(0, 40), st.integers(0, 8)),
+    st.tuples(st.just("extend"), st.integers(0, 40), st.integers(1, 6)),
 )
 
 
@@ -168,7 +174,7 @@ def test_private_blocks_equal_named_ones(host: bool, order: str, ops: list) -> N
                 cls, private = KVClass.NORMAL, False
             else:
                 continue
-            a = priv.allocate(f"o{n}", _chain(chain, length), extra, cls, now, private=private)
+            a = priv.allocate(f"o{n}", _run(chain, length), extra, cls, now, private=private)
             b = named.allocate(f"o{n}", _chain(chain, length), extra, cls, now)
             assert a == b
             if a is not None:
@@ -182,18 +188,21 @@ def test_private_blocks_equal_named_ones(host: bool, order: str, ops: list) -> N
         elif op[0] == "finish" and owners:
             owner, chain, _ = owners.pop(op[1] % len(owners))
             hashes = _chain(chain, len(named._owners[owner].hashes) + op[2])
-            priv.release_and_cache(owner, hashes, f"commit{n}", now)
+            priv.release_and_cache(owner, _run(chain, len(hashes)), f"commit{n}", now)
             named.release_and_cache(owner, hashes, f"commit{n}", now)
         elif op[0] == "grow":
             normal = [o for o, _, cls in owners if cls is KVClass.NORMAL]
             needs = list({normal[i % len(normal)]: k for i, k in op[1]}.items()) if normal else []
             assert priv.extend_private(needs, now) == named.extend_private(needs, now)
+        elif op[0] == "extend" and owners:  # a decode's block one call at a time (the engine's _reserve)
+            owner, _, cls = owners[op[1] % len(owners)]
+            assert priv.extend(owner, (), op[2], now) == named.extend(owner, (), op[2], now), (n, op)
         elif op[0] == "room":
             assert priv.shadow_room_blocks(now) == named.shadow_room_blocks(now)
         elif op[0] == "lookup":  # a prefix lookup of a fresh chain (idle, held, evicted or spilled) finds it
             chains = [*range(6), *range(100, 100 + n)]  # the shared chains, and every op's fresh one
-            hashes = _chain(chains[op[1] % len(chains)], op[2])
-            assert priv.match_prefix(hashes) == named.match_prefix(hashes), (n, op)
+            chain = chains[op[1] % len(chains)]
+            assert priv.match_prefix(_run(chain, op[2])) == named.match_prefix(_chain(chain, op[2])), (n, op)
         elif op[0] == "query":  # a by-hash query names the private blocks; then every block compares
             assert not priv.is_cached(-1)
             assert _state(priv) == _state(named), (n, op)
