@@ -463,7 +463,16 @@ class _IdleRuns(Mapping):
         return self._blocks[block_hash][2]
 
     def values(self) -> Iterator[float]:
-        return map(_SINCE, map(self._blocks.__getitem__, iter(self)))
+        return map(_SECOND, self._pairs())
+
+    def _pairs(self) -> Iterator[tuple[int, float]]:
+        """(hash, idle since) of the live entries in order: a live entry's block holds its run's state,
+        and a private run's blocks keep it, so every entry of a run went idle at ``state[2]``."""
+        self._trim()
+        releases = self._releases
+        for k, (state, hashes) in enumerate(self._runs):
+            if k == 0 or state[3] in releases:
+                yield from zip(self._live(state, hashes, self._pos if k == 0 else 0), repeat(state[2]))
 
     def items(self) -> _IdleItems:
         return _IdleItems(self)
@@ -478,8 +487,7 @@ class _IdleItems:
         self._idle = idle
 
     def __iter__(self) -> Iterator[tuple[int, float]]:
-        idle = self._idle
-        return zip(iter(idle), idle.values())  # both trim first: the same live order
+        return self._idle._pairs()
 
     def __reversed__(self) -> Iterator[tuple[int, float]]:
         return reversed(list(self))
@@ -712,8 +720,9 @@ class KVClassManager:
         the block map: the idle ones (each with its release's idle state, so
         its idle-order entry is live as a named one), and with ``held`` the
         held ones too. A change of representation only: nothing a caller can
-        see changes. Done before anything that reads idle blocks one by one
-        by hash (the policy's general victim order, per-block queries)."""
+        see changes. Done before a per-block query or a lookup of a private
+        chain (the idle orders and the policy's victim orders read private
+        runs as they are)."""
         runs, blocks = self._private_runs, self._blocks
         if runs:
             left = self._idle_left
@@ -1240,8 +1249,6 @@ class KVClassManager:
             return False
         if num <= self.num_free_blocks:
             return True
-        if kv_class is not KVClass.NORMAL:
-            self._name_private(held=False)  # the policy's general order reads idle blocks by hash
         excluded = set(compress(exclude, map(not_, map(_REF, map(self._blocks.__getitem__, exclude)))))  # the idle
         if kv_class is KVClass.NORMAL:  # any idle block but the excluded ones (all idle: ref count 0)
             return self.num_free_blocks + self.num_idle_blocks - len(excluded) >= num
@@ -1347,8 +1354,6 @@ class KVClassManager:
     def _evict(self, num: int, requester: KVClass, now_s: float, protect: set[int]) -> None:
         """Evict the first ``num`` of the policy's victims for ``requester``
         (:meth:`KVClassPolicy.victim_runs`), in that order."""
-        if self._private_runs and not self.policy.takes_heads(requester, protect):
-            self._name_private(held=False)  # the policy's general order reads idle blocks by hash
         runs = self.policy.victim_runs(self._idle, requester, num, now_s, protect)
         if sum(map(len, map(_SECOND, runs))) < num:
             raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked

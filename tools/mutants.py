@@ -238,7 +238,7 @@ MUTATIONS: dict[str, tuple] = {
                     "return requester is KVClass.NORMAL and not protect"),
     # private blocks (issue 17: a normal request's fresh prompt out of the block map): a finished chain goes
     # idle tail first; a private run's live entries are its last idle-left ones (head trim, iteration); naming
-    # gives only the blocks still idle their entries; any order but the heads' names private blocks first
+    # gives only the blocks still idle their entries; the policy's general orders read a private run's idle times
     "private-order": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                       "            order = hashes[::-1]\n            self._private_runs[release]",
                       "            order = hashes\n            self._private_runs[release]"),
@@ -251,8 +251,8 @@ MUTATIONS: dict[str, tuple] = {
                      "blocks.update(zip(hashes[len(hashes) - left[release] :], repeat(state)))",
                      "blocks.update(zip(hashes, repeat(state)))"),
     "private-name-order": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
-                           "        if self._private_runs and not self.policy.takes_heads(requester, protect):",
-                           "        if False:"),
+                           "        return map(_SECOND, self._pairs())",
+                           "        return map(_SINCE, map(self._blocks.get, iter(self), repeat((0, 0, 0.0, 0))))"),
     "private-lookup": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                        "        if not n_dev and self._private_heads and hashes and hashes[0] in self._private_heads:",
                        "        if False:"),

@@ -148,6 +148,10 @@ _PRIVATE_OP = st.one_of(
 @pytest.mark.parametrize(("host", "order"), [(False, "shadow-first"), (True, "shadow-first"), (True, "lru")])
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(st.tuples(_PRIVATE_OP, st.sampled_from([0.0, 0.5, 3.0])), max_size=60))
+# An idle shadow run older than an idle private run, then a normal allocation that evicts: "lru" takes the
+# shadow one first (a private run's entries keep their release's idle time).
+@example(ops=[(("alloc", 0, 4, 0, True), 0.0), (("release", 0), 0.5), (("fresh", 4, 0), 0.5),
+              (("finish", 0, 0), 0.5), (("fresh", 8, 4), 0.0)])
 def test_private_blocks_equal_named_ones(host: bool, order: str, ops: list) -> None:
     """``allocate(private=True)`` (a normal request's fresh prompt: its blocks
     kept out of the block map) leaves everything a caller sees as the same
