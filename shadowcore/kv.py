@@ -378,10 +378,12 @@ class _IdleRuns(Mapping):
                 runs.append((state, live))
         self._runs, self._pos, self._stored = runs, 0, self.count
 
-    def first(self, num: int) -> list[int]:
+    def first(self, num: int) -> list[int] | _HeadRun:
         """``list(islice(self, num))``: the next ``num`` to evict, in order
         (fewer when there are not that many); a slice of the head run when
-        they are its next entries (the usual case)."""
+        they are its next entries (the usual case). While the order holds
+        private runs, a :class:`_HeadRun` of the same entries (per run,
+        nothing materialised)."""
         if not self.count:
             return []
         if num >= self.count:
@@ -390,6 +392,8 @@ class _IdleRuns(Mapping):
         state, hashes = self._runs[0]
         pos = self._pos
         releases, mixed = self._releases, self._mixed
+        if self._anon:
+            return self._head_run(num)
         if pos + num <= len(hashes):
             head = hashes[pos : pos + num]
             if (num == 1 or (state[3] not in mixed and releases[state[3]] == len(hashes) - pos)  # trimmed: [0] live
@@ -407,6 +411,25 @@ class _IdleRuns(Mapping):
                     break
             pos = 0
         return out
+
+    def _head_run(self, num: int) -> _HeadRun:
+        """:meth:`first` as the runs' pieces (after the trim; ``num`` < count)."""
+        releases, mixed = self._releases, self._mixed
+        pieces, got, pos = [], 0, self._pos
+        for state, hashes in self._runs:
+            release = state[3]
+            if pos or release in releases:
+                if release not in mixed and releases[release] == len(hashes) - pos:  # clean: a slice
+                    piece = hashes[pos : pos + num - got]
+                else:
+                    piece = list(islice(self._live(state, hashes, pos), num - got))
+                if piece:
+                    pieces.append((state, piece))
+                    got += len(piece)
+                if got == num:
+                    break
+            pos = 0
+        return _HeadRun(pieces, got)
 
     def __iter__(self) -> Iterator[int]:
         self._trim()
@@ -476,6 +499,35 @@ class _IdleRuns(Mapping):
 
     def items(self) -> _IdleItems:
         return _IdleItems(self)
+
+
+class _HeadRun(Sequence):
+    """The next blocks of an idle order from its head, as ``(state, hashes)``
+    pieces, one per run (a private run's hashes may be a range): what
+    :meth:`_IdleRuns.first` gives while the order holds private runs, so an
+    eviction goes per run, not per block. A sequence of the hashes in
+    order (materialised only when read by index)."""
+
+    __slots__ = ("_list", "n", "pieces")
+
+    def __init__(self, pieces: list[tuple[tuple, Sequence[int]]], n: int) -> None:
+        self.pieces, self.n, self._list = pieces, n, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain.from_iterable(map(_SECOND, self.pieces))
+
+    def __getitem__(self, index):
+        if self._list is None:
+            self._list = list(self)
+        return self._list[index]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None
 
 
 class _IdleItems:
@@ -1365,6 +1417,9 @@ class KVClassManager:
         (to the host tier if any): one C-level pass per step, not a Python
         call per block."""
         blocks = self._blocks
+        if type(victims) is _HeadRun:  # the head's next blocks, per run (the idle order holds private runs)
+            self._evict_head_run(victims, cls)
+            return
         if self._private_runs and cls is KVClass.NORMAL:
             release = self._idle[cls].private_head_of(victims)
             if release is not None:  # the usual: the next blocks of the head run, a private one
@@ -1376,6 +1431,25 @@ class KVClassManager:
         self._idle[cls].evicted(victims)  # their idle entries are stale now
         if self.policy.host is not None:
             self._spill(victims, cls)
+        if cls is KVClass.SHADOW:
+            self._num_shadow_blocks -= len(victims)
+        self._num_evicted_blocks[cls] += len(victims)
+        self._eviction_count += len(victims)
+
+    def _evict_head_run(self, victims: _HeadRun, cls: KVClass) -> None:
+        """:meth:`_evict_blocks` of a :class:`_HeadRun`: per run, a private
+        one by count, a named one popped from the map; spilled run by run
+        (an LRU keeps the same last ``capacity`` either way)."""
+        blocks, private = self._blocks, self._private_runs
+        for state, piece in victims.pieces:
+            release = state[3]
+            if release not in private:
+                deque(map(blocks.__delitem__, piece), 0)
+            self._left_release(release, len(piece))
+        self._idle[cls].left(len(victims))
+        if self.policy.host is not None:
+            for _, piece in victims.pieces:
+                self._spill(piece, cls)
         if cls is KVClass.SHADOW:
             self._num_shadow_blocks -= len(victims)
         self._num_evicted_blocks[cls] += len(victims)
