@@ -260,8 +260,8 @@ MUTATIONS: dict[str, tuple] = {
                     "shadowcore/kv.py", "            self._private_runs[release] = (idle_state, order)\n",
                     "            self._private_runs[release] = (idle_state, order[1:])\n"),
     "private-extend": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
-                       "        if hashes:  # (a private owner's may be a range; it is named above when it grows by hashes)\n"
-                       "            owner.hashes.extend(hashes)\n",
+                       ("        if hashes:  # (a private owner's may be a range; it is named above when it grows by hashes)\n"
+                        "            owner.hashes.extend(hashes)\n"),
                        "        owner.hashes.extend(hashes)\n"),
     "private-head-run": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                          "            if release not in private:\n                deque(map(blocks.__delitem__, piece), 0)",
