@@ -48,7 +48,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -105,13 +105,16 @@ class Pusher:
     config: PDConfig
     metrics: GatewayMetrics
     client: aiohttp.ClientSession | None = None  # set by the dispatcher at start
+    #: whether a session has not ended: an offer or a finished push of an ended one records nothing
+    is_live: Callable[[str], bool] = lambda _session_id: True
     pending: dict[str, OrderedDict[tuple[str, str], Push]] = attrs.field(factory=dict)
     inflight: dict[str, asyncio.Task] = attrs.field(factory=dict)
     _closed: bool = False
 
     def offer(self, push: Push) -> None:
         """A shadow prefix P finished: queue it for the session's sticky D of ``push.model``."""
-        if not self.config.push or self._closed or not self.cluster.is_pd(push.model):
+        if (not self.config.push or self._closed or not self.cluster.is_pd(push.model)
+                or not self.is_live(push.session_id)):
             return
         dest = self.cluster.decode_for(push.session_id, push.model)
         block = dest.model.block_size
@@ -149,7 +152,8 @@ class Pusher:
         if outcome in ("completed", "partial", "superseded"):
             before = self._held(dest, push)
             if num_held > before:
-                self.cluster.record_shadow(dest.id, push.session_id, push.token_ids, num_held)
+                if self.is_live(push.session_id):  # an ended session keeps no entry
+                    self.cluster.record_shadow(dest.id, push.session_id, push.token_ids, num_held)
                 self.metrics.push_tokens.labels(push.model).inc(num_held - before)
         else:
             self.metrics.errors.labels("push", dest.id).inc()

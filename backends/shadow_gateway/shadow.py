@@ -102,7 +102,13 @@ class ShadowDispatcher:
     _wake_scheduled: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
-        self.pusher = Pusher(self.cluster, self.pd, self.metrics)
+        self.pusher = Pusher(self.cluster, self.pd, self.metrics, is_live=self.is_live)
+
+    def is_live(self, session_id: str) -> bool:
+        """Whether the session has not ended: a shadow or a push that finishes
+        after its session ended records nothing (no prefix known, no sticky D),
+        so an ended session keeps no entry whatever was in flight."""
+        return session_id in self.manager
 
     def start(self) -> None:
         c = self.config
@@ -268,7 +274,8 @@ class ShadowDispatcher:
     def _account(self, inst: InstanceState, mode: str, outcome: str, session_id: str, ids: Sequence[int],
                  num_context: int, num_tokens: int) -> None:
         if outcome in ("completed", "partial"):
-            self.cluster.record_shadow(inst.id, session_id, ids, num_context)
+            if self.is_live(session_id):
+                self.cluster.record_shadow(inst.id, session_id, ids, num_context)
             self.metrics.shadow_tokens_submitted.labels(inst.model.name, mode).inc(num_tokens)
         else:
             self.metrics.errors.labels("shadow", inst.id).inc()

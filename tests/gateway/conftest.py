@@ -39,7 +39,7 @@ class GatewayServer:
 
     def start(self) -> GatewayServer:
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # generous: four vLLM servers may share the 2 cores with it
         while not self.server.started:
             assert time.monotonic() < deadline, "gateway did not start"
             time.sleep(0.01)

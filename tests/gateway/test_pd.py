@@ -8,6 +8,7 @@ no KV; tests/gateway/test_pd_vllm.py runs the same path on real vLLM engines.)""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -129,6 +130,39 @@ def test_pd_call_goes_p_then_sticky_d_and_shadows_push_toward_the_other_models_d
     # the session's end forgets its sticky D and pending pushes
     assert client.delete(gw.url + "/v1/shadowprefill/sessions/s1").status_code in (200, 204)
     assert gw.gateway.cluster.num_sticky_decode() == 0 and gw.gateway.shadows.num_session_entries() == 0
+
+
+@pytest.mark.parametrize("late", ["shadow", "push"])
+def test_a_shadow_or_push_finishing_after_its_session_ended_records_nothing(upstreams, gateway, client, late):
+    """DELETE while the switch's shadow on a's P (or its push to a's D) is in
+    flight: when it answers, the ended session gets no known prefix, no push
+    and no sticky D back (the race that failed the test above under load: a
+    late push offer picked, and so re-created, the session's sticky D)."""
+    p_a, d_a, p_b, d_b = upstreams(1), upstreams(2), upstreams(1), upstreams(1)
+    gw = gateway(_pd_config(p_a, d_a, p_b, d_b))
+    prompt = "You are an agent. " * 6
+    _call(client, gw, "a", prompt)
+    for slow in (p_a if late == "shadow" else d_a):
+        slow.delay_s = 0.3  # answers the shadow of the switch's context (or its push) late
+
+    def pushes_to_a() -> list:
+        return [b for d in d_a for _, b in d.requests if b.get("max_tokens") == 1]
+
+    _call(client, gw, "b", prompt + " next.")
+    wait_for(lambda: p_a[0].shadow_requests() if late == "shadow" else pushes_to_a(), what=f"the {late} in flight")
+    assert client.delete(gw.url + "/v1/shadowprefill/sessions/s1").status_code in (200, 204)
+    cluster = gw.gateway.cluster
+    assert cluster.num_sticky_decode() == 0
+    if late == "shadow":
+        wait_for(lambda: gw.metric("shadowprefill_gateway_shadow_requests_total", model="a", mode="tagged",
+                                   outcome="completed") >= 1, what="the late shadow's answer")
+        time.sleep(0.3)  # a push, had one been offered, starts and ends meanwhile
+        assert not pushes_to_a()
+    else:
+        wait_for(lambda: gw.metric("shadowprefill_gateway_pushes_total", model="a", outcome="completed") >= 1,
+                 what="the late push's answer")
+    assert cluster.num_sticky_decode() == 0 and gw.gateway.shadows.num_session_entries() == 0
+    assert not [inst.id for inst in cluster.by_id.values() if "s1" in inst.known]
 
 
 def test_pd_streaming_call_and_a_dead_decode_instance(upstreams, gateway, client):
