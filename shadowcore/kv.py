@@ -63,6 +63,13 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
 * A fast path only takes a run whose blocks are distinct and alike (one
   class, one owner holding them); anything else goes block by block, with
   the same result.
+* Private blocks (``allocate(private=True)``: a normal request's fresh
+  prompt, whose hashes nothing else names) stay out of the block map: held,
+  a count; finished, one idle run whose live entries are the last ones its
+  release has idle (only eviction, from the run's front, takes them), evicted
+  by count. A preemption, a lookup starting at a private chain's first block
+  and a by-hash query give them their entries first, so every result and
+  query equals the same calls without ``private``.
 """
 
 from __future__ import annotations
@@ -275,6 +282,9 @@ class _IdleRuns(Mapping):
     class left (:meth:`left`). So a release costs O(1) here and a hit or an
     eviction nothing per block, where an ordered dict costs a node per block
     on each.
+
+    A private run (its release in ``anon``: blocks not in ``blocks``) is
+    the exception: its live entries are its last ``releases[r]`` ones.
 
     Invariants: ``count`` is the number of live entries; iteration yields
     the live ones in run order, which is the release order (the order an
