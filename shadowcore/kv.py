@@ -174,8 +174,9 @@ class KVClassPolicy:
         ``groupby(islice(victims(...), num))``; the common case (shadow-first,
         a normal requester, nothing protected: each class's release order from
         its head) slices the idle maps directly: an idle map that has a
-        ``first(num)`` method (the manager's: equal to
-        ``list(islice(m, num))``) is asked for it."""
+        ``first(num)`` method (the manager's: a sequence equal to
+        ``list(islice(m, num))``, per run while it holds private runs) is
+        asked for it, and its sequence is the class's run as it is."""
         if self.takes_heads(requester, protect):
             runs = []
             for cls in _SHADOW_FIRST:
