@@ -46,6 +46,11 @@ from shadowcore.switch import SwitchPredictor, Targeting, rank_targets
 from shadowcore.types import CallArrival, CallPlacement, JobKey
 
 
+def _priority(job: ShadowJob) -> tuple[float, int]:
+    """``pending_jobs``' order: highest switch probability first, then creation order."""
+    return -job.switch_probability, job.sequence
+
+
 @runtime_checkable
 class ClusterPort(Protocol):
     """What a backend tells the router side about its instances."""
@@ -233,7 +238,8 @@ class ShadowManager:
                 complete.append(sequence)
         for sequence in complete:
             del active[sequence]
-        jobs.sort(key=lambda j: (-j.switch_probability, j.sequence))
+        if len(jobs) > 1:
+            jobs.sort(key=_priority)
         return jobs
 
     def num_active_jobs(self, instance_id: str) -> int:

@@ -36,7 +36,6 @@ paths are bit-identical to those without):
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -138,12 +137,23 @@ def plans_nothing(hook: EngineHook) -> bool:
     return kind is not None and kind.never_grants
 
 
-def skip_accounting(hook: EngineHook) -> Callable[[float, bool, bool], None] | None:
-    """:func:`skip_step` for this hook as one callable ``(duration_s,
-    decode_only, routed)``, or None when it does nothing (an engine may then leave
-    the calls out). Only for a hook whose steps may be skipped."""
+def tick_accounting(hook: EngineHook, decode_only: bool, routed: bool) -> Callable[[float], None] | None:
+    """:func:`skip_step` for a run of skipped iterations of one shape
+    (``decode_only``, ``routed``) as one callable ``(duration_s)``, or None when
+    it does nothing for that shape: what a credit controller's skipped step
+    does is decided by its credit's ``accrues(decode_only, routed)``, which
+    reads only its configuration, so it is asked once per run, not per
+    iteration (``_earn_decode_credit``'s rule, one owner). Only for a hook
+    whose steps may be skipped, and only while nothing changes the controller's
+    configuration (a run of an engine's own steady iterations)."""
     kind = _SKIPPABLE[type(hook.slack)]
-    return None if kind.observe_skipped is None else functools.partial(kind.observe_skipped, hook.slack)
+    if kind.observe_skipped is None:
+        return None
+    if kind.observe_skipped is _earn_decode_credit:
+        credit = hook.slack.credit
+        return credit.earn_s if credit.accrues(decode_only, routed) else None
+    observe, slack = kind.observe_skipped, hook.slack
+    return lambda duration_s: observe(slack, duration_s, decode_only, routed)
 
 
 def skip_step(hook: EngineHook, duration_s: float, decode_only: bool, routed: bool) -> None:

@@ -585,11 +585,16 @@ class EngineInstance:
         given the shadow room apart: the field here is 0, never read)."""
         eager = self._eager
         members = len(self.running) - len(self._prefilling) - len(eager)
-        total = self._ctx_total - sum(r.num_computed_tokens for r in eager)
+        if eager:
+            total = self._ctx_total - sum(r.num_computed_tokens for r in eager)
+            views = [r.view(1) for r in eager]
+            views.extend(r.view(n) for r, n in entries)
+        else:  # the usual: routed calls are the only eager requests
+            total, views = self._ctx_total, [r.view(n) for r, n in entries]
         with _validation(self.validate_values):
             return StepSnapshot(
-                self.instance_id, self.iteration, now_s, [r.view(1) for r in eager] + [r.view(n) for r, n in entries],
-                len(self.waiting), blocked, self.tpot_slo_s, max(0, self.limits.token_budget - used), 0,
+                self.instance_id, self.iteration, now_s, views, len(self.waiting), blocked, self.tpot_slo_s,
+                max(0, self.limits.token_budget - used), 0,
                 DecodeAggregate(members, total, self._cohort_max(), self._cohort_min_slack_s))
 
     def _cohort_min_slack_s(self, now_s: float, margin: float) -> float:
@@ -821,7 +826,8 @@ class EngineInstance:
         if finish and finish[0][0] <= self.num_fast_iterations + 1:  # the end in flight finishes a member
             return now_s, 0, now_s
         predict, kv = self.latency.predict_decodes_s, self.kv
-        skip = _fastpath.skip_accounting(self.hook) if self.hook is not None else None
+        # the cohort is all of the batch: no routed call (those are eager, on_token is theirs)
+        tick = _fastpath.tick_accounting(self.hook, True, False) if self.hook is not None else None
         nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
         next_finish = finish[0][0] if finish else math.inf
         room = -2  # what reservations here may take: free and idle blocks, read at the first boundary
@@ -841,8 +847,8 @@ class EngineInstance:
                 busy += d  # the end of the iteration in flight (end_step)
                 clock, last = c, t
                 num += 1
-                if skip is not None:
-                    skip(d, True, False)  # no routed call: those are eager (on_token is theirs), the cohort is all
+                if tick is not None:
+                    tick(d)
                 total += nd
                 longest += 1
                 d = predict(nd, total, longest)  # the next iteration (start_step); may raise, as start_step would
