@@ -51,19 +51,19 @@ def record(policy: str, duration_s: float) -> list[tuple]:
         post_init(self)
         index[id(self)] = len(index)
         trace.append((index[id(self)], "__new__", (self.num_blocks, self.block_size, self.policy,
-                                                   self.kv_bytes_per_token)))
+                                                   self.kv_bytes_per_token), {}))
 
-    def copy(arg):
-        return [tuple(x) if isinstance(x, tuple) else x for x in arg] if isinstance(arg, (list, tuple, range)) else arg
+    def copy(arg):  # a range is immutable: kept (a private allocation's hashes are one)
+        return [tuple(x) if isinstance(x, tuple) else x for x in arg] if isinstance(arg, (list, tuple)) else arg
 
     def wrap(f, name):
-        def method(self, *args):
+        def method(self, *args, **kwargs):
             if depth[0]:
-                return f(self, *args)
-            trace.append((index[id(self)], name, tuple(map(copy, args))))
+                return f(self, *args, **kwargs)
+            trace.append((index[id(self)], name, tuple(map(copy, args)), kwargs))
             depth[0] += 1
             try:
-                return f(self, *args)
+                return f(self, *args, **kwargs)
             finally:
                 depth[0] -= 1
         return method
@@ -71,7 +71,7 @@ def record(policy: str, duration_s: float) -> list[tuple]:
     def wrap_property(p, name):
         def getter(self):
             if not depth[0]:
-                trace.append((index[id(self)], "." + name, ()))
+                trace.append((index[id(self)], "." + name, (), {}))
             return p.fget(self)
         return property(getter)
 
@@ -90,8 +90,17 @@ def record(policy: str, duration_s: float) -> list[tuple]:
 
 
 def _convert(mod, trace: list[tuple]) -> list[tuple]:
-    """The trace with the recording's KV classes and policies as ``mod``'s."""
+    """The trace with the recording's KV classes and policies as ``mod``'s; keyword arguments ``mod``'s
+    methods do not take are dropped (``allocate(private=True)``: the same result without it)."""
+    import inspect
+
     from shadowcore import kv
+
+    def kw(name: str, kwargs: dict) -> dict:
+        if not kwargs:
+            return kwargs
+        params = inspect.signature(getattr(mod.KVClassManager, name)).parameters
+        return {k: v for k, v in kwargs.items() if k in params}
 
     def conv(x):
         if isinstance(x, kv.KVClass):
@@ -101,7 +110,7 @@ def _convert(mod, trace: list[tuple]) -> list[tuple]:
             return mod.KVClassPolicy(x.shadow_cap_fraction, x.cold_age_s, host, x.eviction_order)
         return x
 
-    return [(i, n, tuple(map(conv, args))) for i, n, args in trace]
+    return [(i, n, tuple(map(conv, args)), kw(n, kwargs)) for i, n, args, kwargs in trace]
 
 
 def _plain(v):
@@ -126,12 +135,12 @@ def replay(mod, ops: list[tuple], collect: bool = False) -> tuple[float, list]:
     each manager's final state)."""
     managers, results = [], []
     t0 = time.process_time()
-    for i, name, args in ops:
+    for i, name, args, kwargs in ops:
         if name == "__new__":
             managers.append(mod.KVClassManager(*args))
             continue
         m = managers[i]
-        v = getattr(m, name[1:]) if name[0] == "." else getattr(m, name)(*args)
+        v = getattr(m, name[1:]) if name[0] == "." else getattr(m, name)(*args, **kwargs)
         if collect:
             results.append(_plain(v))
     cpu_s = time.process_time() - t0

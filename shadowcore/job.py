@@ -115,6 +115,18 @@ class SessionHistory:
             cache.extend(self._hashes(block_size, len(cache), n, cache[-1] if cache else 0))
         return cache[:n]
 
+    def block_hash_run(self, block_size: int, num_blocks: int | None = None) -> Sequence[int]:
+        """The values of :meth:`block_hashes`, as a ``range`` where they are
+        consecutive (count-only blocks whose digest does not wrap): no list
+        built, nothing cached. Otherwise :meth:`block_hashes`' list."""
+        full = self.num_full_blocks(block_size)
+        n = full if num_blocks is None else min(num_blocks, full)
+        if self.token_ids is None and type(self)._hashes is SessionHistory._hashes:
+            base = self._count_base()
+            if base + n <= _MASK64:
+                return range(base + 1, base + n + 1)
+        return self.block_hashes(block_size, n)
+
     def _count_base(self) -> int:
         """The 64-bit digest of (session, epoch) that count-only block hashes offset (one digest per epoch)."""
         if self._base_epoch != self.epoch:  # session_id never changes

@@ -63,6 +63,13 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
 * A fast path only takes a run whose blocks are distinct and alike (one
   class, one owner holding them); anything else goes block by block, with
   the same result.
+* Private blocks (``allocate(private=True)``: a normal request's fresh
+  prompt, whose hashes nothing else names) stay out of the block map: held,
+  a count; finished, one idle run whose live entries are the last ones its
+  release has idle (only eviction, from the run's front, takes them), evicted
+  by count. A preemption, a lookup starting at a private chain's first block
+  and a by-hash query give them their entries first, so every result and
+  query equals the same calls without ``private``.
 """
 
 from __future__ import annotations
@@ -167,9 +174,10 @@ class KVClassPolicy:
         ``groupby(islice(victims(...), num))``; the common case (shadow-first,
         a normal requester, nothing protected: each class's release order from
         its head) slices the idle maps directly: an idle map that has a
-        ``first(num)`` method (the manager's: equal to
-        ``list(islice(m, num))``) is asked for it."""
-        if self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect:
+        ``first(num)`` method (the manager's: a sequence equal to
+        ``list(islice(m, num))``, per run while it holds private runs) is
+        asked for it, and its sequence is the class's run as it is."""
+        if self.takes_heads(requester, protect):
             runs = []
             for cls in _SHADOW_FIRST:
                 if num <= 0:
@@ -182,6 +190,13 @@ class KVClassPolicy:
             return runs
         chosen = itertools.islice(self.victims(idle, requester, now_s, protect), num)
         return [(cls, [block for block, _ in run]) for cls, run in itertools.groupby(chosen, itemgetter(1))]
+
+    def takes_heads(self, requester: KVClass, protect: Container = ()) -> bool:
+        """Whether :meth:`victim_runs` for ``requester`` takes each class's
+        release order from its head (shadow-first, a normal requester, nothing
+        protected): no cold check, nothing skipped, nothing read but the
+        heads' next blocks."""
+        return self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect
 
     def _class_victims(self, idle: Mapping[KVClass, Mapping[_B, float]], shadow_requester: bool, now_s: float,
                        protect: Container[_B]) -> Iterator[tuple[_B, KVClass]]:
@@ -269,6 +284,9 @@ class _IdleRuns(Mapping):
     eviction nothing per block, where an ordered dict costs a node per block
     on each.
 
+    A private run (its release in ``anon``: blocks not in ``blocks``) is
+    the exception: its live entries are its last ``releases[r]`` ones.
+
     Invariants: ``count`` is the number of live entries; iteration yields
     the live ones in run order, which is the release order (the order an
     ordered dict of the same insertions and deletions has); stale entries
@@ -277,13 +295,17 @@ class _IdleRuns(Mapping):
     ``_COMPACT_SLACK`` (amortised O(1) per stale entry). The owner must not
     change the order while it iterates."""
 
-    __slots__ = ("_blocks", "_mixed", "_pos", "_releases", "_runs", "_shadow", "_stored", "count")
+    __slots__ = ("_anon", "_blocks", "_mixed", "_pos", "_releases", "_runs", "_shadow", "_stored", "count")
 
-    def __init__(self, blocks: dict[int, tuple], shadow: bool, releases: dict[int, int], mixed: Container[int]) -> None:
+    def __init__(self, blocks: dict[int, tuple], shadow: bool, releases: dict[int, int], mixed: Container[int],
+                 anon: Container[int] = ()) -> None:
         # releases: per release, its blocks still idle; mixed: the releases that made blocks of both classes idle.
         # A run of a release not mixed whose idle count is the number of its entries from the head on has no
         # stale entry there (its live entries are all at or after the head).
+        # anon: the releases whose runs are private (KVClassManager: blocks not in ``blocks``): such a run's
+        # blocks leave idle only by eviction from its front, so its live entries are its last ``releases[r]``.
         self._blocks, self._shadow, self._releases, self._mixed = blocks, shadow, releases, mixed
+        self._anon = anon
         self._runs: deque[tuple[tuple, list[int]]] = deque()
         self._pos = 0  # the head run's first entry not yet trimmed
         self.count = 0  # live entries
@@ -320,6 +342,8 @@ class _IdleRuns(Mapping):
         self.left(len(victims))
 
     def _live(self, state: tuple, hashes: Sequence[int], start: int = 0) -> Iterator[int]:
+        if state[3] in self._anon:  # a private run: its last releases[r] entries are live
+            return islice(hashes, max(start, len(hashes) - self._releases.get(state[3], 0)), None)
         return compress(islice(hashes, start, None), map(is_, map(self._blocks.get, islice(hashes, start, None)),
                                                          repeat(state)))
 
@@ -334,6 +358,11 @@ class _IdleRuns(Mapping):
                 self._stored -= n - pos
                 self._pos = 0
                 continue
+            if state[3] in self._anon:  # a private run: live from its last releases[r] entries on
+                live_from = max(pos, n - releases[state[3]])
+                self._stored -= live_from - pos
+                self._pos = live_from
+                return
             if pos < n and get(hashes[pos]) is state:
                 return
             if pos + 1 < n and get(hashes[pos + 1]) is state:  # the usual: the head was just evicted
@@ -360,10 +389,12 @@ class _IdleRuns(Mapping):
                 runs.append((state, live))
         self._runs, self._pos, self._stored = runs, 0, self.count
 
-    def first(self, num: int) -> list[int]:
+    def first(self, num: int) -> list[int] | _HeadRun:
         """``list(islice(self, num))``: the next ``num`` to evict, in order
         (fewer when there are not that many); a slice of the head run when
-        they are its next entries (the usual case)."""
+        they are its next entries (the usual case). While the order holds
+        private runs, a :class:`_HeadRun` of the same entries (per run,
+        nothing materialised)."""
         if not self.count:
             return []
         if num >= self.count:
@@ -372,6 +403,8 @@ class _IdleRuns(Mapping):
         state, hashes = self._runs[0]
         pos = self._pos
         releases, mixed = self._releases, self._mixed
+        if self._anon:
+            return self._head_run(num)
         if pos + num <= len(hashes):
             head = hashes[pos : pos + num]
             if (num == 1 or (state[3] not in mixed and releases[state[3]] == len(hashes) - pos)  # trimmed: [0] live
@@ -390,6 +423,25 @@ class _IdleRuns(Mapping):
             pos = 0
         return out
 
+    def _head_run(self, num: int) -> _HeadRun:
+        """:meth:`first` as the runs' pieces (after the trim; ``num`` < count)."""
+        releases, mixed = self._releases, self._mixed
+        pieces, got, pos = [], 0, self._pos
+        for state, hashes in self._runs:
+            release = state[3]
+            if pos or release in releases:
+                if release not in mixed and releases[release] == len(hashes) - pos:  # clean: a slice
+                    piece = hashes[pos : pos + num - got]
+                else:
+                    piece = list(islice(self._live(state, hashes, pos), num - got))
+                if piece:
+                    pieces.append((state, piece))
+                    got += len(piece)
+                if got == num:
+                    break
+            pos = 0
+        return _HeadRun(pieces, got)
+
     def __iter__(self) -> Iterator[int]:
         self._trim()
         runs = self._runs
@@ -406,6 +458,32 @@ class _IdleRuns(Mapping):
     def __reversed__(self) -> Iterator[int]:
         return reversed(list(self))
 
+    def private_head_of(self, victims: Sequence[int]) -> int | None:
+        """The release of the head run when it is private and ``victims``
+        are its next live entries (O(1) for a range), else None."""
+        runs = self._runs
+        if not runs:
+            return None
+        state, hashes = runs[0]
+        release = state[3]
+        if release not in self._anon:
+            return None
+        start = max(self._pos, len(hashes) - self._releases.get(release, 0))
+        if type(hashes) is type(victims) and hashes[start : start + len(victims)] == victims:
+            return release
+        return None
+
+    def runs_from_head(self) -> Iterator[tuple[tuple, Sequence[int]]]:
+        """The runs as ``(state, hashes)`` in order, the head run from its
+        first untrimmed entry (entries before it are not live); dead and
+        stale entries are the caller's to skip."""
+        self._trim()
+        runs = self._runs
+        if runs:
+            state, hashes = runs[0]
+            yield state, hashes[self._pos :]
+            yield from islice(runs, 1, None)
+
     def __len__(self) -> int:
         return self.count
 
@@ -419,10 +497,48 @@ class _IdleRuns(Mapping):
         return self._blocks[block_hash][2]
 
     def values(self) -> Iterator[float]:
-        return map(_SINCE, map(self._blocks.__getitem__, iter(self)))
+        return map(_SECOND, self._pairs())
+
+    def _pairs(self) -> Iterator[tuple[int, float]]:
+        """(hash, idle since) of the live entries in order: a live entry's block holds its run's state,
+        and a private run's blocks keep it, so every entry of a run went idle at ``state[2]``."""
+        self._trim()
+        releases = self._releases
+        for k, (state, hashes) in enumerate(self._runs):
+            if k == 0 or state[3] in releases:
+                yield from zip(self._live(state, hashes, self._pos if k == 0 else 0), repeat(state[2]))
 
     def items(self) -> _IdleItems:
         return _IdleItems(self)
+
+
+class _HeadRun(Sequence):
+    """The next blocks of an idle order from its head, as ``(state, hashes)``
+    pieces, one per run (a private run's hashes may be a range): what
+    :meth:`_IdleRuns.first` gives while the order holds private runs, so an
+    eviction goes per run, not per block. A sequence of the hashes in
+    order (materialised only when read by index)."""
+
+    __slots__ = ("_list", "n", "pieces")
+
+    def __init__(self, pieces: list[tuple[tuple, Sequence[int]]], n: int) -> None:
+        self.pieces, self.n, self._list = pieces, n, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain.from_iterable(map(_SECOND, self.pieces))
+
+    def __getitem__(self, index):
+        if self._list is None:
+            self._list = list(self)
+        return self._list[index]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None
 
 
 class _IdleItems:
@@ -434,8 +550,7 @@ class _IdleItems:
         self._idle = idle
 
     def __iter__(self) -> Iterator[tuple[int, float]]:
-        idle = self._idle
-        return zip(iter(idle), idle.values())  # both trim first: the same live order
+        return self._idle._pairs()
 
     def __reversed__(self) -> Iterator[tuple[int, float]]:
         return reversed(list(self))
@@ -547,6 +662,8 @@ class _Owner:
     kv_class: KVClass
     hashes: list[int] = attrs.Factory(list)
     num_private_blocks: int = 0
+    #: Its blocks of ``hashes`` are private (``allocate(private=True)``): held, but not in the block map.
+    private: bool = False
 
 
 @attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)  # validated at construction; counters mutate freely
@@ -580,12 +697,20 @@ class KVClassManager:
     _num_releases: int = attrs.field(init=False, default=0)
     # Evictions owed: blocks normal owners took from idle whose victims are not chosen yet (_settle).
     _owed: int = attrs.field(init=False, default=0)
+    # Private blocks (allocate(private=True)), not in _blocks: the held ones' count, and per release of a
+    # private owner's finished chain its idle run (state, hashes in idle order) until evicted or named.
+    _num_private_held: int = attrs.field(init=False, default=0)
+    _private_runs: dict[int, tuple[tuple, list[int]]] = attrs.field(init=False, factory=dict)
+    # The first block's hash of each private chain (held or idle) -> how many: a lookup that starts there
+    # names the private blocks first (match_prefix), so a private chain is found by hash like any other.
+    _private_heads: dict[int, int] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
         self._host = self._host_tier.blocks
         self._idle = {KVClass.SHADOW: _IdleRuns(self._blocks, True, self._idle_left, self._mixed),
-                      KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left, self._mixed)}
+                      KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left, self._mixed,
+                                                self._private_runs)}
         self._num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
 
     # -- queries -----------------------------------------------------------------
@@ -619,7 +744,8 @@ class KVClassManager:
     def num_cached_blocks(self) -> int:
         if self._owed:
             self._settle()
-        return len(self._blocks)
+        idle_private = sum(map(self._idle_left.__getitem__, self._private_runs))
+        return len(self._blocks) + self._num_private_held + idle_private
 
     @property
     def eviction_count(self) -> int:
@@ -652,15 +778,59 @@ class KVClassManager:
             self._owed = 0
             self._evict(owed, KVClass.NORMAL, 0.0, ())
 
+    def _name_private(self, held: bool = True) -> None:
+        """Give private blocks (``allocate(private=True)``) their entries in
+        the block map: the idle ones (each with its release's idle state, so
+        its idle-order entry is live as a named one), and with ``held`` the
+        held ones too. A change of representation only: nothing a caller can
+        see changes. Done before a per-block query or a lookup of a private
+        chain (the idle orders and the policy's victim orders read private
+        runs as they are)."""
+        runs, blocks = self._private_runs, self._blocks
+        if runs:
+            left = self._idle_left
+            for release, (state, hashes) in runs.items():
+                blocks.update(zip(hashes[len(hashes) - left[release] :], repeat(state)))
+                self._private_head(hashes[-1], -1)
+            runs.clear()
+        if held and self._num_private_held:
+            for owner in self._owners.values():
+                if owner.private:
+                    self._name_held(owner)
+
+    def _name_held(self, owner: _Owner) -> None:
+        """A private owner's held blocks enter the block map (it is an ordinary owner from now on)."""
+        blocks = self._blocks
+        if not blocks.keys().isdisjoint(owner.hashes):
+            raise AssertionError("a private owner's block hash is cached by another owner "
+                                 "(allocate(private=True) promises none is)")
+        blocks.update(zip(owner.hashes, repeat(_HELD[KVClass.NORMAL])))
+        self._num_private_held -= len(owner.hashes)
+        owner.private = False
+        owner.hashes = list(owner.hashes)  # it may be a range
+        if owner.hashes:
+            self._private_head(owner.hashes[0], -1)
+
+    def _private_head(self, block_hash: int, delta: int) -> None:
+        """One private chain more (``delta`` 1) or less (-1) starting at ``block_hash``."""
+        heads = self._private_heads
+        n = heads.get(block_hash, 0) + delta
+        if n:
+            heads[block_hash] = n
+        else:
+            del heads[block_hash]
+
     def class_of(self, block_hash: int) -> KVClass | None:
         if self._owed:
             self._settle()
+        self._name_private()
         block = self._blocks.get(block_hash)
         return None if block is None else _KV_CLASS[block[0]]
 
     def is_cached(self, block_hash: int) -> bool:
         if self._owed:
             self._settle()
+        self._name_private()
         return block_hash in self._blocks
 
     def in_host(self, block_hash: int) -> bool:
@@ -677,12 +847,16 @@ class KVClassManager:
     def idle_since(self, block_hash: int) -> float:
         if self._owed:
             self._settle()
+        self._name_private()
         return self._blocks[block_hash][2]
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
         if self._owed:
             self._settle()
         n_dev = _run_length(self._blocks, hashes)
+        if not n_dev and self._private_heads and hashes and hashes[0] in self._private_heads:
+            self._name_private()  # a lookup of a private chain (its owner's own, or a test's): by hash from now on
+            n_dev = _run_length(self._blocks, hashes)
         n_host = _run_length(self._host, itertools.islice(hashes, n_dev, None)) if self._host else 0
         return PrefixMatch(n_dev, n_host)
 
@@ -735,6 +909,10 @@ class KVClassManager:
         else:
             del self._idle_left[release]
             self._mixed.discard(release)
+            if self._private_runs:
+                run = self._private_runs.pop(release, None)
+                if run is not None:
+                    self._private_head(run[1][-1], -1)
 
     def _evicted_from_idle(self, releases: list[int]) -> None:
         """:meth:`_leave_idle` for the releases of evicted blocks of one
@@ -752,6 +930,7 @@ class KVClassManager:
         """Idle and counted cold (for tests: the cold count is this, summed)."""
         if self._owed:
             self._settle()
+        self._name_private()
         _, ref, _, release = self._blocks[block_hash]
         return ref == 0 and release not in self._live
 
@@ -763,17 +942,31 @@ class KVClassManager:
         num_private_blocks: int,
         kv_class: KVClass,
         now_s: float,
+        *,
+        private: bool = False,
     ) -> Allocation | None:
         """Give ``owner_id`` the blocks for ``hashes`` (hits are shared, misses
         and host hits take new device blocks) plus private unhashed blocks.
 
         All or nothing: ``None`` when the blocks cannot be found under the rules
         of ``kv_class``; the pool is then unchanged.
+
+        ``private`` (a normal owner): the caller guarantees that ``hashes`` are
+        distinct, that none is cached or in the host tier, and that no other
+        owner ever names one of them, nor does any later ``hashes`` passed to
+        this manager except this owner's own ``release_and_cache`` (a normal
+        request's fresh prompt, whose history is its own). Then nothing can hit
+        these blocks but the owner itself after a ``release`` (a preemption),
+        and the manager keeps them as counts and runs, out of its block map:
+        the result, and everything a caller can see afterwards, is exactly that
+        of the same call without ``private``.
         """
         if owner_id in self._owners:
             raise ValueError(f"owner {owner_id!r} already holds blocks")
         if self._owed:
             self._settle()
+        if private:
+            return self._allocate_private(owner_id, hashes, num_private_blocks, kv_class, now_s)
         match = self.match_prefix(hashes)
         hits = hashes[: match.num_device_blocks]
         # Blocks past the first miss may still be cached (a chain's head can be
@@ -811,11 +1004,32 @@ class KVClassManager:
         reload_s = self.reload_seconds(len(host_hits))
         return Allocation(match.num_device_blocks, len(host_hits), num_new, reload_s, used)
 
+    def _allocate_private(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, kv_class: KVClass,
+                          now_s: float) -> Allocation | None:
+        """allocate(private=True): what the general path does when nothing of
+        ``hashes`` is cached anywhere (no hit, all fresh, no reload), without
+        the block map."""
+        if kv_class is not KVClass.NORMAL:
+            raise ValueError("a private allocation is for a normal owner")
+        num_new = len(hashes) + num_private_blocks
+        if num_new > self.num_free_blocks and self.num_free_blocks + self.num_idle_blocks < num_new:
+            return None  # _can_take of a normal owner with nothing excluded
+        self._take(num_new, kv_class, now_s, protect=(), owe=True)
+        # A range (consecutive hashes) is kept as it is: slices, reversal and comparisons of ranges are O(1).
+        kept = hashes if isinstance(hashes, range) else list(hashes)
+        self._owners[owner_id] = _Owner(kv_class, kept, num_private_blocks, private=True)
+        self._num_private_held += len(hashes)
+        if hashes:
+            self._private_head(hashes[0], 1)
+        return Allocation(0, 0, num_new, 0.0, 0)
+
     def extend(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, now_s: float) -> bool:
         """Grow an owner (decode): new hashed and private blocks; all or nothing."""
         owner = self._owners[owner_id]
         if self._owed:
             self._settle()
+        if hashes and owner.private:
+            self._name_held(owner)
         if not hashes and num_private_blocks <= self.num_free_blocks and owner.kv_class is KVClass.NORMAL:
             self.num_free_blocks -= num_private_blocks  # the general path below, when only free blocks are taken
             owner.num_private_blocks += num_private_blocks
@@ -832,7 +1046,8 @@ class KVClassManager:
         if in_host:
             self._host_tier.take(fresh)
         self._blocks.update(zip(fresh, repeat(_HELD[owner.kv_class])))
-        owner.hashes.extend(hashes)
+        if hashes:  # (a private owner's may be a range; it is named above when it grows by hashes)
+            owner.hashes.extend(hashes)
         owner.num_private_blocks += num_private_blocks
         return True
 
@@ -890,6 +1105,8 @@ class KVClassManager:
         if self._owed:
             self._settle()
         owner = self._owners.pop(owner_id)
+        if owner.private:  # its blocks stay cached: by hash from now on (the owner's next allocation may hit them)
+            self._name_held(owner)
         self._unref(reversed(owner.hashes), (), now_s)  # tail first, so LRU evicts a context's tail first (as vLLM)
         self._free(owner.num_private_blocks, owner.kv_class)
 
@@ -944,6 +1161,10 @@ class KVClassManager:
         if self._owed:
             self._settle()
         blocks = self._blocks
+        if owner.private:
+            if self._release_and_cache_private(owner_id, owner, hashes, now_s):
+                return
+            self._name_held(owner)
         if self._release_and_cache_chain(owner_id, owner, hashes, now_s):
             return
         held = set(owner.hashes)
@@ -1039,6 +1260,44 @@ class KVClassManager:
         idle[KVClass.SHADOW].append(shadow_state, shadow_idle)
         if newly_idle or shadow_idle:
             self._new_release(release, len(newly_idle) + len(shadow_idle), now_s)
+        return True
+
+    def _release_and_cache_private(self, owner_id: str, owner: _Owner, hashes: Sequence[int], now_s: float) -> bool:
+        """:meth:`_release_and_cache_chain` of a private owner (whose blocks
+        only it holds, none in the block map): the chain goes idle last block
+        first as one release, kept as one private run (no block map entry).
+        False (nothing changed) when the chain case does not apply."""
+        head = owner.hashes
+        k = len(head)
+        if not isinstance(hashes, (list, range)):
+            hashes = list(hashes)
+        if type(hashes) is not type(head):  # a list and a range never compare equal
+            hashes = list(hashes) if isinstance(head, list) else hashes
+            if type(hashes) is not type(head):
+                return False
+        if len(hashes) < k or hashes[:k] != head:
+            return False
+        tail = hashes[k:]
+        distinct = isinstance(hashes, range) or len(set(hashes)) == len(hashes)  # a range's are (step 1)
+        if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not self._blocks.keys().isdisjoint(tail)
+                or not distinct):
+            return False
+        del self._owners[owner_id]
+        self._num_private_held -= k
+        self.num_free_blocks += owner.num_private_blocks - len(tail)
+        host = self._host
+        if host and not host.keys().isdisjoint(tail):
+            self.num_reloaded_blocks += _run_length(host, tail)
+            self._host_tier.take(tail)
+        if hashes and not k:
+            self._private_head(hashes[0], 1)  # an empty head: the chain starts with its tail
+        if hashes:
+            release = self._num_releases + 1
+            idle_state = (False, 0, now_s, release)
+            order = hashes[::-1]
+            self._private_runs[release] = (idle_state, order)
+            self._idle[KVClass.NORMAL].append(idle_state, order)
+            self._new_release(release, len(order), now_s)
         return True
 
     def reload_seconds(self, num_blocks: int) -> float:
@@ -1169,7 +1428,17 @@ class KVClassManager:
         (to the host tier if any): one C-level pass per step, not a Python
         call per block."""
         blocks = self._blocks
-        self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
+        if type(victims) is _HeadRun:  # the head's next blocks, per run (the idle order holds private runs)
+            self._evict_head_run(victims, cls)
+            return
+        if self._private_runs and cls is KVClass.NORMAL:
+            release = self._idle[cls].private_head_of(victims)
+            if release is not None:  # the usual: the next blocks of the head run, a private one
+                self._left_release(release, len(victims))
+            else:
+                self._evict_with_private(victims)
+        else:
+            self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
         self._idle[cls].evicted(victims)  # their idle entries are stale now
         if self.policy.host is not None:
             self._spill(victims, cls)
@@ -1177,6 +1446,62 @@ class KVClassManager:
             self._num_shadow_blocks -= len(victims)
         self._num_evicted_blocks[cls] += len(victims)
         self._eviction_count += len(victims)
+
+    def _evict_head_run(self, victims: _HeadRun, cls: KVClass) -> None:
+        """:meth:`_evict_blocks` of a :class:`_HeadRun`: per run, a private
+        one by count, a named one popped from the map; spilled run by run
+        (an LRU keeps the same last ``capacity`` either way)."""
+        blocks, private = self._blocks, self._private_runs
+        for state, piece in victims.pieces:
+            release = state[3]
+            if release not in private:
+                deque(map(blocks.__delitem__, piece), 0)
+            self._left_release(release, len(piece))
+        self._idle[cls].left(len(victims))
+        if self.policy.host is not None:
+            for _, piece in victims.pieces:
+                self._spill(piece, cls)
+        if cls is KVClass.SHADOW:
+            self._num_shadow_blocks -= len(victims)
+        self._num_evicted_blocks[cls] += len(victims)
+        self._eviction_count += len(victims)
+
+    def _evict_with_private(self, victims: list[int]) -> None:
+        """The block map and release counts of evicting ``victims``, the next
+        idle normal blocks from the head of the normal idle order (what
+        :meth:`KVClassPolicy.victim_runs` gives when it takes heads; any other
+        order names private blocks first), some of them private: a private
+        run's victims are counted per run, the rest popped from the map."""
+        blocks, left, private = self._blocks, self._idle_left, self._private_runs
+        pieces = []  # (release, private, victims of the run), in order
+        i, n = 0, len(victims)
+        for state, hashes in self._idle[KVClass.NORMAL].runs_from_head():
+            release = state[3]
+            if release not in left:
+                continue
+            if release in private:
+                start = len(hashes) - left[release]
+                m = min(n - i, left[release])
+                if list(hashes[start : start + m]) != list(victims[i : i + m]):
+                    break
+                pieces.append((release, True, m))
+            else:
+                live = list(islice(compress(hashes, map(is_, map(blocks.get, hashes), repeat(state))), n - i))
+                m = len(live)
+                if live != list(victims[i : i + m]):
+                    break
+                pieces.append((release, False, live))
+            i += m
+            if i == n:
+                break
+        if i != n:
+            raise AssertionError("victims with private blocks are not the head of the normal idle order")
+        for release, is_private, run in pieces:
+            if is_private:
+                self._left_release(release, run)
+            else:
+                deque(map(blocks.__delitem__, run), 0)
+                self._left_release(release, len(run))
 
     def _spill(self, victims: list[int], kv_class: KVClass) -> None:
         """Put evicted blocks of one class in the host tier, in order, each as

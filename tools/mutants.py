@@ -29,6 +29,7 @@ UNIT = "tests/test_invariants_unit.py"
 E2E = "tests/test_invariants_e2e.py"
 AUTH = "tests/gateway/test_auth.py"
 MALFORMED = "tests/gateway/test_malformed.py"
+KV_EQ = "tests/sim/test_speed_equivalence_kv.py"
 EVICT_CLASSES = "_SHADOW_FIRST = (KVClass.SHADOW, KVClass.NORMAL)"
 
 MUTATIONS: dict[str, tuple] = {
@@ -253,8 +254,48 @@ MUTATIONS: dict[str, tuple] = {
                    ""),
     "victim-runs": ("tests/test_kv_room.py", "test_victim_runs_are_the_first_victims_grouped_by_class",
                     "shadowcore/kv.py",
-                    'if self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect:',
-                    "if requester is KVClass.NORMAL and not protect:"),
+                    'return self.eviction_order == "shadow-first" and requester is KVClass.NORMAL and not protect',
+                    "return requester is KVClass.NORMAL and not protect"),
+    # private blocks (issue 17: a normal request's fresh prompt out of the block map): a finished chain goes
+    # idle tail first; a private run's live entries are its last idle-left ones (head trim, iteration); naming
+    # gives only the blocks still idle their entries; the policy's general orders read a private run's idle times
+    "private-order": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                      "            order = hashes[::-1]\n            self._private_runs[release]",
+                      "            order = hashes\n            self._private_runs[release]"),
+    "private-live": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                     "        if state[3] in self._anon:  # a private run: its last releases[r] entries are live",
+                     "        if False:"),
+    "private-trim": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                     "            if state[3] in self._anon:  # a private run: live from its last releases[r] entries on",
+                     "            if False:"),
+    "private-name": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                     "blocks.update(zip(hashes[len(hashes) - left[release] :], repeat(state)))",
+                     "blocks.update(zip(hashes, repeat(state)))"),
+    "private-name-order": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                           "        return map(_SECOND, self._pairs())",
+                           "        return map(_SINCE, map(self._blocks.get, iter(self), repeat((0, 0, 0.0, 0))))"),
+    "private-lookup": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                       "        if not n_dev and self._private_heads and hashes and hashes[0] in self._private_heads:",
+                       "        if False:"),
+    "private-run": (KV_EQ, "test_private_blocks_equal_named_ones",
+                    "shadowcore/kv.py", "            self._private_runs[release] = (idle_state, order)\n",
+                    "            self._private_runs[release] = (idle_state, order[1:])\n"),
+    "private-extend": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                       ("        if hashes:  # (a private owner's may be a range; it is named above when it grows by hashes)\n"
+                        "            owner.hashes.extend(hashes)\n"),
+                       "        owner.hashes.extend(hashes)\n"),
+    "private-head-run": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                         "            if release not in private:\n                deque(map(blocks.__delitem__, piece), 0)",
+                         "            if False:\n                deque(map(blocks.__delitem__, piece), 0)"),
+    # a whole run with private normal KV equals it with every block named (preemptions, host tier, shadows)
+    "private-flag": ("tests/sim/test_speed_equivalence_macro.py", "test_private_normal_kv_changes_nothing",
+                     "shadowcore/engine/instance.py",
+                     "        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)",
+                     ("        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s,\n"
+                      "                                 private=req.private_kv)")),
+    "private-evict-count": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                            "                pieces.append((release, True, m))",
+                            "                pieces.append((release, True, max(1, m - 1)))"),
     "contract-last": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
                       "            elif seen_shadow:\n", "            elif False:\n"),
     "contract-grant": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import attrs
 
@@ -400,6 +401,8 @@ class PDRun(SimRun):
     """
 
     fabric: KVFabric | None = attrs.field(init=False, default=None)
+    #: The decode instance's pin names a request's prompt blocks (``KVFabric._pin``): not private.
+    private_normal_kv: ClassVar[bool] = False
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()

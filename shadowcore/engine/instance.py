@@ -117,6 +117,10 @@ class EngineRequest:
     # next block boundary not yet in num_blocks; the blocks of its boundaries from here to the instance's
     # _pooled_upto are in the instance's decode pool (the KV owner _pool_id) until handed to it (_attribute).
     pool_from: int = -1
+    #: Its history's block hashes are its own: no other request, session or job ever names one (a normal
+    #: request's fresh prompt in a count-only history of its own). Its first admission then allocates its
+    #: blocks as the KV manager's private blocks (``KVClassManager.allocate(private=True)``).
+    private_kv: bool = False
     _owner: str = attrs.field(default="", init=False, repr=False)  # owner_id of admission _owner_of
     _owner_of: int = attrs.field(default=-1, init=False, repr=False)
 
@@ -1102,9 +1106,10 @@ class EngineInstance:
             if self.kv.allocate(owner, req.history.block_hashes(bs, req.num_oracle_tokens // bs), 0,
                                 KVClass.NORMAL, now_s) is not None:
                 self.kv.release(owner, now_s)
-        hashes = req.history.block_hashes(bs, req.num_tokens // bs)
+        private = req.private_kv and req.num_admissions == 0
+        hashes = (req.history.block_hash_run if private else req.history.block_hashes)(bs, req.num_tokens // bs)
         total = -(-(req.num_tokens + 1) // bs)
-        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s)
+        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)
         if alloc is None:
             return False
         # vLLM's get_computed_blocks: a hit covers at most num_tokens - 1 tokens in whole blocks (the last
@@ -1146,7 +1151,10 @@ class EngineInstance:
         # Cache the full blocks whose KV was computed, as vLLM does: the last sampled token's KV never is,
         # so (num_tokens - 1) // block_size blocks.
         num_full = (req.num_tokens - 1) // self.kv.block_size
-        self.kv.release_and_cache(req.owner_id, req.history.block_hashes(self.kv.block_size, num_full),
+        history = req.history
+        self.kv.release_and_cache(req.owner_id,
+                                  (history.block_hash_run if req.private_kv else history.block_hashes)(
+                                      self.kv.block_size, num_full),
                                   f"commit:{req.request_id}", now_s)
         if req.on_finish is not None:
             req.on_finish(req, now_s)

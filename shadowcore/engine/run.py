@@ -25,7 +25,7 @@ import array
 import contextlib
 import gc
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -139,8 +139,13 @@ class ScenarioRun:
     normal_tokens: Records = attrs.field(init=False, factory=lambda: Records("d", "q", "q"))
     rejected_normal: list[str] = attrs.field(init=False, factory=list)  # longer than a whole KV pool
     _dedicated: set[str] = attrs.field(init=False, factory=set)
-    #: (instance id, prompt tokens) -> its isolated prefill time (pure in both: computed once)
-    _isolated_s: dict[tuple[str, int], float] = attrs.field(init=False, factory=dict)
+    #: (id of the instance's latency model, token budget, prompt tokens) -> its isolated prefill time (pure in
+    #: all three: computed once; the instances of one model share one latency model and budget)
+    _isolated_s: dict[tuple[int, int, int], float] = attrs.field(init=False, factory=dict)
+    #: A normal request without a prefix is a fresh prompt in a history of its own: its KV blocks are the KV
+    #: manager's private blocks (``EngineRequest.private_kv``). A run whose other parts name a normal
+    #: request's blocks (the P/D fabric pins them on the decode instance) turns this off.
+    private_normal_kv: ClassVar[bool] = True
 
     def __attrs_post_init__(self) -> None:
         sc = self.scenario
@@ -247,8 +252,9 @@ class ScenarioRun:
             history = PrefixHistory.for_prompt(request_id, num_prompt_tokens, prefix)
         req = EngineRequest(request_id, RequestKind.NORMAL, history, num_prompt_tokens, num_output_tokens,
                             self.loop.now_s, inst.tpot_slo_s * 40, inst.tpot_slo_s,
-                            on_token=append_output_to_history, on_finish=self._normal_done)
-        key = (instance_id, num_prompt_tokens)
+                            on_token=append_output_to_history, on_finish=self._normal_done,
+                            private_kv=prefix is None and self.private_normal_kv)
+        key = (id(inst.latency), inst.limits.token_budget, num_prompt_tokens)
         isolated = self._isolated_s.get(key)
         if isolated is None:
             isolated = self._isolated_s[key] = chunked_prefill_s(inst.latency, num_prompt_tokens,

@@ -112,3 +112,102 @@ def test_release_and_cache_counts_host_hits_like_allocate() -> None:
     slow.release("commit", 3.0)
     assert fast.num_reloaded_blocks == before + 2
     assert _state(fast) == _state(slow)
+
+
+def _observed(kv: KVClassManager) -> tuple:
+    """What a caller sees without a by-hash query (those name private blocks): counters, idle orders, owners,
+    host tier, cold count."""
+    owners = {o: (w.kv_class, list(w.hashes), w.num_private_blocks) for o, w in kv._owners.items()}
+    return (kv.num_free_blocks, kv.eviction_count, kv.num_idle_blocks, kv.num_cached_blocks, kv.num_shadow_blocks,
+            dict(kv.num_evicted_blocks), kv.num_shadow_blocks_used, kv.num_reloaded_blocks,
+            [(h, token[0]) for h, token in kv._host.items()], kv.idle_order(KVClass.SHADOW),
+            kv.idle_order(KVClass.NORMAL), owners, kv._num_cold_idle)
+
+
+def _run(c: int, n: int) -> list[int] | range:
+    """``_chain(c, n)``, a fresh chain (c >= 100) as a range (what ``SessionHistory.block_hash_run`` gives)."""
+    return range(c * 1000, c * 1000 + n) if c >= 100 else _chain(c, n)
+
+
+_PRIVATE_OP = st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 5), st.integers(0, 8), st.integers(0, 2), st.booleans()),
+    st.tuples(st.just("fresh"), st.integers(0, 8), st.integers(0, 2)),
+    st.tuples(st.just("fresh"), st.integers(0, 8), st.integers(0, 2)),
+    st.tuples(st.just("release"), st.integers(0, 40)),
+    st.tuples(st.just("readmit"), st.integers(0, 40), st.integers(0, 2)),
+    st.tuples(st.just("finish"), st.integers(0, 40), st.integers(0, 6)),
+    st.tuples(st.just("finish"), st.integers(0, 40), st.integers(0, 6)),
+    st.tuples(st.just("grow"), st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), min_size=1, max_size=3)),
+    st.tuples(st.just("room"),),
+    st.tuples(st.just("query"),),
+    st.tuples(st.just("lookup"), st.integers(0, 40), st.integers(0, 8)),
+    st.tuples(st.just("extend"), st.integers(0, 40), st.integers(1, 6)),
+)
+
+
+@pytest.mark.parametrize(("host", "order"), [(False, "shadow-first"), (True, "shadow-first"), (True, "lru")])
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(_PRIVATE_OP, st.sampled_from([0.0, 0.5, 3.0])), max_size=60))
+# An idle shadow run older than an idle private run, then a normal allocation that evicts: "lru" takes the
+# shadow one first (a private run's entries keep their release's idle time).
+@example(ops=[(("alloc", 0, 4, 0, True), 0.0), (("release", 0), 0.5), (("fresh", 4, 0), 0.5),
+              (("finish", 0, 0), 0.5), (("fresh", 8, 4), 0.0)])
+def test_private_blocks_equal_named_ones(host: bool, order: str, ops: list) -> None:
+    """``allocate(private=True)`` (a normal request's fresh prompt: its blocks
+    kept out of the block map) leaves everything a caller sees as the same
+    allocation without it does, through preemption (the owner's own blocks hit
+    again on readmission), finishing, eviction in either order, spills to the
+    host tier and shadow allocations; a by-hash query (``query``) names the
+    private blocks and changes nothing either."""
+    policy = KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=2.0, eviction_order=order,
+                           host=HostTierParams(capacity_bytes=6 * 16 * 131072.0) if host else None)
+    priv, named = (KVClassManager(16, 16, policy) for _ in range(2))
+    owners: list[tuple[str, int, KVClass]] = []  # (owner id, chain, class) of live owners
+    preempted: list[tuple[int, int]] = []  # (chain, blocks) of released fresh chains
+    now = 0.0
+    for n, (op, dt) in enumerate(ops):
+        now += dt
+        if op[0] in ("alloc", "fresh", "readmit"):
+            if op[0] == "alloc":
+                _, chain, length, extra, shadow = op
+                cls, private = (KVClass.SHADOW if shadow else KVClass.NORMAL), False
+            elif op[0] == "fresh":  # a chain no one else names
+                (_, length, extra), chain, cls, private = op, 100 + n, KVClass.NORMAL, True
+            elif preempted:
+                (chain, length), extra = preempted.pop(op[1] % len(preempted)), op[2]
+                cls, private = KVClass.NORMAL, False
+            else:
+                continue
+            a = priv.allocate(f"o{n}", _run(chain, length), extra, cls, now, private=private)
+            b = named.allocate(f"o{n}", _chain(chain, length), extra, cls, now)
+            assert a == b
+            if a is not None:
+                owners.append((f"o{n}", chain, cls))
+        elif op[0] == "release" and owners:
+            owner, chain, _ = owners.pop(op[1] % len(owners))
+            if chain >= 100:
+                preempted.append((chain, len(named._owners[owner].hashes)))
+            priv.release(owner, now)
+            named.release(owner, now)
+        elif op[0] == "finish" and owners:
+            owner, chain, _ = owners.pop(op[1] % len(owners))
+            hashes = _chain(chain, len(named._owners[owner].hashes) + op[2])
+            priv.release_and_cache(owner, _run(chain, len(hashes)), f"commit{n}", now)
+            named.release_and_cache(owner, hashes, f"commit{n}", now)
+        elif op[0] == "grow":
+            normal = [o for o, _, cls in owners if cls is KVClass.NORMAL]
+            needs = list({normal[i % len(normal)]: k for i, k in op[1]}.items()) if normal else []
+            assert priv.extend_private(needs, now) == named.extend_private(needs, now)
+        elif op[0] == "extend" and owners:  # a decode's block one call at a time (the engine's _reserve)
+            owner, _, cls = owners[op[1] % len(owners)]
+            assert priv.extend(owner, (), op[2], now) == named.extend(owner, (), op[2], now), (n, op)
+        elif op[0] == "room":
+            assert priv.shadow_room_blocks(now) == named.shadow_room_blocks(now)
+        elif op[0] == "lookup":  # a prefix lookup of a fresh chain (idle, held, evicted or spilled) finds it
+            chains = [*range(6), *range(100, 100 + n)]  # the shared chains, and every op's fresh one
+            chain = chains[op[1] % len(chains)]
+            assert priv.match_prefix(_run(chain, op[2])) == named.match_prefix(_chain(chain, op[2])), (n, op)
+        elif op[0] == "query":  # a by-hash query names the private blocks; then every block compares
+            assert not priv.is_cached(-1)
+            assert _state(priv) == _state(named), (n, op)
+        assert _observed(priv) == _observed(named), (n, op)

@@ -49,10 +49,11 @@ CASES: dict[str, tuple[str, dict, str]] = {
 }
 
 
-def _record(cls: type) -> type:
+def _record(cls: type, private: bool = True) -> type:
     @attrs.define(eq=False)
     class Recorded(cls):
         normal_records: list = attrs.field(init=False, factory=list)
+        private_normal_kv = private
 
         def _normal_done(self, req, now_s: float) -> None:
             super()._normal_done(req, now_s)
@@ -63,13 +64,13 @@ def _record(cls: type) -> type:
 
 
 @functools.cache
-def run_case(name: str, steady_runs: bool, lazy_ticks: bool = True) -> tuple[dict, dict]:
+def run_case(name: str, steady_runs: bool, lazy_ticks: bool = True, private: bool = True) -> tuple[dict, dict]:
     backend, fields, policy = CASES[name]
     shadow = ShadowConfig(PluginRef(policy), seed=4)
     if backend == "fake":
-        run = _record(FakeRun)(FakeScenario.from_dict(fields), shadow)
+        run = _record(FakeRun, private)(FakeScenario.from_dict(fields), shadow)
     else:
-        run = _record(SimRun)(SimScenario.from_dict(fields), shadow)
+        run = _record(SimRun, private)(SimScenario.from_dict(fields), shadow)
     for inst in run.cluster.by_id.values():
         inst.steady_runs = steady_runs
     run.cluster.lazy_ticks = lazy_ticks
@@ -95,8 +96,26 @@ def run_case(name: str, steady_runs: bool, lazy_ticks: bool = True) -> tuple[dic
     diag = {"ticks": sum(i.num_steady_ticks for i in insts), "iterations": sum(i.num_iterations_run for i in insts),
             "preemptions": sum(i.num_preemptions for i in insts), "evictions": sum(i.kv.eviction_count for i in insts),
             "shadow_tokens": sum(i.num_shadow_tokens for i in insts),
-            "lazy_runs": run.cluster.num_lazy_runs, "lazy_cuts": run.cluster.num_lazy_cuts}
+            "lazy_runs": run.cluster.num_lazy_runs, "lazy_cuts": run.cluster.num_lazy_cuts,
+            "private_held": sum(i.kv._num_private_held for i in insts),
+            "private_runs": sum(len(i.kv._private_runs) for i in insts)}
     return out, diag
+
+
+@pytest.mark.parametrize("name", ["fake-one-no-shadow-tight-kv", "fake-one-harvest-slo-host-tight-kv",
+                                  "sim-one-harvest-slo-host"])
+def test_private_normal_kv_changes_nothing(name: str) -> None:
+    """Normal requests' fresh prompts as the KV manager's private blocks
+    (``ScenarioRun.private_normal_kv``) change nothing at all against the
+    same run with every block in the block map: under preemption (the
+    request's own blocks hit again), evictions, a host tier and shadow
+    allocations (which name the private blocks first)."""
+    private, diag = run_case(name, True)
+    named, diag_named = run_case(name, True, private=False)
+    assert diag["private_held"] + diag["private_runs"] > 0, diag  # the private path ran (not vacuous)
+    assert diag_named["private_held"] + diag_named["private_runs"] == 0, diag_named
+    for key in private:
+        assert _same(_lists(private[key]), _lists(named[key])), f"{name}: {key} differs"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
