@@ -64,6 +64,7 @@ class ServedJob:
     epoch: int
     next_token: int
     num_missing_tokens: int
+    imminent: bool = False  #: the job's ``imminent`` when served (an ``imminent_first`` order reads it)
 
 
 class StubJobSource:
@@ -88,7 +89,7 @@ class StubJobSource:
         jobs = [j for j in self._jobs.values() if j.instance_id == instance_id and j.num_missing_tokens > 0]
         jobs.sort(key=lambda j: (-j.switch_probability, j.sequence))
         self.served = [
-            ServedJob(j.key, j.switch_probability, j.epoch, j.next_token, j.num_missing_tokens) for j in jobs
+            ServedJob(j.key, j.switch_probability, j.epoch, j.next_token, j.num_missing_tokens, j.imminent) for j in jobs
         ]
         return jobs
 

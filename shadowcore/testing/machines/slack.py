@@ -75,8 +75,10 @@ class SlackControllerMachine(RuleBasedStateMachine):
     shadow KV room; a non-empty plan has at least ``n_min`` tokens; a zero
     budget gives no grants.
 
-    ``"order"``: grants come in non-increasing switch probability, and follow
-    the job source's order greedily (each job before the last is fully served).
+    ``"order"``: grants come in non-increasing switch probability (under an
+    ``imminent_first`` plan: imminent grants first, then the others), and follow
+    the job source's order greedily (each job before the last is fully served;
+    under ``imminent_first`` the source's imminent jobs, then the rest).
 
     ``"liveness"``: the plan is maximal (Algorithm 1, line 10): one more block
     would not fit the budget, or the limits are reached; an empty plan under a
@@ -340,15 +342,17 @@ class SlackControllerMachine(RuleBasedStateMachine):
                     assert g.num_tokens <= s.num_missing_tokens, (g, s)
                     assert g.switch_probability == s.switch_probability, (g, s)
         if "order" in self.checks:
-            ps = [g.switch_probability for g in grants]
+            first = plan.imminent_first  # then imminent grants come first, each group as the source ordered it
+            ps = [(first and g.imminent, g.switch_probability) for g in grants]
             assert all(a >= b for a, b in itertools.pairwise(ps)), f"grants not in non-increasing switch probability: {ps}"
             if served is not None:
                 sp = [s.switch_probability for s in served]
                 assert all(a >= b for a, b in itertools.pairwise(sp)), f"job source order not non-increasing: {sp}"
-                assert [g.job for g in grants] == [s.key for s in served[: len(grants)]], (
-                    "grants do not follow the job order", grants, served,
+                order = [s for s in served if s.imminent] + [s for s in served if not s.imminent] if first else served
+                assert [g.job for g in grants] == [s.key for s in order[: len(grants)]], (
+                    "grants do not follow the job order", grants, order,
                 )
-                for g, s in zip(grants[:-1], served):
+                for g, s in zip(grants[:-1], order):
                     assert g.num_tokens == s.num_missing_tokens, f"job {s.key} not fully served before the next"
         if "liveness" in self.checks and plan.budget.budget_s > 0:
             self._check_maximal(snapshot, plan, served, base_s)
