@@ -159,7 +159,7 @@ MUTATIONS: dict[str, tuple] = {
     "abab-held": (E2E, "test_abab_computes_only_deltas", "shadowcore/job.py",
                   "self.num_held_tokens = min(aligned, self.num_target_tokens)", "self.num_held_tokens = 0"),
     "random-order": (E2E, "test_same_seed_identical_plans", "shadowcore/manager.py",
-                     "jobs.sort(key=lambda j: (-j.switch_probability, j.sequence))",
+                     "jobs.sort(key=_priority)",
                      "import random; jobs.sort(key=lambda j: (-j.switch_probability, random.random()))"),
     "keep-chosen-job": (E2E, "test_switch_call_never_waits_on_shadow", "shadowcore/manager.py",
                         "        self._close(JobKey(s.session_id, call.model))\n", "",
