@@ -36,6 +36,7 @@ def run(seed: int, arm: str, policy) -> dict:
     vr = tb.build_arm(sim, ex, arm, policy, seed)
     reasons: dict[str, collections.Counter] = {}
     timeline: dict[str, list] = {}
+    last: dict[str, dict] = {}
     if engine_level:
         for name, engine in vr.cluster.by_id.items():
             hook = engine.scheduler.shadow_hook
@@ -43,7 +44,8 @@ def run(seed: int, arm: str, policy) -> dict:
             slack = hook.slack
             orig = slack.budget
 
-            def budget(snapshot, lat, orig=orig, counter=counter, slack=slack, **imminence):
+            def budget(snapshot, lat, orig=orig, counter=counter, slack=slack, last=last.setdefault(name, {}),
+                       **imminence):
                 b = orig(snapshot, lat, **imminence)  # imminent= for a controller that reads_imminence
                 kind = "routed-prefill" if snapshot.has_routed and _prefilling(snapshot) else \
                     "routed-decode" if snapshot.has_routed else "no-routed"
@@ -52,13 +54,14 @@ def run(seed: int, arm: str, policy) -> dict:
                     from shadowcore.slack import min_batch_slack_s, routed_decode_slack_s
 
                     rm = slack.imminent_margin if imminence.get("imminent") else slack.routed_decode_margin
-                    routed = routed_decode_slack_s(snapshot, max(slack.margin, rm))
+                    routed = routed_decode_slack_s(snapshot, max(slack.margin, rm or slack.margin))
                     batch = min_batch_slack_s(snapshot, lat, slack.margin, slack.chunk_tokens)
                     why += "(routed<=0)" if routed <= 0 else "(batch<=0)" if batch <= 0 else "(small)"
                 counter[(why, kind, b.budget_s > 0)] += 1
+                last["why"], last["imminent"] = why, bool(imminence.get("imminent"))
                 return b
             slack.budget = budget
-            hook.observers.add(_Timeline(timeline.setdefault(name, []), vr))
+            hook.observers.add(_Timeline(timeline.setdefault(name, []), vr, last[name]))
     vr.run()
     measured = {p.session_id for p in sim.workload.sessions if ex.warmup_s <= p.arrival_s < ex.end_s}
     prev_ctx = {}
@@ -88,15 +91,47 @@ def run(seed: int, arm: str, policy) -> dict:
 
 
 class _Timeline:
-    """An observer of one hook's plans: (virtual time, budget reason, routed kind, granted tokens)."""
+    """An observer of one hook's plans: (virtual time, budget reason, routed kind, granted tokens,
+    budget why (with the zero-slack cause), whether the first job was imminent, budget s, base s,
+    decode-only, {session: tokens granted})."""
 
-    def __init__(self, rows: list, vr) -> None:
-        self.rows, self.vr = rows, vr
+    def __init__(self, rows: list, vr, last: dict) -> None:
+        self.rows, self.vr, self.last = rows, vr, last
 
     def on_plan(self, snapshot, plan) -> None:
         kind = "routed-prefill" if snapshot.has_routed and _prefilling(snapshot) else \
             "routed-decode" if snapshot.has_routed else "no-routed"
-        self.rows.append((self.vr.loop.now_s, plan.budget.reason.value, kind, sum(g.num_tokens for g in plan.grants)))
+        per: dict[str, int] = {}
+        for g in plan.grants:
+            per[g.job.session_id] = per.get(g.job.session_id, 0) + g.num_tokens
+        decode_only = snapshot.aggregate is None and snapshot.batch_shape.is_decode_only
+        self.rows.append((self.vr.loop.now_s, plan.budget.reason.value, kind, sum(g.num_tokens for g in plan.grants),
+                          self.last.get("why", plan.budget.reason.value), self.last.get("imminent", False),
+                          plan.budget.budget_s, plan.predicted_base_s, decode_only, per))
+
+
+def _gaps(r: dict) -> None:
+    """Print one line per incomplete switch call (engine-level arms) and a summary of the causes."""
+    totals: collections.Counter = collections.Counter()
+    for model, rows in sorted(r["switch"].items()):
+        inst = next((n for n in r["timeline"] if n.startswith(model) or model in n), None)
+        tl = r["timeline"].get(inst, [])
+        for ttft, cached, prompt, ctx, sid, idx, prev, arrival in rows:
+            if cached >= ctx:
+                continue
+            gap = [x for x in tl if prev <= x[0] < arrival]
+            whys = collections.Counter((x[4], x[2]) for x in gap)
+            own = sum(x[9].get(sid, 0) for x in gap)
+            other = sum(x[3] for x in gap) - own
+            imm = sum(1 for x in gap if x[5])
+            zero_do = sum(1 for x in gap if x[3] == 0 and x[8] and x[2] != "no-routed")
+            totals.update({"calls": 1, "missing": ctx - cached, "gap_iters": len(gap), "own": own, "other": other})
+            totals.update({f"{w}/{k}": v for (w, k), v in whys.items()})
+            print(f"    miss {model} {sid}#{idx}: missing={ctx - cached} of ctx={ctx} gap={arrival - prev:.2f}s "
+                  f"iters={len(gap)} first-imminent={imm} decode-only-zero={zero_do} granted own={own} "
+                  f"other={other} ttft={ttft:.2f}s by cause: "
+                  + ", ".join(f"{w}/{k}={v}" for (w, k), v in sorted(whys.items())))
+    print("    miss totals: " + ", ".join(f"{k}={v}" for k, v in sorted(totals.items())))
 
 
 def _prefilling(snapshot) -> bool:
@@ -111,6 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", action="append", default=[])
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--json", help="write the per-switch-call rows here")
+    ap.add_argument("--gaps", action="store_true",
+                    help="per switch call whose shadow was incomplete: missing tokens, the tool gap's length, its "
+                         "iterations on the target instance by budget cause, and tokens granted to that session")
     a = ap.parse_args(argv)
     from shadowcore.config import parse_ref
 
@@ -134,6 +172,8 @@ def main(argv=None) -> int:
                                                     for k, v in sorted(c.items())))
             print(f"  {name} outcome: {r['hook'][name]} evictions={r['evictions'][name]}")
             print(f"  {name} stats: {r['stats'][name]}")
+        if a.gaps and pol is not None:
+            _gaps(r)
         sys.stdout.flush()
     if a.json:
         with open(a.json, "w") as f:

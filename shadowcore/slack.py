@@ -24,7 +24,11 @@ Invariants:
   decode is bounded by its batch's Eq. 1 slack (routed decodes at that
   margin) and ``beta * T``, like an iteration without a routed call. Under
   ``imminent_margin`` (off by default) the same holds at that margin for an
-  iteration whose highest-priority pending job is imminent.
+  iteration whose highest-priority pending job is imminent. Under
+  ``imminent_stretch = x`` (off by default) such an iteration, if no routed
+  call prefills, may also last up to ``(1 + x)`` times its predicted time
+  without shadow work even when the routed decodes have no slack left; every
+  normal request keeps its Eq. 1 slack and ``beta * T`` still caps it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from abc import ABC, abstractmethod
 
 import attrs
 
-from shadowcore._validators import fraction_closed_open, non_negative, non_negative_int, positive
+from shadowcore._validators import fraction_closed_open, fraction_open_closed, non_negative, non_negative_int, positive
 from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
 from shadowcore.types import (
     BudgetReason,
@@ -98,6 +102,38 @@ def min_batch_slack_s(
 def routed_prefilling(snapshot: StepSnapshot) -> bool:
     """Whether a routed call of the batch is in its prefill (its TTFT is being made)."""
     return any(r.kind is RequestKind.ROUTED and r.phase is Phase.PREFILL for r in snapshot.batch)
+
+
+def normal_batch_slack_s(
+    snapshot: StepSnapshot, latency: LatencyModel, margin: float, chunk_tokens: int
+) -> float:
+    """:func:`min_batch_slack_s` over the batch's normal requests only (the
+    decode aggregate, whose requests are all normal, included)."""
+    slack = math.inf
+    for r in snapshot.batch:
+        if r.kind is RequestKind.ROUTED:
+            continue
+        if r.phase is Phase.DECODE:
+            s = decode_slack_s(r, snapshot.now_s, margin)
+        else:
+            s = prefill_slack_s(r, snapshot.now_s, margin, remaining_prefill_s(r, latency, chunk_tokens))
+        slack = min(slack, s)
+    if snapshot.aggregate is not None:
+        slack = min(slack, snapshot.aggregate.min_slack_s(snapshot.now_s, margin))
+    return slack
+
+
+def imminent_stretch_s(
+    snapshot: StepSnapshot, latency: LatencyModel, stretch: float, margin: float, chunk_tokens: int, cap_s: float
+) -> float:
+    """The imminent-stretch budget (``SloSlackController.imminent_stretch``):
+    the iteration may last ``(1 + stretch)`` times its predicted time without
+    shadow work, whatever the routed decodes' pace, within every normal
+    request's Eq. 1 slack and ``cap_s``. The caller guarantees the gate
+    passed, the batch has a routed call and none of them prefills, and there
+    is no decode aggregate (the base time is the batch's own shape)."""
+    base_s = latency.predict_s(snapshot.batch_shape)
+    return min(cap_s, (1.0 + stretch) * base_s, normal_batch_slack_s(snapshot, latency, margin, chunk_tokens))
 
 
 def routed_decode_slack_s(snapshot: StepSnapshot, margin: float) -> float:
@@ -271,7 +307,21 @@ class SloSlackController(SlackController):
     ``imminent_first`` (default ``False``): the hook grants imminent jobs
     before the others (:class:`SlackController`), so ``imminent`` is true
     whenever some pending job is imminent, and that job's shadow is the one
-    an ``imminent_margin`` budget is spent on. Budgets are unchanged."""
+    an ``imminent_margin`` budget is spent on. Budgets are unchanged.
+
+    ``imminent_stretch`` (default ``None``: off; a fraction in ``(0, 1]``):
+    the request-level baseline's spend, bounded. In an iteration whose first
+    pending job is imminent, with a routed call in the batch and none of them
+    prefilling, the budget is at least ``min(beta * T, (1 + x) * b, s_n)``
+    (:func:`imminent_stretch_s`): ``b`` the iteration's predicted time without
+    shadow work, ``s_n`` the smallest Eq. 1 slack of the batch's normal
+    requests at ``margin``. So shadow work may add up to ``x`` of the
+    iteration to routed decodes that are already behind their pace (their
+    TPOT pays, only while a switch call may be about to arrive), never to a
+    routed prefill (TTFT) nor past a normal request's SLO margin; the gate
+    (waiting queue, blocked admission) applies as everywhere. Without
+    ``imminent_margin`` or ``routed_decode_margin`` the slack budget it is
+    compared with is the routed decodes' at ``margin``."""
 
     beta: float = attrs.field(default=0.5, validator=positive)
     delta: float = attrs.field(default=0.025, validator=non_negative)
@@ -284,6 +334,7 @@ class SloSlackController(SlackController):
     imminent_margin: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(fraction_closed_open))
     imminent_first: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    imminent_stretch: float | None = attrs.field(default=None, validator=attrs.validators.optional(fraction_open_closed))
     credit: CreditAccount = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -291,7 +342,7 @@ class SloSlackController(SlackController):
 
     @property
     def reads_imminence(self) -> bool:  # type: ignore[override]
-        return self.imminent_margin is not None or self.imminent_first
+        return self.imminent_margin is not None or self.imminent_first or self.imminent_stretch is not None
 
     def budget(self, snapshot: StepSnapshot, latency: LatencyModel, imminent: bool = False) -> SlackBudget:
         gated = _gate(snapshot)
@@ -304,11 +355,17 @@ class SloSlackController(SlackController):
         if snapshot.has_routed:
             routed_margin = self.imminent_margin if imminent and self.imminent_margin is not None \
                 else self.routed_decode_margin
-            if routed_margin is None or routed_prefilling(snapshot):
+            stretch = imminent and self.imminent_stretch is not None and snapshot.aggregate is None
+            if routed_prefilling(snapshot) or (routed_margin is None and not stretch):
                 return SlackBudget(
                     max(0.0, min(self.credit.balance_s, cap)), BudgetReason.ROUTED_CREDIT, bounds_stretch=True
                 )
-            slack = routed_decode_slack_s(snapshot, max(self.margin, routed_margin))
+            slack = routed_decode_slack_s(snapshot, max(self.margin, routed_margin or self.margin))
+            slack = min(slack, min_batch_slack_s(snapshot, latency, self.margin, self.chunk_tokens))
+            if stretch:
+                slack = max(slack, imminent_stretch_s(snapshot, latency, self.imminent_stretch, self.margin,
+                                                      self.chunk_tokens, cap))
+            return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)
         slack = min(slack, min_batch_slack_s(snapshot, latency, self.margin, self.chunk_tokens))
         return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from shadowcore.errors import ConfigError
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory, ShadowJob
 from shadowcore.latency import BatchShape, LinearLatencyModel, PrefillChunk
@@ -461,6 +462,60 @@ def test_imminent_first_tells_the_budget_of_any_imminent_job():
     assert plan.budget.budget_s == pytest.approx(0.005) and plan.grants[0].job.session_id == "s1"
     with pytest.raises(TypeError, match="imminent_first"):
         SloSlackController(imminent_first=1)
+
+
+# -- imminent_stretch (idle-first-host's bounded request-level-like spend, issue 16 item 7) ---------
+def stretch(x: float, imminent_margin: float | None = 0.2, routed_margin: float | None = 0.5) -> SloSlackController:
+    return SloSlackController(beta=0.5, delta=0.0, n_min=0, margin=0.1, chunk_tokens=2048, routed_decode_margin=routed_margin,
+                              imminent_margin=imminent_margin, imminent_stretch=x)
+
+
+def test_imminent_stretch_budget_by_hand():
+    """A routed decode behind its pace (0.9 * 0.04 - 0.05 < 0: no Eq. 1 slack at any margin), the first
+    job imminent: the iteration may last (1 + x) times its base (0.004 s alone): x = 1 gives 0.008 s,
+    0.004 + 6e-5 n <= 0.008 -> n = 64; x = 0.5 gives 0.006 s -> n = 32. A normal request's slack, beta * T,
+    the gate, a routed prefill and a job that is not imminent all still bound it."""
+    behind = decode("r", now=1.0, since_first=0.05, kind=RequestKind.ROUTED)
+    plan = run(imminent_hook(stretch(1.0), True), snap([behind]))
+    assert plan.budget.reason is BudgetReason.SLO_SLACK and not plan.budget.bounds_stretch
+    assert plan.budget.budget_s == pytest.approx(0.008)
+    assert plan.num_shadow_tokens == 64
+    assert run(imminent_hook(stretch(0.5), True), snap([behind])).num_shadow_tokens == 32
+    # off, or not imminent: nothing (the routed decode has no slack)
+    assert run(imminent_hook(imm(0.2), True), snap([behind])).grants == ()
+    assert run(imminent_hook(stretch(1.0), False), snap([behind])).grants == ()
+    # a normal decode with 0.9 * 0.04 - 0.029 = 0.007 s of slack bounds it: 0.004 + 6e-5 n <= 0.007 -> n = 48
+    normal = decode("d", now=1.0, since_first=0.029)
+    plan = run(imminent_hook(stretch(1.0), True), snap([behind, normal]))
+    assert plan.budget.budget_s == pytest.approx(0.007) and plan.num_shadow_tokens == 48
+    # beta * T caps it: a normal prefill of 150 tokens makes the base 0.013 s, 2 * 0.013 > 0.02 -> 0.02,
+    # 0.013 + 6e-5 n <= 0.02 -> n = 112
+    chunk = prefill("p", arrival=0.9, scheduled=150, remaining=0)
+    plan = run(imminent_hook(stretch(1.0), True), snap([behind, chunk]))
+    assert plan.budget.budget_s == pytest.approx(0.02) and plan.num_shadow_tokens == 112
+    # a larger Eq. 1 slack wins: routed slack at imminent_margin 0.2, 0.8 * 0.04 - 0.015 = 0.017 > 0.008
+    ahead = decode("r", now=1.0, since_first=0.015, kind=RequestKind.ROUTED)
+    assert run(imminent_hook(stretch(1.0), True), snap([ahead])).budget.budget_s == pytest.approx(0.017)
+    # alone (no margins): enabled for imminent jobs only, the routed slack otherwise left to the credit
+    alone = stretch(1.0, None, None)
+    assert alone.reads_imminence
+    assert run(imminent_hook(alone, True), snap([behind])).num_shadow_tokens == 64
+    off = run(imminent_hook(alone, False), snap([behind]))
+    assert off.budget == SlackBudget(0.0, BudgetReason.ROUTED_CREDIT, bounds_stretch=True)
+    # a routed prefill: the credit (none); waiting / blocked: the gate
+    routed_prefill = prefill("q", arrival=0.9, scheduled=512, remaining=0, kind=RequestKind.ROUTED)
+    plan = run(imminent_hook(stretch(1.0), True), snap([behind, routed_prefill]))
+    assert plan.budget == SlackBudget(0.0, BudgetReason.ROUTED_CREDIT, bounds_stretch=True) and plan.grants == ()
+    assert run(imminent_hook(stretch(1.0), True), snap([behind], waiting=1)).budget.reason is BudgetReason.WAITING
+    assert run(imminent_hook(stretch(1.0), True), snap([behind], blocked=True)).budget.reason is BudgetReason.BLOCKED
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, "0.5", True, float("nan")])
+def test_imminent_stretch_rejects_bad_values(bad):
+    from shadow_policies.idle import idle_first_host
+
+    with pytest.raises(ConfigError, match="imminent_stretch"):
+        idle_first_host(imminent_stretch=bad)
 
 
 def test_order_rule_of_the_contract_reads_imminent_first():

@@ -105,7 +105,7 @@ def idle_first_host(gate: float = 0.1, max_k: int = 2, prior_strength: float = 4
                     beta: float = 1.0, delta: float = 0.0, n_min: int = N_MIN_TOKENS, margin: float = 0.1,
                     chunk_tokens: int = 2048, eviction_order: str = "lru", routed_decode_margin: float | None = None,
                     credit_accrual: str = "routed", imminent_margin: float | None = None,
-                    imminent_first: bool = False, **kv) -> PolicySpec:
+                    imminent_first: bool = False, imminent_stretch: float | None = None, **kv) -> PolicySpec:
     if not isinstance(beta, bool) and isinstance(beta, (int, float)) and beta > 1:
         raise ConfigError("beta", beta, "must be in (0, 1]: a shadow iteration is never longer than the TPOT SLO")
     if not isinstance(imminent_first, bool):
@@ -116,7 +116,8 @@ def idle_first_host(gate: float = 0.1, max_k: int = 2, prior_strength: float = 4
     extra = {k: v for k, v, default in (("routed_decode_margin", routed_decode_margin, None),
                                         ("credit_accrual", credit_accrual, "routed"),
                                         ("imminent_margin", imminent_margin, None),
-                                        ("imminent_first", imminent_first, False)) if v != default}
+                                        ("imminent_first", imminent_first, False),
+                                        ("imminent_stretch", imminent_stretch, None)) if v != default}
     if extra:
         try:
             spec = attrs.evolve(spec, slack=Component(spec.slack.cls, {**spec.slack.kwargs, **extra}))
