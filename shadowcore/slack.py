@@ -124,16 +124,16 @@ def normal_batch_slack_s(
 
 
 def imminent_stretch_s(
-    snapshot: StepSnapshot, latency: LatencyModel, stretch: float, margin: float, chunk_tokens: int, cap_s: float
+    snapshot: StepSnapshot, latency: LatencyModel, stretch: float, margin: float, chunk_tokens: int
 ) -> float:
     """The imminent-stretch budget (``SloSlackController.imminent_stretch``):
     the iteration may last ``(1 + stretch)`` times its predicted time without
     shadow work, whatever the routed decodes' pace, within every normal
-    request's Eq. 1 slack and ``cap_s``. The caller guarantees the gate
+    request's Eq. 1 slack (the caller caps it at ``beta * T``). The caller guarantees the gate
     passed, the batch has a routed call and none of them prefills, and there
     is no decode aggregate (the base time is the batch's own shape)."""
     base_s = latency.predict_s(snapshot.batch_shape)
-    return min(cap_s, (1.0 + stretch) * base_s, normal_batch_slack_s(snapshot, latency, margin, chunk_tokens))
+    return min((1.0 + stretch) * base_s, normal_batch_slack_s(snapshot, latency, margin, chunk_tokens))
 
 
 def routed_decode_slack_s(snapshot: StepSnapshot, margin: float) -> float:
@@ -364,8 +364,8 @@ class SloSlackController(SlackController):
             slack = min(slack, min_batch_slack_s(snapshot, latency, self.margin, self.chunk_tokens))
             if stretch:
                 slack = max(slack, imminent_stretch_s(snapshot, latency, self.imminent_stretch, self.margin,
-                                                      self.chunk_tokens, cap))
-            return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)
+                                                      self.chunk_tokens))
+            return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)  # routed decodes only
         slack = min(slack, min_batch_slack_s(snapshot, latency, self.margin, self.chunk_tokens))
         return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)
 
