@@ -57,6 +57,8 @@ def run(seed: int, arm: str, policy) -> dict:
                     routed = routed_decode_slack_s(snapshot, max(slack.margin, rm or slack.margin))
                     batch = min_batch_slack_s(snapshot, lat, slack.margin, slack.chunk_tokens)
                     why += "(routed<=0)" if routed <= 0 else "(batch<=0)" if batch <= 0 else "(small)"
+                    if routed <= 0 and batch <= 0:
+                        why += "[batch<=0]"
                 counter[(why, kind, b.budget_s > 0)] += 1
                 last["why"], last["imminent"] = why, bool(imminence.get("imminent"))
                 return b

@@ -26,9 +26,10 @@ Invariants:
   ``imminent_margin`` (off by default) the same holds at that margin for an
   iteration whose highest-priority pending job is imminent. Under
   ``imminent_stretch = x`` (off by default) such an iteration, if no routed
-  call prefills, may also last up to ``(1 + x)`` times its predicted time
-  without shadow work even when the routed decodes have no slack left; every
-  normal request keeps its Eq. 1 slack and ``beta * T`` still caps it.
+  call prefills, may also last up to ``min((1 + x) * b, (1 - margin) * T)``
+  (``b``: its time without shadow work) whatever the decodes' slack: no
+  decode's Eq. 1 slack goes down in it; normal prefills keep their TTFT
+  slack and ``beta * T`` still caps it.
 """
 
 from __future__ import annotations
@@ -104,36 +105,34 @@ def routed_prefilling(snapshot: StepSnapshot) -> bool:
     return any(r.kind is RequestKind.ROUTED and r.phase is Phase.PREFILL for r in snapshot.batch)
 
 
-def normal_batch_slack_s(
+def normal_prefill_slack_s(
     snapshot: StepSnapshot, latency: LatencyModel, margin: float, chunk_tokens: int
 ) -> float:
-    """:func:`min_batch_slack_s` over the batch's normal requests only (the
-    decode aggregate, whose requests are all normal, included)."""
-    slack = math.inf
-    for r in snapshot.batch:
-        if r.kind is RequestKind.ROUTED:
-            continue
-        if r.phase is Phase.DECODE:
-            s = decode_slack_s(r, snapshot.now_s, margin)
-        else:
-            s = prefill_slack_s(r, snapshot.now_s, margin, remaining_prefill_s(r, latency, chunk_tokens))
-        slack = min(slack, s)
-    if snapshot.aggregate is not None:
-        slack = min(slack, snapshot.aggregate.min_slack_s(snapshot.now_s, margin))
-    return slack
+    """The smallest TTFT slack (:func:`prefill_slack_s`) of the batch's normal
+    prefills (``inf`` for none)."""
+    return min((prefill_slack_s(r, snapshot.now_s, margin, remaining_prefill_s(r, latency, chunk_tokens))
+                for r in snapshot.batch if r.kind is RequestKind.NORMAL and r.phase is Phase.PREFILL),
+               default=math.inf)
 
 
 def imminent_stretch_s(
     snapshot: StepSnapshot, latency: LatencyModel, stretch: float, margin: float, chunk_tokens: int
 ) -> float:
     """The imminent-stretch budget (``SloSlackController.imminent_stretch``):
-    the iteration may last ``(1 + stretch)`` times its predicted time without
-    shadow work, whatever the routed decodes' pace, within every normal
-    request's Eq. 1 slack (the caller caps it at ``beta * T``). The caller guarantees the gate
-    passed, the batch has a routed call and none of them prefills, and there
-    is no decode aggregate (the base time is the batch's own shape)."""
-    base_s = latency.predict_s(snapshot.batch_shape)
-    return min((1.0 + stretch) * base_s, normal_batch_slack_s(snapshot, latency, margin, chunk_tokens))
+    ``min((1 + stretch) * b, (1 - margin) * T, s_p)``, with ``b`` the
+    iteration's predicted time without shadow work and ``s_p`` the smallest
+    TTFT slack of its normal prefills. An iteration no longer than
+    ``(1 - margin) * T`` never lowers a decode's Eq. 1 slack (the next
+    iteration's ``sigma_r`` is ``sigma_r - d + (1 - margin) * T``), so no
+    decode falls further behind its pace, whatever it is now; the decodes'
+    own slack is not read. On a snapshot with a decode aggregate (the
+    simulator's skip check, ``shadowcore.engine._fastpath``) ``b`` is not
+    known and is taken as unbounded: the budget is then an upper bound of the
+    full snapshot's, which the hook plans exactly. The caller guarantees the
+    gate passed and no routed call prefills, and caps it at ``beta * T``."""
+    base_s = math.inf if snapshot.aggregate is not None else latency.predict_s(snapshot.batch_shape)
+    return min((1.0 + stretch) * base_s, (1.0 - margin) * snapshot.tpot_slo_s,
+               normal_prefill_slack_s(snapshot, latency, margin, chunk_tokens))
 
 
 def routed_decode_slack_s(snapshot: StepSnapshot, margin: float) -> float:
@@ -312,16 +311,19 @@ class SloSlackController(SlackController):
     ``imminent_stretch`` (default ``None``: off; a fraction in ``(0, 1]``):
     the request-level baseline's spend, bounded. In an iteration whose first
     pending job is imminent, with a routed call in the batch and none of them
-    prefilling, the budget is at least ``min(beta * T, (1 + x) * b, s_n)``
-    (:func:`imminent_stretch_s`): ``b`` the iteration's predicted time without
-    shadow work, ``s_n`` the smallest Eq. 1 slack of the batch's normal
-    requests at ``margin``. So shadow work may add up to ``x`` of the
-    iteration to routed decodes that are already behind their pace (their
-    TPOT pays, only while a switch call may be about to arrive), never to a
-    routed prefill (TTFT) nor past a normal request's SLO margin; the gate
-    (waiting queue, blocked admission) applies as everywhere. Without
-    ``imminent_margin`` or ``routed_decode_margin`` the slack budget it is
-    compared with is the routed decodes' at ``margin``."""
+    prefilling, the budget is at least ``min(beta * T, (1 + x) * b,
+    (1 - margin) * T, s_p)`` (:func:`imminent_stretch_s`): ``b`` the
+    iteration's predicted time without shadow work, ``s_p`` the smallest TTFT
+    slack of the batch's normal prefills. So shadow work may add up to ``x``
+    of the iteration even when decodes are behind their pace (after a long
+    prefill iteration every decode of the batch is): such an iteration is no
+    longer than ``(1 - margin) * T``, so no decode's Eq. 1 slack goes down in
+    it (each catches up more slowly; their TPOT pays, only while a switch
+    call may be about to arrive); never next to a routed prefill (TTFT) nor
+    past a normal prefill's TTFT margin; the gate (waiting queue, blocked
+    admission) applies as everywhere. Without ``imminent_margin`` or
+    ``routed_decode_margin`` the slack budget it is compared with is the
+    routed decodes' at ``margin``."""
 
     beta: float = attrs.field(default=0.5, validator=positive)
     delta: float = attrs.field(default=0.025, validator=non_negative)
@@ -355,7 +357,7 @@ class SloSlackController(SlackController):
         if snapshot.has_routed:
             routed_margin = self.imminent_margin if imminent and self.imminent_margin is not None \
                 else self.routed_decode_margin
-            stretch = imminent and self.imminent_stretch is not None and snapshot.aggregate is None
+            stretch = imminent and self.imminent_stretch is not None
             if routed_prefilling(snapshot) or (routed_margin is None and not stretch):
                 return SlackBudget(
                     max(0.0, min(self.credit.balance_s, cap)), BudgetReason.ROUTED_CREDIT, bounds_stretch=True

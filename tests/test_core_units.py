@@ -465,16 +465,19 @@ def test_imminent_first_tells_the_budget_of_any_imminent_job():
 
 
 # -- imminent_stretch (idle-first-host's bounded request-level-like spend, issue 16 item 7) ---------
-def stretch(x: float, imminent_margin: float | None = 0.2, routed_margin: float | None = 0.5) -> SloSlackController:
-    return SloSlackController(beta=0.5, delta=0.0, n_min=0, margin=0.1, chunk_tokens=2048, routed_decode_margin=routed_margin,
-                              imminent_margin=imminent_margin, imminent_stretch=x)
+def stretch(x: float, imminent_margin: float | None = 0.2, routed_margin: float | None = 0.5,
+            beta: float = 0.5) -> SloSlackController:
+    return SloSlackController(beta=beta, delta=0.0, n_min=0, margin=0.1, chunk_tokens=2048,
+                              routed_decode_margin=routed_margin, imminent_margin=imminent_margin,
+                              imminent_stretch=x)
 
 
 def test_imminent_stretch_budget_by_hand():
     """A routed decode behind its pace (0.9 * 0.04 - 0.05 < 0: no Eq. 1 slack at any margin), the first
-    job imminent: the iteration may last (1 + x) times its base (0.004 s alone): x = 1 gives 0.008 s,
-    0.004 + 6e-5 n <= 0.008 -> n = 64; x = 0.5 gives 0.006 s -> n = 32. A normal request's slack, beta * T,
-    the gate, a routed prefill and a job that is not imminent all still bound it."""
+    job imminent: the iteration may last min((1 + x) * base, 0.9 * T = 0.036) (base 0.004 s alone):
+    x = 1 gives 0.008 s, 0.004 + 6e-5 n <= 0.008 -> n = 64; x = 0.5 gives 0.006 s -> n = 32. Decodes'
+    slack is not read; a normal prefill's TTFT slack, (1 - m) * T, beta * T, the gate, a routed
+    prefill and a job that is not imminent still bound it."""
     behind = decode("r", now=1.0, since_first=0.05, kind=RequestKind.ROUTED)
     plan = run(imminent_hook(stretch(1.0), True), snap([behind]))
     assert plan.budget.reason is BudgetReason.SLO_SLACK and not plan.budget.bounds_stretch
@@ -484,15 +487,24 @@ def test_imminent_stretch_budget_by_hand():
     # off, or not imminent: nothing (the routed decode has no slack)
     assert run(imminent_hook(imm(0.2), True), snap([behind])).grants == ()
     assert run(imminent_hook(stretch(1.0), False), snap([behind])).grants == ()
-    # a normal decode with 0.9 * 0.04 - 0.029 = 0.007 s of slack bounds it: 0.004 + 6e-5 n <= 0.007 -> n = 48
-    normal = decode("d", now=1.0, since_first=0.029)
-    plan = run(imminent_hook(stretch(1.0), True), snap([behind, normal]))
-    assert plan.budget.budget_s == pytest.approx(0.007) and plan.num_shadow_tokens == 48
-    # beta * T caps it: a normal prefill of 150 tokens makes the base 0.013 s, 2 * 0.013 > 0.02 -> 0.02,
-    # 0.013 + 6e-5 n <= 0.02 -> n = 112
+    # a normal decode far behind its pace does not stop it (no decode's slack goes down in 0.008 s)
+    late = decode("d", now=1.0, since_first=0.2)
+    assert run(imminent_hook(stretch(1.0), True), snap([behind, late])).num_shadow_tokens == 64
+    # a normal prefill's TTFT slack does: 50 tokens make the base 0.007 s, 2 * 0.007 = 0.014, its slack
+    # 0.9 * 0.2 - (1.0 - 0.83) - 0 = 0.01 -> 0.007 + 6e-5 n <= 0.01 -> n = 48
+    tight = prefill("p", arrival=0.83, scheduled=50, remaining=0, ttft=0.2)
+    plan = run(imminent_hook(stretch(1.0), True), snap([behind, tight]))
+    assert plan.budget.budget_s == pytest.approx(0.01) and plan.num_shadow_tokens == 48
+    # beta * T caps it: a loose normal prefill of 150 tokens makes the base 0.013 s, 2 * 0.013 > 0.02 ->
+    # 0.02, 0.013 + 6e-5 n <= 0.02 -> n = 112
     chunk = prefill("p", arrival=0.9, scheduled=150, remaining=0)
     plan = run(imminent_hook(stretch(1.0), True), snap([behind, chunk]))
     assert plan.budget.budget_s == pytest.approx(0.02) and plan.num_shadow_tokens == 112
+    # (1 - m) * T caps it (beta 1: beta * T = 0.04): 300 tokens, base 0.022, 2 * 0.022 > 0.036 ->
+    # 0.022 + 6e-5 n <= 0.036 -> n = 224
+    big = prefill("p", arrival=0.9, scheduled=300, remaining=0)
+    plan = run(imminent_hook(stretch(1.0, beta=1.0), True), snap([behind, big]))
+    assert plan.budget.budget_s == pytest.approx(0.036) and plan.num_shadow_tokens == 224
     # a larger Eq. 1 slack wins: routed slack at imminent_margin 0.2, 0.8 * 0.04 - 0.015 = 0.017 > 0.008
     ahead = decode("r", now=1.0, since_first=0.015, kind=RequestKind.ROUTED)
     assert run(imminent_hook(stretch(1.0), True), snap([ahead])).budget.budget_s == pytest.approx(0.017)
