@@ -27,9 +27,9 @@ Invariants:
   iteration whose highest-priority pending job is imminent. Under
   ``imminent_stretch = x`` (off by default) such an iteration, if no routed
   call prefills, may also last up to ``min((1 + x) * b, (1 - margin) * T)``
-  (``b``: its time without shadow work) whatever the decodes' slack: no
-  decode's Eq. 1 slack goes down in it; normal prefills keep their TTFT
-  slack and ``beta * T`` still caps it.
+  (``b``: its time without shadow work) within every decode's Eq. 1 slack at
+  margin 0 instead of ``margin`` (no decode's slack goes down in it); normal
+  prefills keep their TTFT slack at ``margin`` and ``beta * T`` still caps it.
 """
 
 from __future__ import annotations
@@ -119,19 +119,25 @@ def imminent_stretch_s(
     snapshot: StepSnapshot, latency: LatencyModel, stretch: float, margin: float, chunk_tokens: int
 ) -> float:
     """The imminent-stretch budget (``SloSlackController.imminent_stretch``):
-    ``min((1 + stretch) * b, (1 - margin) * T, s_p)``, with ``b`` the
-    iteration's predicted time without shadow work and ``s_p`` the smallest
-    TTFT slack of its normal prefills. An iteration no longer than
-    ``(1 - margin) * T`` never lowers a decode's Eq. 1 slack (the next
-    iteration's ``sigma_r`` is ``sigma_r - d + (1 - margin) * T``), so no
-    decode falls further behind its pace, whatever it is now; the decodes'
-    own slack is not read. On a snapshot with a decode aggregate (the
-    simulator's skip check, ``shadowcore.engine._fastpath``) ``b`` is not
-    known and is taken as unbounded: the budget is then an upper bound of the
-    full snapshot's, which the hook plans exactly. The caller guarantees the
-    gate passed and no routed call prefills, and caps it at ``beta * T``."""
+    ``min((1 + stretch) * b, (1 - margin) * T, s_d, s_p)``, with ``b`` the
+    iteration's predicted time without shadow work, ``s_d`` the smallest
+    Eq. 1 slack of its decodes at margin 0 (each token on the pace of its
+    TPOT SLO itself, the contract's ``slo`` rule) and ``s_p`` the smallest
+    TTFT slack of its normal prefills at ``margin``. An iteration no longer
+    than ``(1 - margin) * T`` never lowers a decode's Eq. 1 slack (the next
+    iteration's is ``sigma_r - d + (1 - margin) * T``), so the rule spends
+    only what a decode already has in hand at its SLO and never eats into
+    it over a run. On a snapshot with a decode aggregate (the simulator's
+    skip check, ``shadowcore.engine._fastpath``) ``b`` is not known and is
+    taken as unbounded: the budget is then an upper bound of the full
+    snapshot's, which the hook plans exactly. The caller guarantees the gate
+    passed and no routed call prefills, and caps it at ``beta * T``."""
     base_s = math.inf if snapshot.aggregate is not None else latency.predict_s(snapshot.batch_shape)
-    return min((1.0 + stretch) * base_s, (1.0 - margin) * snapshot.tpot_slo_s,
+    decodes = min((decode_slack_s(r, snapshot.now_s, 0.0) for r in snapshot.batch if r.phase is Phase.DECODE),
+                  default=math.inf)
+    if snapshot.aggregate is not None:
+        decodes = min(decodes, snapshot.aggregate.min_slack_s(snapshot.now_s, 0.0))
+    return min((1.0 + stretch) * base_s, (1.0 - margin) * snapshot.tpot_slo_s, decodes,
                normal_prefill_slack_s(snapshot, latency, margin, chunk_tokens))
 
 
@@ -312,16 +318,18 @@ class SloSlackController(SlackController):
     the request-level baseline's spend, bounded. In an iteration whose first
     pending job is imminent, with a routed call in the batch and none of them
     prefilling, the budget is at least ``min(beta * T, (1 + x) * b,
-    (1 - margin) * T, s_p)`` (:func:`imminent_stretch_s`): ``b`` the
-    iteration's predicted time without shadow work, ``s_p`` the smallest TTFT
-    slack of the batch's normal prefills. So shadow work may add up to ``x``
-    of the iteration even when decodes are behind their pace (after a long
-    prefill iteration every decode of the batch is): such an iteration is no
-    longer than ``(1 - margin) * T``, so no decode's Eq. 1 slack goes down in
-    it (each catches up more slowly; their TPOT pays, only while a switch
-    call may be about to arrive); never next to a routed prefill (TTFT) nor
-    past a normal prefill's TTFT margin; the gate (waiting queue, blocked
-    admission) applies as everywhere. Without ``imminent_margin`` or
+    (1 - margin) * T, s_d, s_p)`` (:func:`imminent_stretch_s`): ``b`` the
+    iteration's predicted time without shadow work, ``s_d`` the smallest
+    Eq. 1 slack of the batch's decodes at margin 0, ``s_p`` the smallest TTFT
+    slack of its normal prefills at ``margin``. So shadow work may add up to
+    ``x`` of the iteration when decodes are behind the margin's pace but not
+    their SLO's (after a long prefill iteration every decode of the batch
+    may be): every token stays on its TPOT SLO's pace, and an iteration no
+    longer than ``(1 - margin) * T`` never lowers a decode's slack (each
+    catches up more slowly; their TPOT pays, only while a switch call may be
+    about to arrive); never next to a routed prefill (TTFT) nor past a
+    normal prefill's TTFT margin; the gate (waiting queue, blocked admission)
+    applies as everywhere. Without ``imminent_margin`` or
     ``routed_decode_margin`` the slack budget it is compared with is the
     routed decodes' at ``margin``."""
 

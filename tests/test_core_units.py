@@ -473,12 +473,13 @@ def stretch(x: float, imminent_margin: float | None = 0.2, routed_margin: float 
 
 
 def test_imminent_stretch_budget_by_hand():
-    """A routed decode behind its pace (0.9 * 0.04 - 0.05 < 0: no Eq. 1 slack at any margin), the first
-    job imminent: the iteration may last min((1 + x) * base, 0.9 * T = 0.036) (base 0.004 s alone):
-    x = 1 gives 0.008 s, 0.004 + 6e-5 n <= 0.008 -> n = 64; x = 0.5 gives 0.006 s -> n = 32. Decodes'
-    slack is not read; a normal prefill's TTFT slack, (1 - m) * T, beta * T, the gate, a routed
-    prefill and a job that is not imminent still bound it."""
-    behind = decode("r", now=1.0, since_first=0.05, kind=RequestKind.ROUTED)
+    """A routed decode behind the margin's pace, not its SLO's (49 steps: 0.9 * 0.04 * 50 - 1.9 < 0,
+    0.04 * 50 - 1.9 = 0.1 at margin 0), the first job imminent: the iteration may last
+    min((1 + x) * base, 0.9 * T = 0.036, decodes' slack at margin 0) (base 0.004 s alone): x = 1 gives
+    0.008 s, 0.004 + 6e-5 n <= 0.008 -> n = 64; x = 0.5 gives 0.006 s -> n = 32. Decodes' slack at
+    margin 0, a normal prefill's TTFT slack, (1 - m) * T, beta * T, the gate, a routed prefill and a
+    job that is not imminent bound it."""
+    behind = decode("r", now=1.0, since_first=1.9, steps=49, kind=RequestKind.ROUTED)
     plan = run(imminent_hook(stretch(1.0), True), snap([behind]))
     assert plan.budget.reason is BudgetReason.SLO_SLACK and not plan.budget.bounds_stretch
     assert plan.budget.budget_s == pytest.approx(0.008)
@@ -487,9 +488,16 @@ def test_imminent_stretch_budget_by_hand():
     # off, or not imminent: nothing (the routed decode has no slack)
     assert run(imminent_hook(imm(0.2), True), snap([behind])).grants == ()
     assert run(imminent_hook(stretch(1.0), False), snap([behind])).grants == ()
-    # a normal decode far behind its pace does not stop it (no decode's slack goes down in 0.008 s)
-    late = decode("d", now=1.0, since_first=0.2)
-    assert run(imminent_hook(stretch(1.0), True), snap([behind, late])).num_shadow_tokens == 64
+    # decodes' slack at margin 0 bounds it: the routed decode 0.04 - 0.035 = 0.005 (behind the 0.9 pace:
+    # 0.036 - 0.035 = 0.001 < base) -> 0.005: 0.004 + 6e-5 n <= 0.005 -> n = 16; a normal decode the same
+    near = decode("r", now=1.0, since_first=0.035, kind=RequestKind.ROUTED)
+    plan = run(imminent_hook(stretch(1.0), True), snap([near]))
+    assert plan.budget.budget_s == pytest.approx(0.005) and plan.num_shadow_tokens == 16
+    near_normal = decode("d", now=1.0, since_first=0.035)
+    assert run(imminent_hook(stretch(1.0), True), snap([behind, near_normal])).num_shadow_tokens == 16
+    # a decode behind its SLO's own pace stops it (0.04 - 0.05 < 0)
+    assert run(imminent_hook(stretch(1.0), True), snap([decode("r", now=1.0, since_first=2.05, steps=49,
+                                                                kind=RequestKind.ROUTED)])).grants == ()
     # a normal prefill's TTFT slack does: 50 tokens make the base 0.007 s, 2 * 0.007 = 0.014, its slack
     # 0.9 * 0.2 - (1.0 - 0.83) - 0 = 0.01 -> 0.007 + 6e-5 n <= 0.01 -> n = 48
     tight = prefill("p", arrival=0.83, scheduled=50, remaining=0, ttft=0.2)

@@ -75,7 +75,8 @@ MUTATIONS: dict[str, tuple] = {
     # imminent_first (item 7's grant order): imminent jobs before the others, each group in the source's
     # order, only under the option; the grants say so and the contract's order rule reads it
     # imminent_stretch (item 7's bounded request-level-like spend): (1 + x) * base, imminent jobs only,
-    # within (1 - m) * T, normal prefills' TTFT slack and beta * T, never next to a routed prefill
+    # within (1 - m) * T, decodes' slack at margin 0, normal prefills' TTFT slack and beta * T, never next to
+    # a routed prefill
     "stretch-not-imminent": ("tests/test_core_units.py", "test_imminent_stretch_budget_by_hand", "shadowcore/slack.py",
                              "stretch = imminent and self.imminent_stretch is not None",
                              "stretch = self.imminent_stretch is not None"),
@@ -83,8 +84,12 @@ MUTATIONS: dict[str, tuple] = {
                                  "shadowcore/slack.py",
                                  "               normal_prefill_slack_s(snapshot, latency, margin, chunk_tokens))",
                                  "               math.inf)"),
+    "stretch-decodes-ignored": ("tests/test_core_units.py", "test_imminent_stretch_budget_by_hand",
+                                "shadowcore/slack.py",
+                                "(1.0 - margin) * snapshot.tpot_slo_s, decodes,",
+                                "(1.0 - margin) * snapshot.tpot_slo_s,"),
     "stretch-no-pace-cap": ("tests/test_core_units.py", "test_imminent_stretch_budget_by_hand", "shadowcore/slack.py",
-                            "(1.0 - margin) * snapshot.tpot_slo_s,", "math.inf,"),
+                            "(1.0 - margin) * snapshot.tpot_slo_s, decodes,", "math.inf, decodes,"),
     "stretch-uncapped": ("tests/test_core_units.py", "test_imminent_stretch_budget_by_hand", "shadowcore/slack.py",
                          "return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)  # routed decodes only",
                          "return SlackBudget(max(0.0, slack), BudgetReason.SLO_SLACK)"),

@@ -34,13 +34,15 @@ def test_policy_loads_with_its_defaults_and_names_bad_arguments() -> None:
     for bad, field in (({"n_min": -1}, "n_min"), ({"gate": 2.0}, "gate"), ({"beta": 0}, "beta"), ({"beta": 1.5}, "beta"),
                        ({"shadow_cap": 0}, "shadow_cap"), ({"top_k": 1}, "top_k"),
                        ({"routed_decode_margin": 1.0}, "routed_decode_margin"),
-                       ({"imminent_margin": -0.1}, "imminent_margin")):
+                       ({"imminent_margin": -0.1}, "imminent_margin"),
+                       ({"imminent_stretch": 0}, "imminent_stretch")):
         with pytest.raises(ConfigError) as info:
             load_policy(PluginRef("idle-first-host", bad))
         assert info.value.field == f"policy.args.{field}", info.value
 
 
-@pytest.mark.parametrize("args", [{}, {"routed_decode_margin": 0.1}, {"imminent_margin": 0.1}])
+@pytest.mark.parametrize("args", [{}, {"routed_decode_margin": 0.1}, {"imminent_margin": 0.1},
+                                  {"imminent_stretch": 1.0, "imminent_first": True}])
 def test_conforms(args: dict) -> None:
     from shadowcore.testing.conformance import check_policy
 
@@ -118,6 +120,7 @@ def _routed_grants(args: dict) -> RoutedGrants:
     ({}, False, False),  # delta = 0: never a shadow token next to a routed call
     ({"routed_decode_margin": 0.1}, False, True),  # next to routed decodes only (their SLO slack)
     ({"imminent_margin": 0.1}, False, True),  # the same, while the first pending job is imminent
+    ({"imminent_stretch": 0.5}, False, True),  # the same, up to 1.5x the iteration, decodes' pace aside
     ({"delta": 0.1}, True, True),  # a credit: the check does see shadow work next to routed prefills
 ])
 def test_shadow_work_next_to_routed_calls(args: dict, next_to_prefill: bool, next_to_decode: bool) -> None:
@@ -235,3 +238,26 @@ def test_testbed_verdict_reads_point_files(tmp_path, capsys) -> None:
     point["arms"]["ours"] = arm(0.52, 0.4, 0.6)  # same-model (5.2 - 1.6) / 6 = 0.6: ratio 1
     (tmp_path / "p.json").write_text(json.dumps(point))
     assert bench.main(["--testbed-points", str(tmp_path / "p.json")]) == 0
+
+
+def test_imminent_stretch_same_on_the_lazy_cohort_path() -> None:
+    """imminent_stretch answers an aggregate snapshot (the simulator's skip check) with an upper bound
+    of the full snapshot's budget, so the lazy-cohort path plans what the per-request path plans:
+    the same calls and shadow tokens, and shadow work next to routed decodes does happen."""
+    from shadowcore.testing.conformance import SMALL_SCENARIO
+
+    scenario = {**SMALL_SCENARIO, "normal_rate_per_s": 6.0, "duration_s": 30.0}
+    results = []
+    for lazy in (True, False):
+        run = FakeRun(FakeScenario.from_dict(scenario), ShadowConfig(
+            PluginRef("idle-first-host", {"imminent_stretch": 1.0, "imminent_first": True}), seed=0))
+        for inst in run.cluster.by_id.values():
+            inst.lazy_decodes = lazy
+        log = RoutedGrants()
+        run.runtime.observers.add(log)
+        result = run.run()
+        agg = sum(i.num_agg_iterations for i in run.cluster.by_id.values())
+        results.append((result.calls, {i.instance_id: i.num_shadow_tokens for i in run.cluster.by_id.values()},
+                        log.decoding, agg))
+    assert results[0][3] > 0 and results[1][3] == 0
+    assert results[0][:3] == results[1][:3] and results[0][2] > 0
