@@ -30,6 +30,7 @@ E2E = "tests/test_invariants_e2e.py"
 AUTH = "tests/gateway/test_auth.py"
 MALFORMED = "tests/gateway/test_malformed.py"
 KV_EQ = "tests/sim/test_speed_equivalence_kv.py"
+KV_PRIV = "tests/sim/test_kv_private_review.py"
 EVICT_CLASSES = "_SHADOW_FIRST = (KVClass.SHADOW, KVClass.NORMAL)"
 
 MUTATIONS: dict[str, tuple] = {
@@ -296,6 +297,19 @@ MUTATIONS: dict[str, tuple] = {
     "private-evict-count": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                             "                pieces.append((release, True, m))",
                             "                pieces.append((release, True, max(1, m - 1)))"),
+    # review (session 11): a private owner's finish that is not its chain's case (another Sequence type, not
+    # extending the held prefix, repeats) falls back to the named paths; extend by hashes names it first
+    "private-finish-prefix": (KV_PRIV, "test_private_finish_of_any_sequence_equals_named", "shadowcore/kv.py",
+                              "        if len(hashes) < k or hashes[:k] != head:\n            return False\n"
+                              "        tail = hashes[k:]\n        distinct",
+                              "        if len(hashes) < k:\n            return False\n"
+                              "        tail = hashes[k:]\n        distinct"),
+    "private-finish-distinct": (KV_PRIV, "test_private_finish_of_any_sequence_equals_named", "shadowcore/kv.py",
+                                "distinct = isinstance(hashes, range) or len(set(hashes)) == len(hashes)",
+                                "distinct = True"),
+    "private-extend-name": (KV_PRIV, "test_private_owner_extended_by_hashes_equals_named", "shadowcore/kv.py",
+                            "        if hashes and owner.private:\n            self._name_held(owner)\n",
+                            "        if False:\n            pass\n"),
     "contract-last": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
                       "            elif seen_shadow:\n", "            elif False:\n"),
     "contract-grant": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
