@@ -300,10 +300,10 @@ MUTATIONS: dict[str, tuple] = {
     # review (session 11): a private owner's finish that is not its chain's case (another Sequence type, not
     # extending the held prefix, repeats) falls back to the named paths; extend by hashes names it first
     "private-finish-prefix": (KV_PRIV, "test_private_finish_of_any_sequence_equals_named", "shadowcore/kv.py",
-                              "        if len(hashes) < k or hashes[:k] != head:\n            return False\n"
-                              "        tail = hashes[k:]\n        distinct",
-                              "        if len(hashes) < k:\n            return False\n"
-                              "        tail = hashes[k:]\n        distinct"),
+                              ("        if len(hashes) < k or hashes[:k] != head:\n            return False\n"
+                               "        tail = hashes[k:]\n        distinct"),
+                              ("        if len(hashes) < k:\n            return False\n"
+                               "        tail = hashes[k:]\n        distinct")),
     "private-finish-distinct": (KV_PRIV, "test_private_finish_of_any_sequence_equals_named", "shadowcore/kv.py",
                                 "distinct = isinstance(hashes, range) or len(set(hashes)) == len(hashes)",
                                 "distinct = True"),
