@@ -31,6 +31,7 @@ AUTH = "tests/gateway/test_auth.py"
 MALFORMED = "tests/gateway/test_malformed.py"
 KV_EQ = "tests/sim/test_speed_equivalence_kv.py"
 KV_PRIV = "tests/sim/test_kv_private_review.py"
+KIT_IMM = "tests/test_kit_imminent_first.py"
 EVICT_CLASSES = "_SHADOW_FIRST = (KVClass.SHADOW, KVClass.NORMAL)"
 
 MUTATIONS: dict[str, tuple] = {
@@ -93,6 +94,25 @@ MUTATIONS: dict[str, tuple] = {
                            "shadowcore/testing/contracts.py",
                            "keys = [(plan.imminent_first and g.imminent, g.switch_probability) for g in plan.grants]",
                            "keys = [(g.imminent, g.switch_probability) for g in plan.grants]"),
+    # the kit's slack machine under imminent_first (review, session 11): a plugin controller with imminent jobs
+    # passes (the machine expects the imminent-first order and fills its liveness probe in it), one whose plans
+    # do not follow that order is caught (by the source's recorded order, or by the grants' own keys)
+    "kit-slack-imminent-order": (KIT_IMM, "test_plugin_imminent_first_controller_passes_the_kit",
+                                 "shadowcore/testing/machines/slack.py",
+                                 "                order = _grant_order(served, plan)\n",
+                                 "                order = served\n"),
+    "kit-slack-imminent-maximal": (KIT_IMM, "test_plugin_imminent_first_controller_passes_the_kit",
+                                   "shadowcore/testing/machines/slack.py",
+                                   "            for s in _grant_order(served, plan):  # filled greedily",
+                                   "            for s in served:  # filled greedily"),
+    "kit-slack-job-order": (KIT_IMM, "test_kit_catches_a_controller_turning_imminent_first_on_mid_step",
+                            "shadowcore/testing/machines/slack.py",
+                            "                assert [g.job for g in grants] == [s.key for s in order[: len(grants)]], (",
+                            "                assert True or [g.job for g in grants] == [s.key for s in order[: len(grants)]], ("),
+    "kit-slack-grant-keys": (KIT_IMM, "test_kit_catches_a_planner_ignoring_imminent_first_by_the_grants_alone",
+                             "shadowcore/testing/machines/slack.py",
+                             "            assert all(a >= b for a, b in itertools.pairwise(ps)), f",
+                             "            assert True or all(a >= b for a, b in itertools.pairwise(ps)), f"),
     "imminent-wire": ("tests/test_imminence_wire.py",
                       "test_feeder_resends_a_shadow_when_its_session_enters_and_leaves_the_gap", "shadowcore/wire.py",
                       "                out[IMMINENT_KEY] = True\n", "                pass\n"),

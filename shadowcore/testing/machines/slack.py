@@ -37,11 +37,21 @@ SLACK_CHECKS = frozenset({"gate", "budget", "idle", "credit", "grants", "order",
 _KINDS = st.sampled_from(("idle", "idle", "routed", "routed", "decode", "decode", "any", "waiting", "blocked"))
 
 
+def _grant_order(served: list[ServedJob], plan: StepPlan) -> list[ServedJob]:
+    """The jobs as the hook grants them: the source's order, or under an
+    ``imminent_first`` plan its imminent jobs first, each group in that order
+    (written out here, independently of ``shadowcore.hook.grant_order``)."""
+    if not plan.imminent_first:
+        return served
+    return [s for s in served if s.imminent] + [s for s in served if not s.imminent]
+
+
 class SlackControllerMachine(RuleBasedStateMachine):
     """Drives one :class:`~shadowcore.hook.EngineHook` (controller, latency
     model, stub port, stub job source) through snapshots and outcomes, with
     jobs opened, grown, re-prioritised, compacted, evicted and closed in
-    between. Per iteration it checks (predictions recomputed with the latency
+    between (and, for a controller that ``reads_imminence``, marked imminent
+    and back). Per iteration it checks (predictions recomputed with the latency
     model from the snapshot and the grants, never taken from the plan):
 
     ``"gate"``: no shadow tokens while ``num_waiting > 0`` or
@@ -71,7 +81,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
 
     ``"grants"``: grants are whole blocks (start and length), to distinct jobs,
     start where the job's held prefix ends, in the job's epoch and with its
-    probability, never exceed a job's missing tokens, the token budget or the
+    probability and imminence, never exceed a job's missing tokens, the token budget or the
     shadow KV room; a non-empty plan has at least ``n_min`` tokens; a zero
     budget gives no grants.
 
@@ -81,13 +91,13 @@ class SlackControllerMachine(RuleBasedStateMachine):
     under ``imminent_first`` the source's imminent jobs, then the rest).
 
     ``"liveness"``: the plan is maximal (Algorithm 1, line 10): one more block
-    would not fit the budget, or the limits are reached; an empty plan under a
+    (filled in the grant order) would not fit the budget, or the limits are reached; an empty plan under a
     positive budget means even ``max(n_min, 1 block)`` tokens would not fit.
 
     Subclass hooks: :meth:`make_controller`, :meth:`make_latency_model`,
     :meth:`make_port`, :meth:`make_job_source`, :meth:`snapshot_kinds`; the job
     actions (``open_job``, ``grow_job``, ``reprioritise_job``, ``compact_job``,
-    ``evict_job``, ``close_job``); and the expectations :meth:`idle_cap_s`,
+    ``evict_job``, ``close_job``, ``imminence_job``); and the expectations :meth:`idle_cap_s`,
     :meth:`budget_upper_bound_s`, :meth:`credit_charged`, :meth:`credit_accrues`, :meth:`credit_delta`.
     """
 
@@ -207,6 +217,8 @@ class SlackControllerMachine(RuleBasedStateMachine):
     def change_jobs(self, data: st.DataObject) -> None:
         live = self._live()
         actions = ["open", "open"] + (["grow", "grow", "reprioritise", "compact", "evict", "close"] if live else [])
+        if live and self.controller.reads_imminence:  # the job sources track imminence for such a controller only
+            actions += ["imminence", "imminence"]
         action = _pick(data, actions)
         if action == "open":
             self.open_job(data)
@@ -223,6 +235,8 @@ class SlackControllerMachine(RuleBasedStateMachine):
             switch_probability=data.draw(sst.probabilities()), sequence=self.next_session, epoch=history.epoch,
         )
         self.next_session += 1
+        if self.controller.reads_imminence:
+            self.imminence_job(job, data)
         if data.draw(st.integers(0, 3)) == 0:  # the instance already holds part of the history
             self.port.cached[sid] = (history.epoch, data.draw(st.integers(0, history.num_tokens)))
         self.jobs.add(job)
@@ -242,6 +256,12 @@ class SlackControllerMachine(RuleBasedStateMachine):
 
     def close_job(self, job: ShadowJob, data: st.DataObject) -> None:
         self.jobs.remove(job.key)
+
+    def imminence_job(self, job: ShadowJob, data: st.DataObject) -> None:
+        """The session's routed call finished (its tool gap starts: imminent) or
+        its next call arrived (no longer imminent), as ``ShadowManager`` marks
+        jobs for a controller that ``reads_imminence``."""
+        job.imminent = data.draw(st.booleans(), label="imminent")
 
     # -- the iteration ---------------------------------------------------------------
     @rule(data=st.data())
@@ -341,6 +361,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
                     assert (g.epoch, g.start_token) == (s.epoch, s.next_token), (g, s)
                     assert g.num_tokens <= s.num_missing_tokens, (g, s)
                     assert g.switch_probability == s.switch_probability, (g, s)
+                    assert g.imminent == s.imminent, (g, s)
         if "order" in self.checks:
             first = plan.imminent_first  # then imminent grants come first, each group as the source ordered it
             ps = [(first and g.imminent, g.switch_probability) for g in grants]
@@ -348,7 +369,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
             if served is not None:
                 sp = [s.switch_probability for s in served]
                 assert all(a >= b for a, b in itertools.pairwise(sp)), f"job source order not non-increasing: {sp}"
-                order = [s for s in served if s.imminent] + [s for s in served if not s.imminent] if first else served
+                order = _grant_order(served, plan)
                 assert [g.job for g in grants] == [s.key for s in order[: len(grants)]], (
                     "grants do not follow the job order", grants, order,
                 )
@@ -369,7 +390,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
 
         def fits_clearly(n: int) -> bool:
             left, chunks = n, []
-            for s in served:
+            for s in _grant_order(served, plan):  # filled greedily in the order the hook grants
                 take = min(left, s.num_missing_tokens)
                 if take > 0:
                     chunks.append(PrefillChunk(take, s.next_token))
