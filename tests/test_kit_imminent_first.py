@@ -148,3 +148,22 @@ class _LateMachine(GapFirstMachine):
 def test_kit_catches_a_controller_turning_imminent_first_on_mid_step() -> None:
     with pytest.raises(AssertionError, match="grants do not follow the job order|non-increasing"):
         _run(_LateMachine, 60)
+
+
+class _ShippedMachine(SlackControllerMachine):
+    """The shipped Harvest-SLO controller with the option on and routed margins (idle-first-host's slack),
+    every check: with a routed margin the credit pays only for iterations in which a routed call prefills
+    (routed decodes are paid from their slack at that margin), and the declared accrual is the bound's."""
+
+    def make_controller(self, draw):
+        from shadowcore.slack import SloSlackController
+
+        return SloSlackController(beta=draw(st.floats(0.1, 1.0)), delta=draw(st.floats(0.0, 0.2)),
+                                  n_min=draw(st.sampled_from([0, self.block_size])), imminent_first=True,
+                                  imminent_margin=draw(st.none() | st.floats(0.0, 0.5)),
+                                  routed_decode_margin=draw(st.floats(0.0, 0.5)),  # None: tests/test_invariants_unit
+                                  credit_accrual=draw(st.sampled_from(["routed", "all-decode", "routed-prefill"])))
+
+
+def test_shipped_imminent_first_controller_passes_the_kit() -> None:
+    _run(_ShippedMachine)

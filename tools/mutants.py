@@ -113,6 +113,11 @@ MUTATIONS: dict[str, tuple] = {
                              "shadowcore/testing/machines/slack.py",
                              "            assert all(a >= b for a, b in itertools.pairwise(ps)), f",
                              "            assert True or all(a >= b for a, b in itertools.pairwise(ps)), f"),
+    # the kit's credit check knows Harvest-SLO's routed margins (routed decodes paid from slack, not credit)
+    "kit-slack-routed-margin": (KIT_IMM, "test_shipped_imminent_first_controller_passes_the_kit",
+                                "shadowcore/testing/machines/slack.py",
+                                "            return routed_margin is None or _routed_prefill(snapshot)",
+                                "            return True"),
     "imminent-wire": ("tests/test_imminence_wire.py",
                       "test_feeder_resends_a_shadow_when_its_session_enters_and_leaves_the_gap", "shadowcore/wire.py",
                       "                out[IMMINENT_KEY] = True\n", "                pass\n"),

@@ -29,12 +29,17 @@ from shadowcore.testing.contracts import decode_slack_reference_s, prefill_slack
 from shadowcore.testing.machines._base import EPS_S, Draw
 from shadowcore.testing.machines._base import pick as _pick
 from shadowcore.testing.stubs import ServedJob, StubEnginePort, StubJobSource
-from shadowcore.types import JobKey, Phase, StepOutcome, StepPlan, StepSnapshot
+from shadowcore.types import JobKey, Phase, RequestKind, StepOutcome, StepPlan, StepSnapshot
 
 __all__ = ["SLACK_CHECKS", "SlackControllerMachine"]
 
 SLACK_CHECKS = frozenset({"gate", "budget", "idle", "credit", "grants", "order", "liveness"})
 _KINDS = st.sampled_from(("idle", "idle", "routed", "routed", "decode", "decode", "any", "waiting", "blocked"))
+
+
+def _routed_prefill(snapshot: StepSnapshot) -> bool:
+    """A routed call prefills in this iteration (written out, not the controller's helper)."""
+    return any(r.kind is RequestKind.ROUTED and r.phase is Phase.PREFILL for r in snapshot.batch)
 
 
 def _grant_order(served: list[ServedJob], plan: StepPlan) -> list[ServedJob]:
@@ -160,22 +165,44 @@ class SlackControllerMachine(RuleBasedStateMachine):
         return None
 
     def credit_charged(self, snapshot: StepSnapshot) -> bool | None:
-        """Whether the credit pays for shadow tokens in this iteration (None: no credit)."""
+        """Whether the credit pays for shadow tokens in this iteration (None: no credit).
+        Harvest-SLO: an iteration carrying a routed call, except, with a routed
+        margin for it (``routed_decode_margin``, or ``imminent_margin`` while the
+        first job in the grant order is imminent), one whose routed calls all
+        decode (paid from their slack at that margin)."""
         c = self.controller
         if isinstance(c, SloSlackController):
-            return snapshot.has_routed
+            if not snapshot.has_routed:
+                return False
+            imminent = self._first_job_imminent()
+            routed_margin = c.imminent_margin if imminent and c.imminent_margin is not None else c.routed_decode_margin
+            return routed_margin is None or _routed_prefill(snapshot)
         if isinstance(c, HarvestController):
             return not snapshot.is_idle
         return None
 
     def credit_accrues(self, snapshot: StepSnapshot) -> bool:
-        """Whether this iteration's decode-only time counts in the credit bound:
-        those the credit pays for, or every one under the declared
-        ``credit_accrual="all-decode"`` reading."""
+        """Whether this iteration's time (of one without shadow work) counts in
+        the credit bound: a decode-only one the credit pays for, or under
+        Harvest-SLO's declared reading (``credit_accrual``) a decode-only one
+        carrying a routed call (``"routed"``), every decode-only one
+        (``"all-decode"``), one in which a routed call prefills
+        (``"routed-prefill"``)."""
         c = self.controller
-        if isinstance(c, SloSlackController) and c.credit_accrual is CreditAccrual.ALL_DECODE:
-            return True
-        return bool(self.credit_charged(snapshot))
+        decode_only = snapshot.batch_shape.is_decode_only
+        if isinstance(c, SloSlackController):
+            if c.credit_accrual is CreditAccrual.ROUTED_PREFILL:
+                return _routed_prefill(snapshot)
+            return decode_only and (snapshot.has_routed or c.credit_accrual is CreditAccrual.ALL_DECODE)
+        return decode_only and bool(self.credit_charged(snapshot))
+
+    def _first_job_imminent(self) -> bool:
+        """Whether the hook told the controller ``imminent``: the first job it
+        would grant to (the grant order of what the source served) is imminent."""
+        served = getattr(self.jobs, "served", None)
+        if not served:
+            return False
+        return any(s.imminent for s in served) if self.controller.imminent_first else served[0].imminent
 
     def credit_delta(self) -> float:
         return float(self.controller.delta)
@@ -418,7 +445,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
             return
         if charged and plan.grants:
             self.charged_stretch_s += stretch_s
-        if snapshot.batch_shape.is_decode_only and outcome.num_shadow_tokens == 0 and self.credit_accrues(snapshot):
+        if outcome.num_shadow_tokens == 0 and self.credit_accrues(snapshot):
             self.decode_only_s += outcome.duration_s
         bound = self.credit_delta() * self.decode_only_s
         assert self.charged_stretch_s <= bound + EPS_S, (
