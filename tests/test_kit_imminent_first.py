@@ -167,3 +167,19 @@ class _ShippedMachine(SlackControllerMachine):
 
 def test_shipped_imminent_first_controller_passes_the_kit() -> None:
     _run(_ShippedMachine)
+
+
+@attrs.define
+class _Unread(GapFirst):
+    reads_imminence = False
+
+
+def test_imminent_first_without_reading_imminence_is_an_error() -> None:
+    """Such a controller's order would silently be the source's (no job source marks jobs for it)."""
+    from shadowcore.hook import EngineHook
+    from shadowcore.testing.machines import StubEnginePort
+    from shadowcore.testing.strategies import LinearLatencyModel
+
+    with pytest.raises(ValueError, match="_Unread: imminent_first without reads_imminence"):
+        EngineHook("i0", StubJobSource(), _Unread(), LinearLatencyModel(), StubEnginePort(16))
+    EngineHook("i0", StubJobSource(), GapFirst(), LinearLatencyModel(), StubEnginePort(16))  # both: fine
