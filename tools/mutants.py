@@ -335,6 +335,11 @@ MUTATIONS: dict[str, tuple] = {
     "private-finish-distinct": (KV_PRIV, "test_private_finish_of_any_sequence_equals_named", "shadowcore/kv.py",
                                 "distinct = isinstance(hashes, range) or len(set(hashes)) == len(hashes)",
                                 "distinct = True"),
+    "private-head-run-stale": (KV_PRIV, "test_eviction_through_a_stale_named_run_and_a_private_one_equals_named",
+                               "shadowcore/kv.py",
+                               ("                else:\n"
+                                "                    piece = list(islice(self._live(state, hashes, pos), num - got))"),
+                               "                else:\n                    piece = hashes[pos : pos + num - got]"),
     "private-extend-name": (KV_PRIV, "test_private_owner_extended_by_hashes_equals_named", "shadowcore/kv.py",
                             "        if hashes and owner.private:\n            self._name_held(owner)\n",
                             "        if False:\n            pass\n"),

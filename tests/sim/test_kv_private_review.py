@@ -110,3 +110,21 @@ def test_idle_order_with_private_runs_is_a_mapping() -> None:
     assert list(idle) == [104, 103, 102, 101, 100] == list(items)  # iteration itself is right
     assert [h in idle for h in idle] == [True] * 5
     assert {h: idle[h] for h in idle} == items
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_eviction_through_a_stale_named_run_and_a_private_one_equals_named(host: bool) -> None:
+    """While a private run is idle, a fresh allocation evicts the rest of a
+    named run whose head blocks a hit took back (its idle entries stale past
+    the live ones: ``_IdleRuns._head_run``'s per-entry branch, which the
+    Hypothesis test never reaches), then the private run's first blocks."""
+    priv, named = _pair(host)
+    _both(priv, named, "allocate", "a", [1, 2, 3, 4, 5, 6], 0, KVClass.NORMAL, 0.0)
+    _both(priv, named, "release", "a", 0.0)  # idle 6, 5, ..., 1
+    _both(priv, named, "allocate", "p", range(1000, 1004), 1, KVClass.NORMAL, 0.5, private=True)
+    _both(priv, named, "release_and_cache", "p", range(1000, 1005), "c", 1.0)  # idle 1004, ..., 1000
+    _both(priv, named, "allocate", "h", [1, 2, 3], 0, KVClass.NORMAL, 1.5)  # 1-3 held again: stale entries
+    _both(priv, named, "allocate", "fresh", list(range(7000, 7009)), 0, KVClass.NORMAL, 2.0)  # evicts 6, 5, 4, 1004
+    assert priv.num_evicted_blocks == named.num_evicted_blocks == {KVClass.SHADOW: 0, KVClass.NORMAL: 4}
+    assert not priv.is_cached(-1)
+    assert _state(priv) == _state(named)
