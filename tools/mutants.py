@@ -340,6 +340,11 @@ MUTATIONS: dict[str, tuple] = {
                                ("                else:\n"
                                 "                    piece = list(islice(self._live(state, hashes, pos), num - got))"),
                                "                else:\n                    piece = hashes[pos : pos + num - got]"),
+    "private-head-of-count": (KV_PRIV, "test_private_run_through_a_compaction_equals_named", "shadowcore/kv.py",
+                              ("                self._left_release(release, len(victims))\n            else:\n"
+                               "                self._evict_with_private(victims)"),
+                              ("                self._left_release(release, max(1, len(victims) - 1))\n            else:\n"
+                               "                self._evict_with_private(victims)")),
     "private-extend-name": (KV_PRIV, "test_private_owner_extended_by_hashes_equals_named", "shadowcore/kv.py",
                             "        if hashes and owner.private:\n            self._name_held(owner)\n",
                             "        if False:\n            pass\n"),

@@ -128,3 +128,26 @@ def test_eviction_through_a_stale_named_run_and_a_private_one_equals_named(host:
     assert priv.num_evicted_blocks == named.num_evicted_blocks == {KVClass.SHADOW: 0, KVClass.NORMAL: 4}
     assert not priv.is_cached(-1)
     assert _state(priv) == _state(named)
+
+
+@pytest.mark.parametrize("order", ["shadow-first", "lru"])
+def test_private_run_through_a_compaction_equals_named(order: str) -> None:
+    """A private run partly evicted, then the normal idle order compacted
+    (stale entries beyond ``_COMPACT_SLACK``: a long chain hit back; the
+    Hypothesis test's 16-block pools never get there), then evictions and
+    naming: the compacted run is a list of its live entries while the
+    manager's own copy of it is the whole range."""
+    policy = KVClassPolicy(eviction_order=order)
+    priv, named = KVClassManager(4096, 16, policy), KVClassManager(4096, 16, policy)
+    big = list(range(10**6, 10**6 + 3990))
+    _both(priv, named, "allocate", "p", range(1000, 1100), 0, KVClass.NORMAL, 0.0, private=True)
+    _both(priv, named, "release_and_cache", "p", range(1000, 1110), "c", 0.0)  # 110 idle, private
+    _both(priv, named, "allocate", "big", big, 0, KVClass.NORMAL, 1.0)  # evicts the private run's 4 first
+    _both(priv, named, "release", "big", 1.0)
+    _both(priv, named, "allocate", "h", big, 0, KVClass.NORMAL, 2.0)  # 3990 stale entries: compaction
+    assert len(priv._idle[KVClass.NORMAL]._runs) == 1  # only the private run's live entries are left
+    _both(priv, named, "allocate", "fresh", list(range(7000, 7050)), 0, KVClass.NORMAL, 3.0)  # 50 more of it
+    _both(priv, named, "release", "h", 4.0)
+    _both(priv, named, "allocate", "fresh2", list(range(8000, 8100)), 0, KVClass.NORMAL, 5.0)  # the rest, then big
+    assert not priv.is_cached(-1)
+    assert _state(priv) == _state(named)
