@@ -183,3 +183,31 @@ def test_imminent_first_without_reading_imminence_is_an_error() -> None:
     with pytest.raises(ValueError, match="_Unread: imminent_first without reads_imminence"):
         EngineHook("i0", StubJobSource(), _Unread(), LinearLatencyModel(), StubEnginePort(16))
     EngineHook("i0", StubJobSource(), GapFirst(), LinearLatencyModel(), StubEnginePort(16))  # both: fine
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_conformance_probe_shows_a_reading_controller_imminent_jobs(broken: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conformance check's controller probe marks some of its jobs imminent for a controller that reads
+    imminence (idle-first-host with ``imminent_first``): its plans put them first and pass the contract; a
+    planner ignoring the order breaks the contract's ``order`` rule there."""
+    from shadowcore.config import PluginRef
+    from shadowcore.policy import load_policy
+    from shadowcore.testing.conformance import InvariantObserver, _probe_controller
+
+    if broken:
+        monkeypatch.setattr(shadowcore.hook, "grant_order", list)
+    seen: list = []
+
+    class Recording(InvariantObserver):
+        def on_plan(self, snapshot, plan) -> None:
+            seen.append(plan)
+            super().on_plan(snapshot, plan)
+
+    checker = Recording(strict=True)
+    _probe_controller(load_policy(PluginRef("idle-first-host", {"imminent_first": True})), 0, checker)
+    if broken:
+        assert any("order:" in v for v in checker.violations), checker.violations
+    else:
+        assert checker.violations == []
+        assert any(p.grants and p.grants[0].imminent and p.grants[0].switch_probability < 0.8 for p in seen)
