@@ -47,6 +47,7 @@ VLLM_PYTHON = vllm_python_or_skip()
 
 BLOCK = 32
 MODELS = ("tiny-a", "tiny-b")
+NIXL_QUIET = Path(__file__).parent / "nixl_quiet"
 
 
 def _free_port() -> int:
@@ -93,6 +94,8 @@ def start_pd_servers(root: Path, engine_level: bool = False):
             log_path = root / f"{name}-{role}.log"
             log = open(log_path, "w")  # noqa: SIM115 - closed with the process
             side = dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port()))
+            if engine_level:  # NIXL agents without their busy progress thread (nixl_quiet/sitecustomize.py says why)
+                side["PYTHONPATH"] = os.pathsep.join(p for p in (str(NIXL_QUIET), env.get("PYTHONPATH")) if p)
             procs.append((subprocess.Popen(vllm_pd_command(root / name, name, port, kv_role, storage, engine_level),
                                            env=side, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
                           log, log_path))
