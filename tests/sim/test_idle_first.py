@@ -245,7 +245,7 @@ def test_imminent_stretch_same_on_the_lazy_cohort_path() -> None:
     of the full snapshot's budget, so the lazy-cohort path plans what the per-request path plans: the
     same calls and shadow tokens (no observer here: one would turn the lazy path off)."""
     # the speed-equivalence suite's fake case (its lazy cohort carries most iterations)
-    scenario = {"duration_s": 60.0, "warmup_s": 5.0, "session_rate_per_s": 0.25, "calls_per_session": 6,
+    scenario = {"duration_s": 30.0, "warmup_s": 5.0, "session_rate_per_s": 0.25, "calls_per_session": 6,
                 "switch_probability": 0.4, "normal_rate_per_s": 2.5, "seed": 3}
     results = []
     for lazy in (True, False):
