@@ -11,6 +11,12 @@ virtual time, and per arm:
   routed-credit / gated) and by what came of them (``EngineHook.step_counts``), shadow-block
   evictions (``ShadowKVBridge.eviction_count``) and the shadow stats.
 
+``--gaps``: per switch call whose shadow was incomplete, the missing tokens, the tool gap
+(previous call's end to this call's arrival), its planned iterations on the instance by budget
+cause (``(routed<=0)``: the routed decodes' Eq. 1 slack gone at the margin that applied;
+``[batch<=0]``: the batch's too), whether the first pending job was imminent, and the tokens
+granted to that session and to others.
+
 Usage: ``python benchmarks/testbed_diag.py --seed 100 --policy idle-first-host
 --policy 'idle-first-host:{"routed_decode_margin":0.4}'``. Prints a table per arm; a diagnostic,
 not a result (the testbed's results are ``reproduce --testbed``'s).
@@ -41,11 +47,11 @@ def run(seed: int, arm: str, policy) -> dict:
         for name, engine in vr.cluster.by_id.items():
             hook = engine.scheduler.shadow_hook
             counter = reasons.setdefault(name, collections.Counter())
+            seen = last.setdefault(name, {})
             slack = hook.slack
             orig = slack.budget
 
-            def budget(snapshot, lat, orig=orig, counter=counter, slack=slack, last=last.setdefault(name, {}),
-                       **imminence):
+            def budget(snapshot, lat, orig=orig, counter=counter, slack=slack, last=seen, **imminence):
                 b = orig(snapshot, lat, **imminence)  # imminent= for a controller that reads_imminence
                 kind = "routed-prefill" if snapshot.has_routed and _prefilling(snapshot) else \
                     "routed-decode" if snapshot.has_routed else "no-routed"
