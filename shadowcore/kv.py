@@ -776,7 +776,44 @@ class KVClassManager:
         owed = self._owed
         if owed:
             self._owed = 0
-            self._evict(owed, KVClass.NORMAL, 0.0, ())
+            if self._private_runs and not self._idle[KVClass.SHADOW].count:
+                owed = self._evict_private_heads(owed)  # the usual: finished requests' private chains at the head
+            if owed:
+                self._evict(owed, KVClass.NORMAL, 0.0, ())
+
+    def _evict_private_heads(self, num: int) -> int:
+        """Evict up to ``num`` of a normal requester's victims while they are
+        private runs at the head of the normal idle order, and return how many
+        are left to evict. Only when the policy takes heads and no shadow
+        block is idle: then :meth:`KVClassPolicy.victim_runs` is the normal
+        order's first ``num`` (one class), so this is :meth:`_evict` of those
+        run by run, by count (no block map entry, no :class:`_HeadRun`): the
+        same victims, counts and spills in the same order."""
+        if not self.policy.takes_heads(KVClass.NORMAL):
+            return num
+        idle, private, left = self._idle[KVClass.NORMAL], self._private_runs, self._idle_left
+        spill = self._host_tier.spill if self.policy.host is not None and self.host_capacity_blocks else None
+        evicted = 0
+        while num:
+            idle._trim()
+            if not idle._runs:  # (read anew: a compaction replaces the deque)
+                break
+            state, hashes = idle._runs[0]
+            release = state[3]
+            if release not in private:
+                break
+            n = left[release]
+            m = num if num < n else n
+            start = len(hashes) - n
+            self._left_release(release, m)  # the run's first m live entries leave; the trim skips them
+            idle.left(m)
+            if spill is not None:
+                spill(hashes[start : start + m], KVClass.NORMAL, self.host_capacity_blocks)
+            num -= m
+            evicted += m
+        self._num_evicted_blocks[KVClass.NORMAL] += evicted
+        self._eviction_count += evicted
+        return num
 
     def _name_private(self, held: bool = True) -> None:
         """Give private blocks (``allocate(private=True)``) their entries in

@@ -296,6 +296,14 @@ MUTATIONS: dict[str, tuple] = {
     "private-evict-count": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                             "                pieces.append((release, True, m))",
                             "                pieces.append((release, True, max(1, m - 1)))"),
+    # owed evictions settled per private run at the head (issue 17, session 11): all owed blocks are evicted
+    # (a named run after the private ones included), each run's first live entries, spilled in order
+    "private-settle-rest": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                            "        self._eviction_count += evicted\n        return num\n",
+                            "        self._eviction_count += evicted\n        return 0\n"),
+    "private-settle-spill": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                             "spill(hashes[start : start + m], KVClass.NORMAL, self.host_capacity_blocks)",
+                             "spill(hashes[start + 1 : start + m + 1], KVClass.NORMAL, self.host_capacity_blocks)"),
     "contract-last": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
                       "            elif seen_shadow:\n", "            elif False:\n"),
     "contract-grant": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
