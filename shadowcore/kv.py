@@ -49,11 +49,12 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
 * Evictions for normal owners are owed, not made, where nothing can tell
   the difference: ``extend_private`` (decode growth) and a normal
   allocation or extension that reloads nothing from the host tier take free
-  blocks and count the rest as owed; every other query or change first
-  makes the owed evictions in one go (:meth:`KVClassManager._settle`),
-  which are exactly the ones the takes would have made (only normal takes
-  ran since, which leave the idle orders and the host tier as they were,
-  and a normal requester's victims do not depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
+  blocks and count the rest as owed; every other query or change but a
+  private allocation and a private owner's finish first makes the owed
+  evictions in one go (:meth:`KVClassManager._settle`), which are exactly
+  the ones the takes would have made (only normal takes and private finishes
+  ran since, which leave the idle orders' heads and the host tier as they
+  were, and a normal requester's victims do not depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
   debt without settling it.
 * Device and host tier are disjoint, so a spilled run enters the host tier in
   one update with one capacity check (exactly an LRU of single spills). The
@@ -768,11 +769,17 @@ class KVClassManager:
 
     def _settle(self) -> None:
         """Make the evictions owed (see :meth:`_take`). Every query and change
-        but ``extend_private`` and the counts above it settles first, so no
-        caller sees the debt: between the take and now only takes of normal
-        owners ran, which leave the idle orders and the host tier as they
-        were, and a normal requester's victims do not depend on the time, so
-        the victims now are the ones the takes would have evicted, in order."""
+        settles first but ``extend_private``, ``allocate(private=True)``, a
+        private owner's finish (:meth:`_release_and_cache_private`) and the
+        counts above it, so no caller sees the debt: between the take and now
+        only those ran, which take free blocks or owe more, free blocks, and
+        append a release at the tail of the normal idle order (the latest
+        idle time, so after every block now idle in either order), and leave
+        the host tier as it was. The owed count never exceeds the blocks idle
+        before those appends (each take checks it against the idle count less
+        the debt), and a normal requester's victims do not depend on the time,
+        so the victims now are the ones the takes would have evicted, in
+        order, and the free count is the one the eager evictions leave."""
         owed = self._owed
         if owed:
             self._owed = 0
@@ -1000,10 +1007,10 @@ class KVClassManager:
         """
         if owner_id in self._owners:
             raise ValueError(f"owner {owner_id!r} already holds blocks")
+        if private:  # a normal take that reads no idle order and no host tier: it owes, unsettled (see _settle)
+            return self._allocate_private(owner_id, hashes, num_private_blocks, kv_class, now_s)
         if self._owed:
             self._settle()
-        if private:
-            return self._allocate_private(owner_id, hashes, num_private_blocks, kv_class, now_s)
         match = self.match_prefix(hashes)
         hits = hashes[: match.num_device_blocks]
         # Blocks past the first miss may still be cached (a chain's head can be
@@ -1195,12 +1202,12 @@ class KVClassManager:
         the new ones fit in free blocks (no eviction); otherwise the three
         calls run."""
         owner = self._owners[owner_id]
+        if owner.private and self._release_and_cache_private(owner_id, owner, hashes, now_s):
+            return  # (with evictions still owed: see _settle)
         if self._owed:
             self._settle()
         blocks = self._blocks
         if owner.private:
-            if self._release_and_cache_private(owner_id, owner, hashes, now_s):
-                return
             self._name_held(owner)
         if self._release_and_cache_chain(owner_id, owner, hashes, now_s):
             return
@@ -1303,7 +1310,10 @@ class KVClassManager:
         """:meth:`_release_and_cache_chain` of a private owner (whose blocks
         only it holds, none in the block map): the chain goes idle last block
         first as one release, kept as one private run (no block map entry).
-        False (nothing changed) when the chain case does not apply."""
+        False (nothing changed) when the chain case does not apply. It may run
+        with evictions owed (:meth:`_settle`): it reads neither idle order,
+        appends its release at the normal order's tail, and returns False
+        before it would reload from the host tier while any is owed."""
         head = owner.hashes
         k = len(head)
         if not isinstance(hashes, (list, range)):
@@ -1319,11 +1329,14 @@ class KVClassManager:
         if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not self._blocks.keys().isdisjoint(tail)
                 or not distinct):
             return False
+        host = self._host
+        reload = bool(host) and not host.keys().isdisjoint(tail)
+        if reload and self._owed:  # the owed evictions' spills come first: the caller settles, the general way
+            return False
         del self._owners[owner_id]
         self._num_private_held -= k
         self.num_free_blocks += owner.num_private_blocks - len(tail)
-        host = self._host
-        if host and not host.keys().isdisjoint(tail):
+        if reload:
             self.num_reloaded_blocks += _run_length(host, tail)
             self._host_tier.take(tail)
         if hashes and not k:
