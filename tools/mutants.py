@@ -304,6 +304,16 @@ MUTATIONS: dict[str, tuple] = {
     "private-settle-spill": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                              "spill(hashes[start : start + m], KVClass.NORMAL, self.host_capacity_blocks)",
                              "spill(hashes[start + 1 : start + m + 1], KVClass.NORMAL, self.host_capacity_blocks)"),
+    # a private allocation and a private finish run with evictions owed: the room check counts the debt, and
+    # every other finish settles first
+    "owed-private-room": ("tests/test_kv_room.py", "test_private_allocations_and_finishes_leave_owed_evictions_owed",
+                          "shadowcore/kv.py",
+                          "if num_new > self.num_free_blocks and self.num_free_blocks + self.num_idle_blocks < num_new:",
+                          "if num_new > self.num_free_blocks and self.num_free_blocks + self.num_idle_blocks + self._owed < num_new:"),
+    "owed-finish-general": ("tests/test_kv_room.py", "test_a_finish_makes_the_owed_evictions_before_it_reloads",
+                            "shadowcore/kv.py",
+                            "        if self._owed:\n            self._settle()\n        blocks = self._blocks\n        if owner.private:",
+                            "        blocks = self._blocks\n        if owner.private:"),
     "contract-last": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
                       "            elif seen_shadow:\n", "            elif False:\n"),
     "contract-grant": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
