@@ -21,7 +21,8 @@ Invariants (property-tested):
   owner of the rule; the simulator and vLLM's scheduler both plan here).
 * A controller that ``reads_imminence`` is told whether the first pending
   job in the grant order (the one the grant starts with) is imminent; no
-  other is told anything.
+  other is told anything. An ``imminent_first`` controller that does not
+  read imminence is refused at construction (no source would mark its jobs).
 * Deterministic: the same snapshots and outcomes give the same plans.
 
 The hook's face is the plan/commit protocol only. The engines of this
@@ -90,6 +91,11 @@ class EngineHook:
     #: iterations the engine skipped as provably empty (``skip_step``) are not counted.
     step_counts: dict[str, int] = attrs.field(init=False, factory=dict)
     _pending: tuple[StepSnapshot, StepPlan] | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if self.slack.imminent_first and not self.slack.reads_imminence:
+            raise ValueError(f"{type(self.slack).__name__}: imminent_first without reads_imminence (the job sources "
+                             "track imminence only for a controller that reads it: no job would ever come first)")
 
     @property
     def in_step(self) -> bool:

@@ -128,7 +128,9 @@ class SlackController(ABC):
     each group in the job source's order (non-increasing switch
     probability, older job first); ``imminent`` above is then true when any
     pending job is imminent. Such a controller must also ``reads_imminence``
-    (the job sources track imminence only then).
+    (the job sources track imminence only then), and must not change
+    ``imminent_first`` inside a step: the hook orders the jobs before it
+    calls :meth:`budget` and records the option in the plan after it.
     """
 
     #: Shadow chunks smaller than this are deferred (each chunk re-reads the

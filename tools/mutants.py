@@ -30,6 +30,8 @@ E2E = "tests/test_invariants_e2e.py"
 AUTH = "tests/gateway/test_auth.py"
 MALFORMED = "tests/gateway/test_malformed.py"
 KV_EQ = "tests/sim/test_speed_equivalence_kv.py"
+KV_PRIV = "tests/sim/test_kv_private_review.py"
+KIT_IMM = "tests/test_kit_imminent_first.py"
 EVICT_CLASSES = "_SHADOW_FIRST = (KVClass.SHADOW, KVClass.NORMAL)"
 
 MUTATIONS: dict[str, tuple] = {
@@ -92,6 +94,37 @@ MUTATIONS: dict[str, tuple] = {
                            "shadowcore/testing/contracts.py",
                            "keys = [(plan.imminent_first and g.imminent, g.switch_probability) for g in plan.grants]",
                            "keys = [(g.imminent, g.switch_probability) for g in plan.grants]"),
+    # the kit's slack machine under imminent_first (review, session 11): a plugin controller with imminent jobs
+    # passes (the machine expects the imminent-first order and fills its liveness probe in it), one whose plans
+    # do not follow that order is caught (by the source's recorded order, or by the grants' own keys)
+    "kit-slack-imminent-order": (KIT_IMM, "test_plugin_imminent_first_controller_passes_the_kit",
+                                 "shadowcore/testing/machines/slack.py",
+                                 "                order = _grant_order(served, plan)\n",
+                                 "                order = served\n"),
+    "kit-slack-imminent-maximal": (KIT_IMM, "test_plugin_imminent_first_controller_passes_the_kit",
+                                   "shadowcore/testing/machines/slack.py",
+                                   "            for s in _grant_order(served, plan):  # filled greedily",
+                                   "            for s in served:  # filled greedily"),
+    "kit-slack-job-order": (KIT_IMM, "test_kit_catches_a_controller_turning_imminent_first_on_mid_step",
+                            "shadowcore/testing/machines/slack.py",
+                            "                assert [g.job for g in grants] == [s.key for s in order[: len(grants)]], (",
+                            "                assert True or [g.job for g in grants] == [s.key for s in order[: len(grants)]], ("),
+    "kit-slack-grant-keys": (KIT_IMM, "test_kit_catches_a_planner_ignoring_imminent_first_by_the_grants_alone",
+                             "shadowcore/testing/machines/slack.py",
+                             "            assert all(a >= b for a, b in itertools.pairwise(ps)), f",
+                             "            assert True or all(a >= b for a, b in itertools.pairwise(ps)), f"),
+    # the kit's credit check knows Harvest-SLO's routed margins (routed decodes paid from slack, not credit)
+    "kit-slack-routed-margin": (KIT_IMM, "test_shipped_imminent_first_controller_passes_the_kit",
+                                "shadowcore/testing/machines/slack.py",
+                                "            return routed_margin is None or _routed_prefill(snapshot)",
+                                "            return True"),
+    "imminent-first-unread": (KIT_IMM, "test_imminent_first_without_reading_imminence_is_an_error",
+                              "shadowcore/hook.py", "        if self.slack.imminent_first and not self.slack.reads_imminence:",
+                              "        if False:"),
+    "kit-probe-imminence": (KIT_IMM, "test_conformance_probe_shows_a_reading_controller_imminent_jobs",
+                            "shadowcore/testing/conformance.py",
+                            "job.imminent = controller.reads_imminence and (i + round_) % 2 == 1",
+                            "job.imminent = False"),
     "imminent-wire": ("tests/test_imminence_wire.py",
                       "test_feeder_resends_a_shadow_when_its_session_enters_and_leaves_the_gap", "shadowcore/wire.py",
                       "                out[IMMINENT_KEY] = True\n", "                pass\n"),
@@ -314,6 +347,29 @@ MUTATIONS: dict[str, tuple] = {
                             "shadowcore/kv.py",
                             "        if self._owed:\n            self._settle()\n        blocks = self._blocks\n        if owner.private:",
                             "        blocks = self._blocks\n        if owner.private:"),
+    # review (session 11): a private owner's finish that is not its chain's case (another Sequence type, not
+    # extending the held prefix, repeats) falls back to the named paths; extend by hashes names it first
+    "private-finish-prefix": (KV_PRIV, "test_private_finish_of_any_sequence_equals_named", "shadowcore/kv.py",
+                              ("        if len(hashes) < k or hashes[:k] != head:\n            return False\n"
+                               "        tail = hashes[k:]\n        distinct"),
+                              ("        if len(hashes) < k:\n            return False\n"
+                               "        tail = hashes[k:]\n        distinct")),
+    "private-finish-distinct": (KV_PRIV, "test_private_finish_of_any_sequence_equals_named", "shadowcore/kv.py",
+                                "distinct = isinstance(hashes, range) or len(set(hashes)) == len(hashes)",
+                                "distinct = True"),
+    "private-head-run-stale": (KV_PRIV, "test_eviction_through_a_stale_named_run_and_a_private_one_equals_named",
+                               "shadowcore/kv.py",
+                               ("                else:\n"
+                                "                    piece = list(islice(self._live(state, hashes, pos), num - got))"),
+                               "                else:\n                    piece = hashes[pos : pos + num - got]"),
+    "private-head-of-count": (KV_PRIV, "test_private_run_through_a_compaction_equals_named", "shadowcore/kv.py",
+                              ("                self._left_release(release, len(victims))\n            else:\n"
+                               "                self._evict_with_private(victims)"),
+                              ("                self._left_release(release, max(1, len(victims) - 1))\n            else:\n"
+                               "                self._evict_with_private(victims)")),
+    "private-extend-name": (KV_PRIV, "test_private_owner_extended_by_hashes_equals_named", "shadowcore/kv.py",
+                            "        if hashes and owner.private:\n            self._name_held(owner)\n",
+                            "        if False:\n            pass\n"),
     "contract-last": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
                       "            elif seen_shadow:\n", "            elif False:\n"),
     "contract-grant": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",

@@ -17,7 +17,8 @@ cheapest first, and stops after the first phase that found a violation:
    beside room to spare, blocked admissions, idle and busy batches, batches
    with routed decodes and prefills, decodes with almost no slack left, and a
    full KV cache. The script runs three rounds, so stateful controllers (the
-   credit) are seen after credit accrued.
+   credit) are seen after credit accrued; for a controller that reads
+   imminence, two of the jobs (alternating by round) are imminent.
 3. **Scenarios** (seconds): the policy on the in-memory engine, in the small
    scenario (``SMALL_SCENARIO``) and in a pressure scenario
    (``PRESSURE_SCENARIO``: a pool small enough for blocked admissions,
@@ -285,9 +286,12 @@ def _probe_controller(spec: PolicySpec, seed: int, checker: InvariantObserver) -
     hook = EngineHook("probe", jobs, controller, LinearLatencyModel(), port)
     checker.instances = {"probe": port}  # block size only: the port has no KV pool
     now, iteration = 1.0, 0
-    for _ in range(3):
-        for job in jobs.all():
+    for round_ in range(3):
+        for i, job in enumerate(jobs.all()):
             job.history.append(2000)
+            # a controller that reads imminence sees jobs in their tool gap, a lower-probability one among them
+            # (so an imminent_first order differs from the source's), as ShadowManager marks them for it
+            job.imminent = controller.reads_imminence and (i + round_) % 2 == 1
         for batch, waiting, blocked, room in _probe_script(now):
             iteration += 1
             free = _TOKEN_BUDGET - sum(v.num_scheduled_tokens for v in batch)

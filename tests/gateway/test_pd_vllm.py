@@ -47,6 +47,7 @@ VLLM_PYTHON = vllm_python_or_skip()
 
 BLOCK = 32
 MODELS = ("tiny-a", "tiny-b")
+NIXL_QUIET = Path(__file__).parent / "nixl_quiet"
 
 
 def _free_port() -> int:
@@ -58,7 +59,13 @@ def _free_port() -> int:
 def vllm_pd_command(model_dir: Path, served: str, port: int, role: str, storage: Path,
                     engine_level: bool = False) -> list[str]:
     """One P (``kv_producer``) or D (``kv_consumer``) server (docs/vllm.md): stock vLLM with
-    ExampleConnector, or (``engine_level``) the P- / D-role shadow scheduler with NixlConnector."""
+    ExampleConnector, or (``engine_level``) the P- / D-role shadow scheduler with NixlConnector; or
+    (role ``colocated``) one without a connector: stock, or the colocated shadow scheduler."""
+    if role == "colocated":  # no connector: the colocated shadow scheduler (engine_level) or stock vLLM
+        extra = (["--scheduler-cls", "shadow_vllm.scheduler.ShadowScheduler", "--additional-config",
+                  json.dumps({"shadowprefill": {"shadow": {"policy": "harvest-slo"}, "instance_id": served}})]
+                 if engine_level else [])
+        return [*_serve_command(model_dir, served, port), *extra]
     if engine_level:
         kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
         pd_role = "prefill" if role == "kv_producer" else "decode"
@@ -70,15 +77,21 @@ def vllm_pd_command(model_dir: Path, served: str, port: int, role: str, storage:
         kv = {"kv_connector": "ExampleConnector", "kv_role": role,
               "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
         extra = []
+    return [*_serve_command(model_dir, served, port), "--kv-transfer-config", json.dumps(kv), *extra]
+
+
+def _serve_command(model_dir: Path, served: str, port: int) -> list[str]:
     return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
             "--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
             "--dtype", "float32", "--enforce-eager", "--enable-prompt-tokens-details",
-            "--scheduling-policy", "priority", "--kv-transfer-config", json.dumps(kv), *extra]
+            "--scheduling-policy", "priority"]
 
 
-def start_pd_servers(root: Path, engine_level: bool = False):
-    """Four servers (P and D per model); returns (processes, urls); the caller stops them."""
+def start_pd_servers(root: Path, engine_level: bool = False, colocated: tuple[str, ...] = ()):
+    """A P and a D server per model, or one colocated server for a model in ``colocated``; returns
+    (processes, urls: {model: {"prefill": url, "decode": url} or {"colocated": url}}); the caller
+    stops them."""
     build = ("from shadow_vllm.tinymodel import build_tiny_model; import sys; "
              "build_tiny_model(sys.argv[1], seed=0); build_tiny_model(sys.argv[2], seed=1)")
     subprocess.run([VLLM_PYTHON, "-c", build, str(root / MODELS[0]), str(root / MODELS[1])], check=True,
@@ -88,11 +101,15 @@ def start_pd_servers(root: Path, engine_level: bool = False):
     for name in MODELS:
         storage = root / f"kv-{name}"
         storage.mkdir(exist_ok=True)
-        for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        roles = (("colocated", "colocated"),) if name in colocated else (("prefill", "kv_producer"),
+                                                                          ("decode", "kv_consumer"))
+        for role, kv_role in roles:
             port = _free_port()
             log_path = root / f"{name}-{role}.log"
             log = open(log_path, "w")  # noqa: SIM115 - closed with the process
             side = dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port()))
+            if engine_level and role != "colocated":  # NIXL agents without their busy progress thread (nixl_quiet/sitecustomize.py says why)
+                side["PYTHONPATH"] = os.pathsep.join(p for p in (str(NIXL_QUIET), env.get("PYTHONPATH")) if p)
             procs.append((subprocess.Popen(vllm_pd_command(root / name, name, port, kv_role, storage, engine_level),
                                            env=side, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
                           log, log_path))
@@ -143,9 +160,11 @@ def pd_servers(tmp_path_factory) -> Iterator[dict[str, dict[str, str]]]:
 def pd_gateway_config(urls: dict[str, dict[str, str]], scheduler: str = "stock") -> dict:
     """The gateway configuration of the P/D deployment (docs/vllm.md shows it as YAML)."""
     return {
-        "models": {name: {"block_size": BLOCK,
-                          "prefill_instances": [{"url": u["prefill"], "scheduler": scheduler}],
-                          "decode_instances": [{"url": u["decode"], "scheduler": scheduler}]}
+        "models": {name: ({"block_size": BLOCK, "instances": [{"url": u["colocated"], "scheduler": scheduler}]}
+                          if "colocated" in u else
+                          {"block_size": BLOCK,
+                           "prefill_instances": [{"url": u["prefill"], "scheduler": scheduler}],
+                           "decode_instances": [{"url": u["decode"], "scheduler": scheduler}]})
                    for name, u in urls.items()},
         "shadow": {"policy": "harvest-slo"},
         # four vLLM servers on 2 loaded cores answer /health late at times: a lenient check, so a slow answer

@@ -1,8 +1,9 @@
-"""End to end, P/D with engine-level shadows: four real vLLM CPU servers (a
-P and a D per tiny model) running the P-role and D-role shadow schedulers
+"""End to end, P/D with engine-level shadows: three real vLLM CPU servers, a
+P and a D of ``tiny-b`` running the P-role and D-role shadow schedulers
 (``shadow_vllm.pd.PrefillShadowScheduler`` / ``DecodeShadowScheduler``) with
-``NixlConnector`` (``kv_buffer_device: cpu``), behind the gateway with every
-instance ``scheduler: shadow``.
+``NixlConnector`` (``kv_buffer_device: cpu``), and one colocated ``tiny-a``
+(``ShadowScheduler``, no connector: its routed call only makes the session's
+context), behind the gateway with every instance ``scheduler: shadow``.
 
 The gateway's tagged shadow of the session's context runs on the other
 model's P in its slack (the P controller), P's answer carries the NIXL
@@ -15,7 +16,8 @@ colocated prefill of the same prompt.
 
 Needs the NIXL Python package in vLLM's interpreter (``install.sh`` installs
 it): skipped with the reason without it, an error under ``CI=true``.
-Runtime: about 2.5 minutes on 2 cores, most of it starting the servers.
+Runtime: about 2 minutes on 2 cores, nearly all of it starting the servers; their NIXL agents run
+without the busy progress thread (``nixl_quiet/sitecustomize.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ if not _HAVE_NIXL:
 
 
 def warm_nixl(urls: dict[str, dict[str, str]], attempts: int = 4) -> None:
-    """One P -> D transfer per model, straight to the servers (not through the
+    """One P -> D transfer per P/D model, straight to the servers (not through the
     gateway, whose counters the test reads), retried: the first transfer makes
     D's NIXL handshake with P, which vLLM 0.32 gives a hard-coded 5 s ZMQ
     receive timeout (``nixl`` worker, no setting), too short at times for four
@@ -61,6 +63,8 @@ def warm_nixl(urls: dict[str, dict[str, str]], attempts: int = 4) -> None:
     test's prompts (its first token differs)."""
     prompt = _ids(9, 100)
     for name, u in urls.items():
+        if "colocated" in u:
+            continue
         errors = []
         for _ in range(attempts):
             body = {"model": name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
@@ -76,7 +80,8 @@ def warm_nixl(urls: dict[str, dict[str, str]], attempts: int = 4) -> None:
 
 @pytest.fixture(scope="module")
 def engine_servers(tmp_path_factory) -> Iterator[dict[str, dict[str, str]]]:
-    procs, urls = start_pd_servers(tmp_path_factory.mktemp("pd_engine_e2e"), engine_level=True)
+    procs, urls = start_pd_servers(tmp_path_factory.mktemp("pd_engine_e2e"), engine_level=True,
+                                   colocated=("tiny-a",))
     try:
         wait_healthy(procs, urls)
         warm_nixl(urls)

@@ -29,7 +29,7 @@ from shadowcore.testing.contracts import decode_slack_reference_s, prefill_slack
 from shadowcore.testing.machines._base import EPS_S, Draw
 from shadowcore.testing.machines._base import pick as _pick
 from shadowcore.testing.stubs import ServedJob, StubEnginePort, StubJobSource
-from shadowcore.types import JobKey, Phase, StepOutcome, StepPlan, StepSnapshot
+from shadowcore.types import JobKey, Phase, RequestKind, StepOutcome, StepPlan, StepSnapshot
 
 __all__ = ["SLACK_CHECKS", "SlackControllerMachine"]
 
@@ -37,11 +37,26 @@ SLACK_CHECKS = frozenset({"gate", "budget", "idle", "credit", "grants", "order",
 _KINDS = st.sampled_from(("idle", "idle", "routed", "routed", "decode", "decode", "any", "waiting", "blocked"))
 
 
+def _routed_prefill(snapshot: StepSnapshot) -> bool:
+    """A routed call prefills in this iteration (written out, not the controller's helper)."""
+    return any(r.kind is RequestKind.ROUTED and r.phase is Phase.PREFILL for r in snapshot.batch)
+
+
+def _grant_order(served: list[ServedJob], plan: StepPlan) -> list[ServedJob]:
+    """The jobs as the hook grants them: the source's order, or under an
+    ``imminent_first`` plan its imminent jobs first, each group in that order
+    (written out here, independently of ``shadowcore.hook.grant_order``)."""
+    if not plan.imminent_first:
+        return served
+    return [s for s in served if s.imminent] + [s for s in served if not s.imminent]
+
+
 class SlackControllerMachine(RuleBasedStateMachine):
     """Drives one :class:`~shadowcore.hook.EngineHook` (controller, latency
     model, stub port, stub job source) through snapshots and outcomes, with
     jobs opened, grown, re-prioritised, compacted, evicted and closed in
-    between. Per iteration it checks (predictions recomputed with the latency
+    between (and, for a controller that ``reads_imminence``, marked imminent
+    and back). Per iteration it checks (predictions recomputed with the latency
     model from the snapshot and the grants, never taken from the plan):
 
     ``"gate"``: no shadow tokens while ``num_waiting > 0`` or
@@ -71,7 +86,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
 
     ``"grants"``: grants are whole blocks (start and length), to distinct jobs,
     start where the job's held prefix ends, in the job's epoch and with its
-    probability, never exceed a job's missing tokens, the token budget or the
+    probability and imminence, never exceed a job's missing tokens, the token budget or the
     shadow KV room; a non-empty plan has at least ``n_min`` tokens; a zero
     budget gives no grants.
 
@@ -81,13 +96,13 @@ class SlackControllerMachine(RuleBasedStateMachine):
     under ``imminent_first`` the source's imminent jobs, then the rest).
 
     ``"liveness"``: the plan is maximal (Algorithm 1, line 10): one more block
-    would not fit the budget, or the limits are reached; an empty plan under a
+    (filled in the grant order) would not fit the budget, or the limits are reached; an empty plan under a
     positive budget means even ``max(n_min, 1 block)`` tokens would not fit.
 
     Subclass hooks: :meth:`make_controller`, :meth:`make_latency_model`,
     :meth:`make_port`, :meth:`make_job_source`, :meth:`snapshot_kinds`; the job
     actions (``open_job``, ``grow_job``, ``reprioritise_job``, ``compact_job``,
-    ``evict_job``, ``close_job``); and the expectations :meth:`idle_cap_s`,
+    ``evict_job``, ``close_job``, ``imminence_job``); and the expectations :meth:`idle_cap_s`,
     :meth:`budget_upper_bound_s`, :meth:`credit_charged`, :meth:`credit_accrues`, :meth:`credit_delta`.
     """
 
@@ -150,22 +165,44 @@ class SlackControllerMachine(RuleBasedStateMachine):
         return None
 
     def credit_charged(self, snapshot: StepSnapshot) -> bool | None:
-        """Whether the credit pays for shadow tokens in this iteration (None: no credit)."""
+        """Whether the credit pays for shadow tokens in this iteration (None: no credit).
+        Harvest-SLO: an iteration carrying a routed call, except, with a routed
+        margin for it (``routed_decode_margin``, or ``imminent_margin`` while the
+        first job in the grant order is imminent), one whose routed calls all
+        decode (paid from their slack at that margin)."""
         c = self.controller
         if isinstance(c, SloSlackController):
-            return snapshot.has_routed
+            if not snapshot.has_routed:
+                return False
+            imminent = self._first_job_imminent()
+            routed_margin = c.imminent_margin if imminent and c.imminent_margin is not None else c.routed_decode_margin
+            return routed_margin is None or _routed_prefill(snapshot)
         if isinstance(c, HarvestController):
             return not snapshot.is_idle
         return None
 
     def credit_accrues(self, snapshot: StepSnapshot) -> bool:
-        """Whether this iteration's decode-only time counts in the credit bound:
-        those the credit pays for, or every one under the declared
-        ``credit_accrual="all-decode"`` reading."""
+        """Whether this iteration's time (of one without shadow work) counts in
+        the credit bound: a decode-only one the credit pays for, or under
+        Harvest-SLO's declared reading (``credit_accrual``) a decode-only one
+        carrying a routed call (``"routed"``), every decode-only one
+        (``"all-decode"``), one in which a routed call prefills
+        (``"routed-prefill"``)."""
         c = self.controller
-        if isinstance(c, SloSlackController) and c.credit_accrual is CreditAccrual.ALL_DECODE:
-            return True
-        return bool(self.credit_charged(snapshot))
+        decode_only = snapshot.batch_shape.is_decode_only
+        if isinstance(c, SloSlackController):
+            if c.credit_accrual is CreditAccrual.ROUTED_PREFILL:
+                return _routed_prefill(snapshot)
+            return decode_only and (snapshot.has_routed or c.credit_accrual is CreditAccrual.ALL_DECODE)
+        return decode_only and bool(self.credit_charged(snapshot))
+
+    def _first_job_imminent(self) -> bool:
+        """Whether the hook told the controller ``imminent``: the first job it
+        would grant to (the grant order of what the source served) is imminent."""
+        served = getattr(self.jobs, "served", None)
+        if not served:
+            return False
+        return any(s.imminent for s in served) if self.controller.imminent_first else served[0].imminent
 
     def credit_delta(self) -> float:
         return float(self.controller.delta)
@@ -207,6 +244,8 @@ class SlackControllerMachine(RuleBasedStateMachine):
     def change_jobs(self, data: st.DataObject) -> None:
         live = self._live()
         actions = ["open", "open"] + (["grow", "grow", "reprioritise", "compact", "evict", "close"] if live else [])
+        if live and self.controller.reads_imminence:  # the job sources track imminence for such a controller only
+            actions += ["imminence", "imminence"]
         action = _pick(data, actions)
         if action == "open":
             self.open_job(data)
@@ -223,6 +262,8 @@ class SlackControllerMachine(RuleBasedStateMachine):
             switch_probability=data.draw(sst.probabilities()), sequence=self.next_session, epoch=history.epoch,
         )
         self.next_session += 1
+        if self.controller.reads_imminence:
+            self.imminence_job(job, data)
         if data.draw(st.integers(0, 3)) == 0:  # the instance already holds part of the history
             self.port.cached[sid] = (history.epoch, data.draw(st.integers(0, history.num_tokens)))
         self.jobs.add(job)
@@ -242,6 +283,12 @@ class SlackControllerMachine(RuleBasedStateMachine):
 
     def close_job(self, job: ShadowJob, data: st.DataObject) -> None:
         self.jobs.remove(job.key)
+
+    def imminence_job(self, job: ShadowJob, data: st.DataObject) -> None:
+        """The session's routed call finished (its tool gap starts: imminent) or
+        its next call arrived (no longer imminent), as ``ShadowManager`` marks
+        jobs for a controller that ``reads_imminence``."""
+        job.imminent = data.draw(st.booleans(), label="imminent")
 
     # -- the iteration ---------------------------------------------------------------
     @rule(data=st.data())
@@ -341,6 +388,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
                     assert (g.epoch, g.start_token) == (s.epoch, s.next_token), (g, s)
                     assert g.num_tokens <= s.num_missing_tokens, (g, s)
                     assert g.switch_probability == s.switch_probability, (g, s)
+                    assert g.imminent == s.imminent, (g, s)
         if "order" in self.checks:
             first = plan.imminent_first  # then imminent grants come first, each group as the source ordered it
             ps = [(first and g.imminent, g.switch_probability) for g in grants]
@@ -348,7 +396,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
             if served is not None:
                 sp = [s.switch_probability for s in served]
                 assert all(a >= b for a, b in itertools.pairwise(sp)), f"job source order not non-increasing: {sp}"
-                order = [s for s in served if s.imminent] + [s for s in served if not s.imminent] if first else served
+                order = _grant_order(served, plan)
                 assert [g.job for g in grants] == [s.key for s in order[: len(grants)]], (
                     "grants do not follow the job order", grants, order,
                 )
@@ -369,7 +417,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
 
         def fits_clearly(n: int) -> bool:
             left, chunks = n, []
-            for s in served:
+            for s in _grant_order(served, plan):  # filled greedily in the order the hook grants
                 take = min(left, s.num_missing_tokens)
                 if take > 0:
                     chunks.append(PrefillChunk(take, s.next_token))
@@ -397,7 +445,7 @@ class SlackControllerMachine(RuleBasedStateMachine):
             return
         if charged and plan.grants:
             self.charged_stretch_s += stretch_s
-        if snapshot.batch_shape.is_decode_only and outcome.num_shadow_tokens == 0 and self.credit_accrues(snapshot):
+        if outcome.num_shadow_tokens == 0 and self.credit_accrues(snapshot):
             self.decode_only_s += outcome.duration_s
         bound = self.credit_delta() * self.decode_only_s
         assert self.charged_stretch_s <= bound + EPS_S, (
