@@ -490,12 +490,34 @@ class _IdleRuns(Mapping):
 
     def __contains__(self, block_hash: object) -> bool:
         state = self._blocks.get(block_hash)
-        return state is not None and state[1] == 0 and state[0] is self._shadow
+        if state is None:
+            return self._private_since(block_hash) is not None
+        return state[1] == 0 and state[0] is self._shadow
 
     def __getitem__(self, block_hash: int) -> float:
-        if block_hash not in self:
+        state = self._blocks.get(block_hash)
+        if state is None:
+            since = self._private_since(block_hash)
+            if since is None:
+                raise KeyError(block_hash)
+            return since
+        if state[1] or state[0] is not self._shadow:
             raise KeyError(block_hash)
-        return self._blocks[block_hash][2]
+        return state[2]
+
+    def _private_since(self, block_hash: object) -> float | None:
+        """The idle time of ``block_hash`` when it is a live entry of a
+        private run (its blocks are not in the block map), else None: a scan
+        of the private runs (O(runs), O(1) each for a range), for a policy
+        that reads the order as a Mapping by key; the victim orders only
+        iterate it."""
+        if not self._anon:
+            return None
+        releases = self._releases
+        for release, (state, hashes) in self._anon.items():
+            if block_hash in hashes[len(hashes) - releases.get(release, 0) :]:
+                return state[2]
+        return None
 
     def values(self) -> Iterator[float]:
         return map(_SECOND, self._pairs())

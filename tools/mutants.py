@@ -370,6 +370,10 @@ MUTATIONS: dict[str, tuple] = {
     "private-extend-name": (KV_PRIV, "test_private_owner_extended_by_hashes_equals_named", "shadowcore/kv.py",
                             "        if hashes and owner.private:\n            self._name_held(owner)\n",
                             "        if False:\n            pass\n"),
+    # the normal idle order answers by key for a private run's live entries (its last idle-left ones) only
+    "private-mapping": (KV_PRIV, "test_idle_order_with_private_runs_is_a_mapping", "shadowcore/kv.py",
+                        "            if block_hash in hashes[len(hashes) - releases.get(release, 0) :]:",
+                        "            if block_hash in hashes:"),
     "contract-last": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
                       "            elif seen_shadow:\n", "            elif False:\n"),
     "contract-grant": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
