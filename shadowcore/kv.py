@@ -832,7 +832,7 @@ class KVClassManager:
             if release not in private:
                 break
             n = left[release]
-            m = num if num < n else n
+            m = min(n, num)
             start = len(hashes) - n
             self._left_release(release, m)  # the run's first m live entries leave; the trim skips them
             idle.left(m)
