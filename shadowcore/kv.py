@@ -392,7 +392,8 @@ class _IdleRuns(Mapping):
 
     def first(self, num: int) -> list[int] | _HeadRun:
         """``list(islice(self, num))``: the next ``num`` to evict, in order
-        (fewer when there are not that many); a slice of the head run when
+        (fewer when there are not that many; all of them, as a list, when
+        ``num`` reaches the count); otherwise a slice of the head run when
         they are its next entries (the usual case). While the order holds
         private runs, a :class:`_HeadRun` of the same entries (per run,
         nothing materialised)."""
@@ -1505,7 +1506,7 @@ class KVClassManager:
             return
         if self._private_runs and cls is KVClass.NORMAL:
             release = self._idle[cls].private_head_of(victims)
-            if release is not None:  # the usual: the next blocks of the head run, a private one
+            if release is not None:  # the next blocks of a private head run given as a list (after a compaction)
                 self._left_release(release, len(victims))
             else:
                 self._evict_with_private(victims)
@@ -1540,10 +1541,10 @@ class KVClassManager:
 
     def _evict_with_private(self, victims: list[int]) -> None:
         """The block map and release counts of evicting ``victims``, the next
-        idle normal blocks from the head of the normal idle order (what
-        :meth:`KVClassPolicy.victim_runs` gives when it takes heads; any other
-        order names private blocks first), some of them private: a private
-        run's victims are counted per run, the rest popped from the map."""
+        idle normal blocks from the head of the normal idle order, some of
+        them private, given as a list (the lru order's victims, or an order
+        that takes every idle normal block): a private run's victims are
+        counted per run, the rest popped from the map."""
         blocks, left, private = self._blocks, self._idle_left, self._private_runs
         pieces = []  # (release, private, victims of the run), in order
         i, n = 0, len(victims)
