@@ -49,11 +49,12 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
 * Evictions for normal owners are owed, not made, where nothing can tell
   the difference: ``extend_private`` (decode growth) and a normal
   allocation or extension that reloads nothing from the host tier take free
-  blocks and count the rest as owed; every other query or change first
-  makes the owed evictions in one go (:meth:`KVClassManager._settle`),
-  which are exactly the ones the takes would have made (only normal takes
-  ran since, which leave the idle orders and the host tier as they were,
-  and a normal requester's victims do not depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
+  blocks and count the rest as owed; every other query or change but a
+  private allocation and a private owner's finish first makes the owed
+  evictions in one go (:meth:`KVClassManager._settle`), which are exactly
+  the ones the takes would have made (only normal takes and private finishes
+  ran since, which leave the idle orders' heads and the host tier as they
+  were, and a normal requester's victims do not depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
   debt without settling it.
 * Device and host tier are disjoint, so a spilled run enters the host tier in
   one update with one capacity check (exactly an LRU of single spills). The
@@ -391,7 +392,8 @@ class _IdleRuns(Mapping):
 
     def first(self, num: int) -> list[int] | _HeadRun:
         """``list(islice(self, num))``: the next ``num`` to evict, in order
-        (fewer when there are not that many); a slice of the head run when
+        (fewer when there are not that many; all of them, as a list, when
+        ``num`` reaches the count); otherwise a slice of the head run when
         they are its next entries (the usual case). While the order holds
         private runs, a :class:`_HeadRun` of the same entries (per run,
         nothing materialised)."""
@@ -489,12 +491,34 @@ class _IdleRuns(Mapping):
 
     def __contains__(self, block_hash: object) -> bool:
         state = self._blocks.get(block_hash)
-        return state is not None and state[1] == 0 and state[0] is self._shadow
+        if state is None:
+            return self._private_since(block_hash) is not None
+        return state[1] == 0 and state[0] is self._shadow
 
     def __getitem__(self, block_hash: int) -> float:
-        if block_hash not in self:
+        state = self._blocks.get(block_hash)
+        if state is None:
+            since = self._private_since(block_hash)
+            if since is None:
+                raise KeyError(block_hash)
+            return since
+        if state[1] or state[0] is not self._shadow:
             raise KeyError(block_hash)
-        return self._blocks[block_hash][2]
+        return state[2]
+
+    def _private_since(self, block_hash: object) -> float | None:
+        """The idle time of ``block_hash`` when it is a live entry of a
+        private run (its blocks are not in the block map), else None: a scan
+        of the private runs (O(runs), O(1) each for a range), for a policy
+        that reads the order as a Mapping by key; the victim orders only
+        iterate it."""
+        if not self._anon:
+            return None
+        releases = self._releases
+        for release, (state, hashes) in self._anon.items():
+            if block_hash in hashes[len(hashes) - releases.get(release, 0) :]:
+                return state[2]
+        return None
 
     def values(self) -> Iterator[float]:
         return map(_SECOND, self._pairs())
@@ -768,15 +792,58 @@ class KVClassManager:
 
     def _settle(self) -> None:
         """Make the evictions owed (see :meth:`_take`). Every query and change
-        but ``extend_private`` and the counts above it settles first, so no
-        caller sees the debt: between the take and now only takes of normal
-        owners ran, which leave the idle orders and the host tier as they
-        were, and a normal requester's victims do not depend on the time, so
-        the victims now are the ones the takes would have evicted, in order."""
+        settles first but ``extend_private``, ``allocate(private=True)``, a
+        private owner's finish (:meth:`_release_and_cache_private`) and the
+        counts above it, so no caller sees the debt: between the take and now
+        only those ran, which take free blocks or owe more, free blocks, and
+        append a release at the tail of the normal idle order (the latest
+        idle time, so after every block now idle in either order), and leave
+        the host tier as it was. The owed count never exceeds the blocks idle
+        before those appends (each take checks it against the idle count less
+        the debt), and a normal requester's victims do not depend on the time,
+        so the victims now are the ones the takes would have evicted, in
+        order, and the free count is the one the eager evictions leave."""
         owed = self._owed
         if owed:
             self._owed = 0
-            self._evict(owed, KVClass.NORMAL, 0.0, ())
+            if self._private_runs and not self._idle[KVClass.SHADOW].count:
+                owed = self._evict_private_heads(owed)  # the usual: finished requests' private chains at the head
+            if owed:
+                self._evict(owed, KVClass.NORMAL, 0.0, ())
+
+    def _evict_private_heads(self, num: int) -> int:
+        """Evict up to ``num`` of a normal requester's victims while they are
+        private runs at the head of the normal idle order, and return how many
+        are left to evict. Only when the policy takes heads and no shadow
+        block is idle: then :meth:`KVClassPolicy.victim_runs` is the normal
+        order's first ``num`` (one class), so this is :meth:`_evict` of those
+        run by run, by count (no block map entry, no :class:`_HeadRun`): the
+        same victims, counts and spills in the same order."""
+        if not self.policy.takes_heads(KVClass.NORMAL):
+            return num
+        idle, private, left = self._idle[KVClass.NORMAL], self._private_runs, self._idle_left
+        spill = self._host_tier.spill if self.policy.host is not None and self.host_capacity_blocks else None
+        evicted = 0
+        while num:
+            idle._trim()
+            if not idle._runs:  # (read anew: a compaction replaces the deque)
+                break
+            state, hashes = idle._runs[0]
+            release = state[3]
+            if release not in private:
+                break
+            n = left[release]
+            m = min(n, num)
+            start = len(hashes) - n
+            self._left_release(release, m)  # the run's first m live entries leave; the trim skips them
+            idle.left(m)
+            if spill is not None:
+                spill(hashes[start : start + m], KVClass.NORMAL, self.host_capacity_blocks)
+            num -= m
+            evicted += m
+        self._num_evicted_blocks[KVClass.NORMAL] += evicted
+        self._eviction_count += evicted
+        return num
 
     def _name_private(self, held: bool = True) -> None:
         """Give private blocks (``allocate(private=True)``) their entries in
@@ -963,10 +1030,10 @@ class KVClassManager:
         """
         if owner_id in self._owners:
             raise ValueError(f"owner {owner_id!r} already holds blocks")
+        if private:  # a normal take that reads no idle order and no host tier: it owes, unsettled (see _settle)
+            return self._allocate_private(owner_id, hashes, num_private_blocks, kv_class, now_s)
         if self._owed:
             self._settle()
-        if private:
-            return self._allocate_private(owner_id, hashes, num_private_blocks, kv_class, now_s)
         match = self.match_prefix(hashes)
         hits = hashes[: match.num_device_blocks]
         # Blocks past the first miss may still be cached (a chain's head can be
@@ -1158,12 +1225,12 @@ class KVClassManager:
         the new ones fit in free blocks (no eviction); otherwise the three
         calls run."""
         owner = self._owners[owner_id]
+        if owner.private and self._release_and_cache_private(owner_id, owner, hashes, now_s):
+            return  # (with evictions still owed: see _settle)
         if self._owed:
             self._settle()
         blocks = self._blocks
         if owner.private:
-            if self._release_and_cache_private(owner_id, owner, hashes, now_s):
-                return
             self._name_held(owner)
         if self._release_and_cache_chain(owner_id, owner, hashes, now_s):
             return
@@ -1266,7 +1333,10 @@ class KVClassManager:
         """:meth:`_release_and_cache_chain` of a private owner (whose blocks
         only it holds, none in the block map): the chain goes idle last block
         first as one release, kept as one private run (no block map entry).
-        False (nothing changed) when the chain case does not apply."""
+        False (nothing changed) when the chain case does not apply. It may run
+        with evictions owed (:meth:`_settle`): it reads neither idle order,
+        appends its release at the normal order's tail, and returns False
+        before it would reload from the host tier while any is owed."""
         head = owner.hashes
         k = len(head)
         if not isinstance(hashes, (list, range)):
@@ -1282,11 +1352,14 @@ class KVClassManager:
         if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not self._blocks.keys().isdisjoint(tail)
                 or not distinct):
             return False
+        host = self._host
+        reload = bool(host) and not host.keys().isdisjoint(tail)
+        if reload and self._owed:  # the owed evictions' spills come first: the caller settles, the general way
+            return False
         del self._owners[owner_id]
         self._num_private_held -= k
         self.num_free_blocks += owner.num_private_blocks - len(tail)
-        host = self._host
-        if host and not host.keys().isdisjoint(tail):
+        if reload:
             self.num_reloaded_blocks += _run_length(host, tail)
             self._host_tier.take(tail)
         if hashes and not k:
@@ -1433,7 +1506,7 @@ class KVClassManager:
             return
         if self._private_runs and cls is KVClass.NORMAL:
             release = self._idle[cls].private_head_of(victims)
-            if release is not None:  # the usual: the next blocks of the head run, a private one
+            if release is not None:  # the next blocks of a private head run given as a list (after a compaction)
                 self._left_release(release, len(victims))
             else:
                 self._evict_with_private(victims)
@@ -1468,10 +1541,10 @@ class KVClassManager:
 
     def _evict_with_private(self, victims: list[int]) -> None:
         """The block map and release counts of evicting ``victims``, the next
-        idle normal blocks from the head of the normal idle order (what
-        :meth:`KVClassPolicy.victim_runs` gives when it takes heads; any other
-        order names private blocks first), some of them private: a private
-        run's victims are counted per run, the rest popped from the map."""
+        idle normal blocks from the head of the normal idle order, some of
+        them private, given as a list (the lru order's victims, or an order
+        that takes every idle normal block): a private run's victims are
+        counted per run, the rest popped from the map."""
         blocks, left, private = self._blocks, self._idle_left, self._private_runs
         pieces = []  # (release, private, victims of the run), in order
         i, n = 0, len(victims)

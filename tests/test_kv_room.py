@@ -265,6 +265,49 @@ def test_decode_growth_evicts_the_blocks_idle_when_it_grew() -> None:
     assert kv.num_idle_blocks == 4 and kv.eviction_count == 2
 
 
+def test_private_allocations_and_finishes_leave_owed_evictions_owed() -> None:
+    """A private allocation and a private owner's finish run with evictions
+    still owed (only other calls settle them): the allocation's room counts
+    the debt, and the owed victims stay those of the moment decode grew
+    (a finished chain joins the idle order behind them)."""
+    kv = KVClassManager(16, 16, KVClassPolicy())
+    assert kv.allocate("a", range(100, 108), 0, KVClass.NORMAL, 0.0, private=True) is not None
+    kv.release_and_cache("a", range(100, 108), "c", 0.5)  # idle (private): 107 ... 100
+    assert kv.allocate("b", [0, 1, 2, 3], 0, KVClass.NORMAL, 1.0) is not None
+    assert kv.extend_private([("b", 4)], 1.0) and kv.extend_private([("b", 4)], 1.0)  # owes 4: 107 ... 104
+    assert kv.num_idle_blocks == 4 and kv.eviction_count == 4
+    assert kv.allocate("x", range(200, 206), 0, KVClass.NORMAL, 1.5, private=True) is None  # 4 blocks to take
+    assert kv.allocate("y", range(300, 302), 1, KVClass.NORMAL, 1.5, private=True) is not None  # owes 3 more
+    kv.release_and_cache("y", range(300, 303), "c2", 2.0)  # idle behind the rest: 302, 301, 300; 1 block freed
+    assert kv._owed == 7  # nothing settled so far (what this test is about: no eager eviction per call)
+    assert kv.idle_order(KVClass.NORMAL) == [100, 302, 301, 300] and kv.num_free_blocks == 0
+    assert kv.eviction_count == 7 and kv.num_evicted_blocks[KVClass.NORMAL] == 7
+
+
+def test_a_finish_makes_the_owed_evictions_before_it_reloads() -> None:
+    """A finish (``release_and_cache``) of a named owner settles the owed
+    evictions first: their spill can trim the host tier, and a tail block it
+    trims is no longer there to reload (the calls one by one). Only a private
+    owner's finish may run with evictions owed, and not when it would reload."""
+    from shadowcore.kv import HostTierParams
+
+    kv = KVClassManager(5, 4, KVClassPolicy(host=HostTierParams(capacity_bytes=1 * 4 * 131072.0)))
+    assert kv.allocate("a", [1], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("a", 0.0)  # idle: 1
+    assert kv.allocate("d", [], 4, KVClass.NORMAL, 0.0) is not None
+    assert kv.allocate("e", [], 1, KVClass.NORMAL, 0.0) is not None  # evicts 1 (owed)
+    assert kv.in_host(1)  # settled: 1 spilled to the host tier (its capacity: one block)
+    kv.release("e", 0.0)
+    assert kv.allocate("ctx", [5], 0, KVClass.NORMAL, 0.0) is not None
+    kv.release("ctx", 0.0)  # idle: 5
+    kv.release("d", 0.0)
+    assert kv.allocate("r", [], 1, KVClass.NORMAL, 0.0) is not None
+    assert kv.allocate("d2", [], 3, KVClass.NORMAL, 0.0) is not None  # no free block left
+    assert kv.extend_private([("d2", 1)], 1.0)  # owes the eviction of 5, whose spill trims 1 from the host tier
+    kv.release_and_cache("r", [1], "c", 2.0)  # 1 is computed anew in r's private block: no reload
+    assert kv.num_reloaded_blocks == 0 and kv.is_cached(1) and kv.in_host(5) and not kv.in_host(1)
+
+
 def test_an_allocation_that_reloads_from_the_host_tier_evicts_before_the_reload() -> None:
     """An allocation's evictions spill to the host tier before its host hits
     leave it (the order of the calls one by one): one that reloads a block

@@ -7,7 +7,8 @@
 A refactor of the KV manager's internals (issue 17) must leave everything a
 caller or a result can see unchanged. Both versions run the same random
 operation sequences (allocations of chains that share heads, normal and
-shadow owners, releases, finishes through ``release_and_cache``, decode
+shadow owners, private chains (``allocate(private=True)``, in half the
+sequences), releases, finishes through ``release_and_cache``, decode
 growth through ``extend_private``, extensions, room and prefix queries, a
 tight pool, with and without a host tier, both eviction orders); every
 return value is compared, and after each step the full observable state:
@@ -62,9 +63,17 @@ def _state(kv, mod) -> tuple:
             kv.num_cached_blocks, kv.num_host_blocks)
 
 
-def _chain(c: int, n: int) -> list[int]:
-    """Block hashes of chain ``c``: chains 0-3 share their first 5 blocks."""
+def _chain(c: int, n: int) -> list[int] | range:
+    """Block hashes of chain ``c``: chains 0-3 share their first 5 blocks;
+    chains from ``_PRIVATE`` on are private ones (one allocation each), a
+    ``range`` as a count-only history gives."""
+    if c >= _PRIVATE:
+        return range(c * 1000, c * 1000 + n)
     return [i if c < 4 and i < 5 else c * 1000 + i for i in range(n)]
+
+
+#: Chain ids from here on are allocated once each with ``private=True`` (nothing else names them).
+_PRIVATE = 100
 
 
 def _alloc_out(a):
@@ -81,6 +90,7 @@ def run(seed: int, old, new, sparse: bool) -> str | None:
     policy = {"shadow_cap_fraction": rng.choice([0.25, 0.5, 1.0]), "cold_age_s": rng.choice([0.0, 1.0, 2.0]),
               "eviction_order": rng.choice(["shadow-first", "lru"])}
     host_blocks = rng.choice([1, 3, 6, 20, 100])
+    private_kv = rng.random() < 0.5  # half the sequences also allocate private chains (allocate(private=True))
     kvs = []
     for mod in (old, new):
         params = mod.HostTierParams(capacity_bytes=host_blocks * 16 * 131072.0) if host else None
@@ -95,9 +105,12 @@ def run(seed: int, old, new, sparse: bool) -> str | None:
         outs = []
         if op == "alloc":
             c, length, private, shadow = rng.randint(0, 7), rng.randint(0, 40), rng.randint(0, 3), rng.random() < 0.3
+            fresh = private_kv and not shadow and rng.random() < 0.5  # a normal request's fresh prompt
+            if fresh:
+                c = _PRIVATE + n  # a chain of its own
             for mod, kv in kvs:
                 cls = mod.KVClass.SHADOW if shadow else mod.KVClass.NORMAL
-                outs.append(_alloc_out(kv.allocate(f"o{n}", _chain(c, length), private, cls, now)))
+                outs.append(_alloc_out(kv.allocate(f"o{n}", _chain(c, length), private, cls, now, private=fresh)))
             if outs[0] is not None:
                 owners.append((f"o{n}", c, shadow))
         elif op == "release" and owners:

@@ -361,6 +361,24 @@ MUTATIONS: dict[str, tuple] = {
     "private-evict-count": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                             "                pieces.append((release, True, m))",
                             "                pieces.append((release, True, max(1, m - 1)))"),
+    # owed evictions settled per private run at the head (issue 17, session 11): all owed blocks are evicted
+    # (a named run after the private ones included), each run's first live entries, spilled in order
+    "private-settle-rest": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                            "        self._eviction_count += evicted\n        return num\n",
+                            "        self._eviction_count += evicted\n        return 0\n"),
+    "private-settle-spill": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
+                             "spill(hashes[start : start + m], KVClass.NORMAL, self.host_capacity_blocks)",
+                             "spill(hashes[start + 1 : start + m + 1], KVClass.NORMAL, self.host_capacity_blocks)"),
+    # a private allocation and a private finish run with evictions owed: the room check counts the debt, and
+    # every other finish settles first
+    "owed-private-room": ("tests/test_kv_room.py", "test_private_allocations_and_finishes_leave_owed_evictions_owed",
+                          "shadowcore/kv.py",
+                          "if num_new > self.num_free_blocks and self.num_free_blocks + self.num_idle_blocks < num_new:",
+                          "if num_new > self.num_free_blocks and self.num_free_blocks + self.num_idle_blocks + self._owed < num_new:"),
+    "owed-finish-general": ("tests/test_kv_room.py", "test_a_finish_makes_the_owed_evictions_before_it_reloads",
+                            "shadowcore/kv.py",
+                            "        if self._owed:\n            self._settle()\n        blocks = self._blocks\n        if owner.private:",
+                            "        blocks = self._blocks\n        if owner.private:"),
     # review (session 11): a private owner's finish that is not its chain's case (another Sequence type, not
     # extending the held prefix, repeats) falls back to the named paths; extend by hashes names it first
     "private-finish-prefix": (KV_PRIV, "test_private_finish_of_any_sequence_equals_named", "shadowcore/kv.py",
@@ -384,6 +402,10 @@ MUTATIONS: dict[str, tuple] = {
     "private-extend-name": (KV_PRIV, "test_private_owner_extended_by_hashes_equals_named", "shadowcore/kv.py",
                             "        if hashes and owner.private:\n            self._name_held(owner)\n",
                             "        if False:\n            pass\n"),
+    # the normal idle order answers by key for a private run's live entries (its last idle-left ones) only
+    "private-mapping": (KV_PRIV, "test_idle_order_with_private_runs_is_a_mapping", "shadowcore/kv.py",
+                        "            if block_hash in hashes[len(hashes) - releases.get(release, 0) :]:",
+                        "            if block_hash in hashes:"),
     "contract-last": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",
                       "            elif seen_shadow:\n", "            elif False:\n"),
     "contract-grant": ("tests/test_backend_contract.py", "test_broken_backend_fails", "shadowcore/testing/backend_check.py",

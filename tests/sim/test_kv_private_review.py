@@ -92,13 +92,6 @@ def test_private_owner_extended_by_hashes_equals_named(host: bool) -> None:
     assert _state(priv) == _state(named)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "review finding (kv.py _IdleRuns.__contains__/__getitem__): the normal idle order is handed to "
-    "KVClassPolicy.victims as a Mapping[hash, idle since], but while it holds a private run its iteration "
-    "yields the run's hashes and `h in idle` is False / `idle[h]` raises KeyError for them (both read the "
-    "block map, which private blocks are not in). Today's victim orders only iterate, items() and values(), "
-    "so no result differs; a policy that reads idle[cls][h] would fail. Fix: answer a private run's "
-    "entries in __contains__/__getitem__ (e.g. via the manager's private-head index, or by naming first)."))
 def test_idle_order_with_private_runs_is_a_mapping() -> None:
     """Every key the normal idle order iterates is in it and maps to the
     idle time its items() give (the Mapping the policy is promised)."""
@@ -110,6 +103,11 @@ def test_idle_order_with_private_runs_is_a_mapping() -> None:
     assert list(idle) == [104, 103, 102, 101, 100] == list(items)  # iteration itself is right
     assert [h in idle for h in idle] == [True] * 5
     assert {h: idle[h] for h in idle} == items
+    assert kv.allocate("x", range(200, 214), 0, KVClass.NORMAL, 2.0, private=True) is not None  # owes 3
+    kv._settle()  # evicts 104, 103, 102: no longer entries of the order
+    assert [h in idle for h in range(100, 105)] == [True, True, False, False, False] and idle[100] == 1.0
+    with pytest.raises(KeyError):
+        idle[103]
 
 
 @pytest.mark.parametrize("host", [False, True])

@@ -155,6 +155,15 @@ _PRIVATE_OP = st.one_of(
 # A finished private chain half evicted by a fresh allocation, then a by-hash query: only its live (last) entries
 # get map entries (pins mutant private-name, which named them all and survived a run by chance).
 @example(ops=[(("fresh", 8, 0), 0.0), (("finish", 0, 0), 0.5), (("fresh", 8, 4), 0.5), (("query",), 0.5)])
+# Owed evictions that span a private run at the head of the normal order and a named run after it: settling
+# takes the private run by count, then the named one by the general path (pins mutant private-settle-rest).
+@example(ops=[(("fresh", 3, 0), 0.0), (("finish", 0, 0), 0.5), (("alloc", 0, 8, 0, False), 0.5),
+              (("release", 0), 0.5), (("fresh", 8, 1), 0.5), (("room",), 0.0)])
+# The same with a second private run behind the named one: the rest goes as a head run of named pieces
+# (pins mutant private-head-run, which the run-by-run settle made rare in random runs).
+@example(ops=[(("fresh", 3, 0), 0.0), (("finish", 0, 0), 0.5), (("alloc", 0, 8, 0, False), 0.5),
+              (("release", 0), 0.5), (("fresh", 2, 0), 0.5), (("finish", 0, 0), 0.5), (("fresh", 8, 1), 0.5),
+              (("room",), 0.0)])
 def test_private_blocks_equal_named_ones(host: bool, order: str, ops: list) -> None:
     """``allocate(private=True)`` (a normal request's fresh prompt: its blocks
     kept out of the block map) leaves everything a caller sees as the same
