@@ -42,7 +42,7 @@ MUTATIONS: dict[str, tuple] = {
                     "used = t - base_s if budget.bounds_stretch else t", "used = t - base_s"),
     "budget-slo": (UNIT, "test_predicted_iteration_within_budget", "shadowcore/slack.py",
                    "return SlackBudget(max(0.0, min(cap, slack)), BudgetReason.SLO_SLACK)",
-                   "return SlackBudget(cap, BudgetReason.SLO_SLACK)"),
+                   "return SlackBudget(cap, BudgetReason.SLO_SLACK)", 2),  # the routed-decode and the other return
     "idle": (UNIT, "test_idle_shadow_iterations_within_beta_T", "shadowcore/slack.py",
              "return SlackBudget(cap, BudgetReason.IDLE)", "return SlackBudget(2 * cap, BudgetReason.IDLE)", 2),
     "credit-earn": (UNIT, "test_routed_stretch_bounded_by_delta_decode_time", "shadowcore/slack.py",
@@ -59,7 +59,7 @@ MUTATIONS: dict[str, tuple] = {
                           "return any(r.kind is RequestKind.ROUTED and r.phase is Phase.PREFILL for r in snapshot.batch)",
                           "return False"),
     "routed-decode-margin": ("tests/test_core_units.py", "test_routed_decode_margin_budget", "shadowcore/slack.py",
-                             "slack = routed_decode_slack_s(snapshot, max(self.margin, routed_margin))",
+                             "slack = routed_decode_slack_s(snapshot, max(self.margin, routed_margin or self.margin))",
                              "slack = routed_decode_slack_s(snapshot, self.margin)"),
     # imminent_margin (idle-first-host's imminent-job rule, item 7): the looser margin only when the first
     # pending job is imminent (below the core margin it changes nothing: the batch's own slack counts every
