@@ -169,6 +169,24 @@ def test_shipped_imminent_first_controller_passes_the_kit() -> None:
     _run(_ShippedMachine)
 
 
+class _StretchMachine(SlackControllerMachine):
+    """The shipped Harvest-SLO controller with ``imminent_stretch`` (with or without a routed margin):
+    an imminent job's routed-decode iteration is paid from the decodes' slack, not the credit, so the
+    kit's credit check must not charge it (it did before session 11's fix)."""
+
+    def make_controller(self, draw):
+        from shadowcore.slack import SloSlackController
+
+        return SloSlackController(beta=draw(st.floats(0.1, 1.0)), delta=draw(st.floats(0.0, 0.2)),
+                                  n_min=draw(st.sampled_from([0, self.block_size])),
+                                  imminent_stretch=draw(st.floats(0.1, 1.0)),
+                                  routed_decode_margin=draw(st.none() | st.floats(0.0, 0.5)))
+
+
+def test_shipped_imminent_stretch_controller_passes_the_kit() -> None:
+    _run(_StretchMachine, 60)
+
+
 @attrs.define
 class _Unread(GapFirst):
     reads_imminence = False

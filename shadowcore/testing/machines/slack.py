@@ -168,15 +168,17 @@ class SlackControllerMachine(RuleBasedStateMachine):
         """Whether the credit pays for shadow tokens in this iteration (None: no credit).
         Harvest-SLO: an iteration carrying a routed call, except, with a routed
         margin for it (``routed_decode_margin``, or ``imminent_margin`` while the
-        first job in the grant order is imminent), one whose routed calls all
-        decode (paid from their slack at that margin)."""
+        first job in the grant order is imminent) or with ``imminent_stretch``
+        while that job is imminent, one whose routed calls all decode (paid
+        from their slack)."""
         c = self.controller
         if isinstance(c, SloSlackController):
             if not snapshot.has_routed:
                 return False
             imminent = self._first_job_imminent()
             routed_margin = c.imminent_margin if imminent and c.imminent_margin is not None else c.routed_decode_margin
-            return routed_margin is None or _routed_prefill(snapshot)
+            stretch = imminent and c.imminent_stretch is not None  # paid from the decodes' slack at margin 0
+            return _routed_prefill(snapshot) or (routed_margin is None and not stretch)
         if isinstance(c, HarvestController):
             return not snapshot.is_idle
         return None
