@@ -475,6 +475,13 @@ class _IdleRuns(Mapping):
             return release
         return None
 
+    def head(self) -> tuple[tuple, Sequence[int]] | None:
+        """The head run as ``(state, hashes)`` after the trim (its whole
+        hashes: the live entries are the last ``releases[state[3]]``), or None
+        when no run is left."""
+        self._trim()
+        return self._runs[0] if self._runs else None
+
     def runs_from_head(self) -> Iterator[tuple[tuple, Sequence[int]]]:
         """The runs as ``(state, hashes)`` in order, the head run from its
         first untrimmed entry (entries before it are not live); dead and
@@ -822,13 +829,13 @@ class KVClassManager:
         if not self.policy.takes_heads(KVClass.NORMAL):
             return num
         idle, private, left = self._idle[KVClass.NORMAL], self._private_runs, self._idle_left
-        spill = self._host_tier.spill if self.policy.host is not None and self.host_capacity_blocks else None
+        spills = self.policy.host is not None
         evicted = 0
         while num:
-            idle._trim()
-            if not idle._runs:  # (read anew: a compaction replaces the deque)
+            head = idle.head()
+            if head is None:
                 break
-            state, hashes = idle._runs[0]
+            state, hashes = head
             release = state[3]
             if release not in private:
                 break
@@ -837,8 +844,8 @@ class KVClassManager:
             start = len(hashes) - n
             self._left_release(release, m)  # the run's first m live entries leave; the trim skips them
             idle.left(m)
-            if spill is not None:
-                spill(hashes[start : start + m], KVClass.NORMAL, self.host_capacity_blocks)
+            if spills:
+                self._spill(hashes[start : start + m], KVClass.NORMAL)
             num -= m
             evicted += m
         self._num_evicted_blocks[KVClass.NORMAL] += evicted

@@ -376,8 +376,8 @@ MUTATIONS: dict[str, tuple] = {
                             "        self._eviction_count += evicted\n        return num\n",
                             "        self._eviction_count += evicted\n        return 0\n"),
     "private-settle-spill": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
-                             "spill(hashes[start : start + m], KVClass.NORMAL, self.host_capacity_blocks)",
-                             "spill(hashes[start + 1 : start + m + 1], KVClass.NORMAL, self.host_capacity_blocks)"),
+                             "self._spill(hashes[start : start + m], KVClass.NORMAL)",
+                             "self._spill(hashes[start + 1 : start + m + 1], KVClass.NORMAL)"),
     # a private allocation and a private finish run with evictions owed: the room check counts the debt, and
     # every other finish settles first
     "owed-private-room": ("tests/test_kv_room.py", "test_private_allocations_and_finishes_leave_owed_evictions_owed",
