@@ -123,11 +123,20 @@ def _plain(v):
     return getattr(v, "value", v)
 
 
+def _host_order(m) -> list[tuple[int, str]]:
+    """The host tier's blocks and classes, least recent first (older versions: its dict of spill tokens)."""
+    if hasattr(m, "host_order"):
+        return [(h, c.value) for h, c in m.host_order()]
+    m.num_host_blocks  # settles owed evictions
+    return [(h, v[0].value) for h, v in m._host.items()]
+
+
 def _final_state(mod, m) -> tuple:
-    """What a caller can see of a manager at the end (the counters the engine reads as attributes too)."""
+    """What a caller can see of a manager at the end (the counters the engine reads as attributes too, and the
+    host tier's order)."""
     return (m.num_free_blocks, m.eviction_count, m.num_shadow_blocks, _plain(m.num_evicted_blocks),
             m.num_shadow_blocks_used, m.num_reloaded_blocks, m.num_cached_blocks, m.num_host_blocks,
-            m.num_idle_blocks, m.idle_order(mod.KVClass.SHADOW), m.idle_order(mod.KVClass.NORMAL))
+            m.num_idle_blocks, m.idle_order(mod.KVClass.SHADOW), m.idle_order(mod.KVClass.NORMAL), _host_order(m))
 
 
 def replay(mod, ops: list[tuple], collect: bool = False) -> tuple[float, list]:

@@ -70,7 +70,10 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
   release has idle (only eviction, from the run's front, takes them), evicted
   by count. A preemption, a lookup starting at a private chain's first block
   and a by-hash query give them their entries first, so every result and
-  query equals the same calls without ``private``.
+  query equals the same calls without ``private``. Evicted, a private
+  run's pieces stay private in the host tier too (runs kept by count, out
+  of its dict); a lookup starting at the chain's first block and a by-hash
+  host-tier query (``in_host``) name them first.
 """
 
 from __future__ import annotations
@@ -592,58 +595,82 @@ class _IdleItems:
 
 class _HostTier:
     """The host tier: an LRU of evicted blocks, spilled as the runs evictions
-    make. ``blocks`` maps each hash in the tier to the token of the spill
-    that put it there (``(class, spill id)``, one tuple per spill); the
+    make. ``blocks`` maps each named hash in the tier to the token of the
+    spill that put it there (``(class, spill id)``, one tuple per spill); the
     manager reads and pops it directly (C-level passes). A plain dict keeps
     insertion order, and a key enters only by a spill (device and host tier
-    are disjoint, so never twice), so its order is the LRU order; what a
-    plain dict cannot do cheaply is drop its oldest entries, which is what
-    the runs are for.
+    are disjoint, so never twice), so its order is the LRU order of the named
+    blocks; what a plain dict cannot do cheaply is drop its oldest entries,
+    which is what the runs are for.
+
+    A private spill (:meth:`spill` with ``head``: the next blocks of a private
+    idle run, whose hashes nothing but a lookup of that chain from its first
+    block ``head`` names) stays out of ``blocks``: a run kept by count, token
+    ``(class, spill id, head)``. Nothing takes its blocks but the trim (a
+    reload names them first: :meth:`name`), so its live entries are all its
+    entries from the head position on. ``heads`` counts the private runs per
+    chain head (the manager's trigger to name them, as its own
+    ``_private_heads`` for the device).
 
     Invariants: ``_runs`` holds the spills in order as ``(token, hashes)``,
-    ``_pos`` the head run's first entry not yet trimmed; an entry is live
-    while its block still holds that very token (``blocks.get(h) is
-    token``: a reload pops the block, a later spill gives it a new token),
-    each block in the tier has exactly one live entry, so ``_stored`` (the
-    entries from the head position on) minus ``len(blocks)`` is the number
-    of stale ones, and ``_stale`` counts them per token (a run whose token
-    is absent has none: its entries from the head on are sliced unchecked);
-    trimming takes live entries from the head in order (exactly an LRU of
-    single spills, each trimming to capacity), and the
-    runs are rebuilt from ``blocks``' order when stale entries outnumber the
-    live ones by more than ``_COMPACT_SLACK`` (amortised O(1) per stale
-    entry)."""
+    ``_pos`` the head run's first entry not yet trimmed; a named run's entry
+    is live while its block still holds that very token (``blocks.get(h) is
+    token``: a reload pops the block, a later spill gives it a new token), a
+    private run's entries are all live; each block in the tier has exactly
+    one live entry, so ``_stored`` (the entries from the head position on)
+    minus ``len(blocks)`` minus ``num_private`` is the number of stale ones,
+    and ``_stale`` counts them per token (a run whose token is absent has
+    none: its entries from the head on are sliced unchecked); trimming takes
+    live entries from the head in order (exactly an LRU of single spills,
+    each trimming to capacity), and the runs are rebuilt from their live
+    entries when stale entries outnumber the live ones by more than
+    ``_COMPACT_SLACK`` (amortised O(1) per stale entry)."""
 
-    __slots__ = ("_pos", "_runs", "_spills", "_stale", "_stored", "blocks")
+    __slots__ = ("_pos", "_runs", "_spills", "_stale", "_stored", "blocks", "heads", "num_private")
 
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[KVClass, int]] = {}
-        self._runs: deque[tuple[tuple[KVClass, int], list[int]]] = deque()
+        self._runs: deque[tuple[tuple, Sequence[int]]] = deque()
         self._pos = 0
         self._stored = 0
         self._spills = 0
         self._stale: dict[tuple[KVClass, int], int] = {}  # per spill token: its stale entries (none: absent)
+        self.num_private = 0  # live entries of private runs (not in blocks)
+        self.heads: dict[int, int] = {}  # a private chain's first hash -> its private runs here
 
-    def spill(self, victims: list[int], kv_class: KVClass, capacity: int) -> None:
+    def __len__(self) -> int:
+        return len(self.blocks) + self.num_private
+
+    def spill(self, victims: Sequence[int], kv_class: KVClass, capacity: int, head: int | None = None) -> None:
         """``victims`` (none in the tier; not changed afterwards) enter as its
         most recent entries, in order; the least recent leave to
-        ``capacity`` (> 0)."""
+        ``capacity`` (> 0). With ``head``, a private spill: blocks of the
+        private chain whose first hash is ``head``, kept by count."""
         self._spills += 1
-        token = (kv_class, self._spills)
+        token = (kv_class, self._spills) if head is None else (kv_class, self._spills, head)
         blocks = self.blocks
         if len(victims) >= capacity:  # the run alone fills the tier: only its last ``capacity`` stay
             kept = victims[len(victims) - capacity :]
             blocks.clear()
-            blocks.update(zip(kept, repeat(token)))
             self._runs.clear()
             self._stale.clear()
+            self.heads.clear()
+            self.num_private = 0
             self._runs.append((token, kept))
             self._pos, self._stored = 0, capacity
+            if head is None:
+                blocks.update(zip(kept, repeat(token)))
+            else:
+                self.num_private, self.heads[head] = capacity, 1
             return
-        blocks.update(zip(victims, repeat(token)))
+        if head is None:
+            blocks.update(zip(victims, repeat(token)))
+        else:
+            self.num_private += len(victims)
+            self.heads[head] = self.heads.get(head, 0) + 1
         self._runs.append((token, victims))
         self._stored += len(victims)
-        excess = len(blocks) - capacity
+        excess = len(blocks) + self.num_private - capacity
         if excess > 0:  # the least recent leave first
             self._trim(excess)
 
@@ -654,38 +681,90 @@ class _HostTier:
             token, hashes = runs[0]
             pos = self._pos
             end = min(len(hashes), pos + excess)
-            chunk = hashes[pos:end]
-            if token in stale:  # a run with stale entries: take its live ones
-                live = list(compress(chunk, map(is_, map(blocks.get, chunk), repeat(token))))
-                left = stale[token] - (len(chunk) - len(live))
-                if left:
-                    stale[token] = left
-                else:
-                    del stale[token]
-                chunk = live
-            deque(map(blocks.__delitem__, chunk), 0)
-            excess -= len(chunk)
+            if len(token) == 3:  # a private run: its entries from the head position on are live, by count
+                self.num_private -= end - pos
+                excess -= end - pos
+                if end == len(hashes):
+                    self._private_gone(token[2])
+            else:
+                chunk = hashes[pos:end]
+                if token in stale:  # a run with stale entries: take its live ones
+                    live = list(compress(chunk, map(is_, map(blocks.get, chunk), repeat(token))))
+                    left = stale[token] - (len(chunk) - len(live))
+                    if left:
+                        stale[token] = left
+                    else:
+                        del stale[token]
+                    chunk = live
+                deque(map(blocks.__delitem__, chunk), 0)
+                excess -= len(chunk)
             self._stored -= end - pos
             if end == len(hashes):
                 runs.popleft()
                 end = 0
             self._pos = end
 
+    def _private_gone(self, head: int) -> None:
+        """A private run of the chain starting at ``head`` left the tier."""
+        n = self.heads[head] - 1
+        if n:
+            self.heads[head] = n
+        else:
+            del self.heads[head]
+
     def take(self, hashes: Iterable[int]) -> None:
         """Reload: the blocks of ``hashes`` that are in the tier leave it
-        (their entries go stale); compact when stale ones are too many."""
+        (their entries go stale); compact when stale ones are too many.
+        ``hashes`` holds no private block (the caller names them first)."""
         popped = list(filter(None, map(self.blocks.pop, hashes, repeat(None))))
         if not popped:
             return
         stale = self._stale
         for token, group in itertools.groupby(popped):  # a reloaded chain's blocks come from few spills
             stale[token] = stale.get(token, 0) + len(list(group))
-        live = len(self.blocks)
+        live = len(self.blocks) + self.num_private
         if self._stored - live > live + _COMPACT_SLACK:
-            self._runs = deque((token, list(map(_FIRST, run)))
-                               for token, run in itertools.groupby(self.blocks.items(), _SECOND))
-            self._pos, self._stored = 0, live
-            stale.clear()
+            self._compact()
+
+    def _live_runs(self) -> Iterator[tuple[tuple, Sequence[int]]]:
+        """The runs' live entries in LRU order, as ``(token, hashes)`` (no empty one)."""
+        blocks = self.blocks
+        for k, (token, hashes) in enumerate(self._runs):
+            if k == 0:
+                hashes = hashes[self._pos :]
+            if len(token) == 2 and token in self._stale:
+                hashes = list(compress(hashes, map(is_, map(blocks.get, hashes), repeat(token))))
+            if hashes:
+                yield token, hashes
+
+    def _compact(self) -> None:
+        """Drop the stale entries: the runs rebuilt from their live ones."""
+        self._runs = deque(self._live_runs())
+        self._pos, self._stored = 0, len(self)
+        self._stale.clear()
+
+    def name(self) -> None:
+        """Give the private runs' blocks their entries in ``blocks`` (each its
+        run's named token), keeping ``blocks`` in LRU order: a change of
+        representation only (the same blocks, order and classes)."""
+        if not self.num_private:
+            return
+        runs, order = deque(), {}
+        for token, hashes in self._live_runs():
+            if len(token) == 3:
+                token = token[:2]
+            runs.append((token, hashes))
+            order.update(zip(hashes, repeat(token)))
+        self.blocks.clear()
+        self.blocks.update(order)
+        self._runs, self._pos, self._stored = runs, 0, len(order)
+        self._stale.clear()
+        self.heads.clear()
+        self.num_private = 0
+
+    def order(self) -> list[tuple[int, KVClass]]:
+        """Every block in the tier with its class, least recent first."""
+        return [(h, token[0]) for token, hashes in self._live_runs() for h in hashes]
 
 
 @attrs.define(eq=False)
@@ -762,7 +841,7 @@ class KVClassManager:
     def num_host_blocks(self) -> int:
         if self._owed:
             self._settle()
-        return len(self._host)
+        return len(self._host_tier)
 
     @property
     def num_idle_blocks(self) -> int:
@@ -845,7 +924,7 @@ class KVClassManager:
             self._left_release(release, m)  # the run's first m live entries leave; the trim skips them
             idle.left(m)
             if spills:
-                self._spill(hashes[start : start + m], KVClass.NORMAL)
+                self._spill(hashes[start : start + m], KVClass.NORMAL, hashes[-1])
             num -= m
             evicted += m
         self._num_evicted_blocks[KVClass.NORMAL] += evicted
@@ -910,7 +989,15 @@ class KVClassManager:
     def in_host(self, block_hash: int) -> bool:
         if self._owed:
             self._settle()
+        self._host_tier.name()
         return block_hash in self._host
+
+    def host_order(self) -> list[tuple[int, KVClass]]:
+        """The host tier's blocks with their classes, least recent (next to
+        leave) first."""
+        if self._owed:
+            self._settle()
+        return self._host_tier.order()
 
     def idle_order(self, kv_class: KVClass) -> list[int]:
         """Idle blocks of a class, next to be evicted first."""
@@ -931,6 +1018,8 @@ class KVClassManager:
         if not n_dev and self._private_heads and hashes and hashes[0] in self._private_heads:
             self._name_private()  # a lookup of a private chain (its owner's own, or a test's): by hash from now on
             n_dev = _run_length(self._blocks, hashes)
+        if self._host_tier.heads and hashes and hashes[0] in self._host_tier.heads:
+            self._host_tier.name()  # the same for the chain's private runs in the host tier
         n_host = _run_length(self._host, itertools.islice(hashes, n_dev, None)) if self._host else 0
         return PrefixMatch(n_dev, n_host)
 
@@ -1511,17 +1600,23 @@ class KVClassManager:
         if type(victims) is _HeadRun:  # the head's next blocks, per run (the idle order holds private runs)
             self._evict_head_run(victims, cls)
             return
+        pieces = None  # with private runs among the victims: (piece, its private chain's head or None), in order
         if self._private_runs and cls is KVClass.NORMAL:
             release = self._idle[cls].private_head_of(victims)
             if release is not None:  # the next blocks of a private head run given as a list (after a compaction)
+                pieces = [(victims, self._private_runs[release][1][-1])]
                 self._left_release(release, len(victims))
             else:
-                self._evict_with_private(victims)
+                pieces = self._evict_with_private(victims)
         else:
             self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
         self._idle[cls].evicted(victims)  # their idle entries are stale now
         if self.policy.host is not None:
-            self._spill(victims, cls)
+            if pieces is None:
+                self._spill(victims, cls)
+            else:  # a private run's piece stays private in the host tier
+                for piece, head in pieces:
+                    self._spill(piece, cls, head)
         if cls is KVClass.SHADOW:
             self._num_shadow_blocks -= len(victims)
         self._num_evicted_blocks[cls] += len(victims)
@@ -1532,28 +1627,34 @@ class KVClassManager:
         one by count, a named one popped from the map; spilled run by run
         (an LRU keeps the same last ``capacity`` either way)."""
         blocks, private = self._blocks, self._private_runs
+        heads = []  # per piece: its private chain's first hash, or None (a named run)
         for state, piece in victims.pieces:
             release = state[3]
-            if release not in private:
+            run = private.get(release)
+            if run is None:
                 deque(map(blocks.__delitem__, piece), 0)
+            heads.append(None if run is None else run[1][-1])
             self._left_release(release, len(piece))
         self._idle[cls].left(len(victims))
         if self.policy.host is not None:
-            for _, piece in victims.pieces:
-                self._spill(piece, cls)
+            for (_, piece), head in zip(victims.pieces, heads):
+                self._spill(piece, cls, head)
         if cls is KVClass.SHADOW:
             self._num_shadow_blocks -= len(victims)
         self._num_evicted_blocks[cls] += len(victims)
         self._eviction_count += len(victims)
 
-    def _evict_with_private(self, victims: list[int]) -> None:
+    def _evict_with_private(self, victims: list[int]) -> list[tuple[Sequence[int], int | None]]:
         """The block map and release counts of evicting ``victims``, the next
         idle normal blocks from the head of the normal idle order, some of
         them private, given as a list (the lru order's victims, or an order
         that takes every idle normal block): a private run's victims are
-        counted per run, the rest popped from the map."""
+        counted per run, the rest popped from the map. Returns the victims
+        per run, in order, each with its private chain's first hash (None: a
+        named run), for the spill."""
         blocks, left, private = self._blocks, self._idle_left, self._private_runs
         pieces = []  # (release, private, victims of the run), in order
+        spills = []
         i, n = 0, len(victims)
         for state, hashes in self._idle[KVClass.NORMAL].runs_from_head():
             release = state[3]
@@ -1565,12 +1666,14 @@ class KVClassManager:
                 if list(hashes[start : start + m]) != list(victims[i : i + m]):
                     break
                 pieces.append((release, True, m))
+                spills.append((hashes[start : start + m], private[release][1][-1]))
             else:
                 live = list(islice(compress(hashes, map(is_, map(blocks.get, hashes), repeat(state))), n - i))
                 m = len(live)
                 if live != list(victims[i : i + m]):
                     break
                 pieces.append((release, False, live))
+                spills.append((live, None))
             i += m
             if i == n:
                 break
@@ -1582,16 +1685,18 @@ class KVClassManager:
             else:
                 deque(map(blocks.__delitem__, run), 0)
                 self._left_release(release, len(run))
+        return spills
 
-    def _spill(self, victims: list[int], kv_class: KVClass) -> None:
+    def _spill(self, victims: Sequence[int], kv_class: KVClass, head: int | None = None) -> None:
         """Put evicted blocks of one class in the host tier, in order, each as
         its most recent entry, trimming its least recent to capacity: exactly
         one block at a time with a trim after each (an LRU keeps the last
         ``capacity`` of its insertions either way), with one capacity check
-        (:class:`_HostTier`)."""
+        (:class:`_HostTier`). ``head``: the victims are a piece of the private
+        chain starting there (kept private in the tier)."""
         capacity = self.host_capacity_blocks
         if capacity:
-            self._host_tier.spill(victims, kv_class, capacity)
+            self._host_tier.spill(victims, kv_class, capacity, head)
 
     def _free(self, num_private: int, kv_class: KVClass) -> None:
         self.num_free_blocks += num_private

@@ -9,7 +9,8 @@ caller or a result can see unchanged. Both versions run the same random
 operation sequences (allocations of chains that share heads, normal and
 shadow owners, private chains (``allocate(private=True)``, in half the
 sequences), releases, finishes through ``release_and_cache``, decode
-growth through ``extend_private``, extensions, room and prefix queries, a
+growth through ``extend_private``, extensions, room and prefix queries (of
+private chains too, from their first block), host-tier queries, a
 tight pool, with and without a host tier, both eviction orders); every
 return value is compared, and after each step the full observable state:
 counters, per block its class, references, idle time and coldness, each
@@ -43,7 +44,9 @@ def load_module(path: Path, name: str):
 
 
 def _host_items(kv) -> list[tuple[int, str]]:
-    # the host tier's value is a KVClass (an OrderedDict LRU) or a spill token whose first item is one
+    if hasattr(kv, "host_order"):  # the tier's blocks and classes in LRU order (private runs included)
+        return [(h, c.value) for h, c in kv.host_order()]
+    # older versions: the host tier's value is a KVClass (an OrderedDict LRU) or a spill token whose first item is one
     return [(h, (v[0] if isinstance(v, tuple) else v).value) for h, v in kv._host.items()]
 
 
@@ -96,12 +99,13 @@ def run(seed: int, old, new, sparse: bool) -> str | None:
         params = mod.HostTierParams(capacity_bytes=host_blocks * 16 * 131072.0) if host else None
         kvs.append((mod, mod.KVClassManager(num_blocks, 16, mod.KVClassPolicy(host=params, **policy))))
     owners: list[tuple[str, int, bool]] = []  # (owner id, chain, shadow)
+    fresh_chains: list[int] = []  # private chains allocated so far (a lookup from their first block may name them)
     now = 0.0
     num_steps = rng.randint(1, 120)
     for n in range(num_steps):
         now += rng.choice([0.0, 0.0, 0.5, 1.0, 3.0])
         op = rng.choice(["alloc", "alloc", "release", "finish", "finish", "grow", "extend", "room", "match"]
-                        + (["grow"] * 4 if sparse else []))
+                        + (["grow"] * 4 if sparse else []) + (["match", "host"] if fresh_chains else []))
         outs = []
         if op == "alloc":
             c, length, private, shadow = rng.randint(0, 7), rng.randint(0, 40), rng.randint(0, 3), rng.random() < 0.3
@@ -113,6 +117,8 @@ def run(seed: int, old, new, sparse: bool) -> str | None:
                 outs.append(_alloc_out(kv.allocate(f"o{n}", _chain(c, length), private, cls, now, private=fresh)))
             if outs[0] is not None:
                 owners.append((f"o{n}", c, shadow))
+                if fresh:
+                    fresh_chains.append(c)
         elif op == "release" and owners:
             owner = owners.pop(rng.randrange(len(owners)))
             for _, kv in kvs:
@@ -138,9 +144,13 @@ def run(seed: int, old, new, sparse: bool) -> str | None:
             outs = [kv.extend(owner[0], hashes, private, now) for _, kv in kvs]
         elif op == "room":
             outs = [kv.shadow_room_blocks(now) for _, kv in kvs]
-        elif op == "match":
-            hashes = _chain(rng.randint(0, 7), rng.randint(0, 40))
+        elif op == "match":  # a shared chain, or (half the time, where there are any) a private one from its head
+            c = rng.choice(fresh_chains) if fresh_chains and rng.random() < 0.5 else rng.randint(0, 7)
+            hashes = _chain(c, rng.randint(0, 40))
             outs = [(m.num_device_blocks, m.num_host_blocks) for m in (kv.match_prefix(hashes) for _, kv in kvs)]
+        elif op == "host":  # a by-hash query of the host tier (names its private runs)
+            h = _chain(rng.choice(fresh_chains), 40)[rng.randint(0, 39)]
+            outs = [kv.in_host(h) for _, kv in kvs]
         if outs and outs[0] != outs[1]:
             return f"seed {seed} step {n} {op}: returned {outs[0]} (old) vs {outs[1]} (new)"
         if sparse and check_rng.random() < 0.7 and n < num_steps - 1:

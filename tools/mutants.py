@@ -359,7 +359,7 @@ MUTATIONS: dict[str, tuple] = {
                         "            owner.hashes.extend(hashes)\n"),
                        "        owner.hashes.extend(hashes)\n"),
     "private-head-run": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
-                         "            if release not in private:\n                deque(map(blocks.__delitem__, piece), 0)",
+                         "            if run is None:\n                deque(map(blocks.__delitem__, piece), 0)",
                          "            if False:\n                deque(map(blocks.__delitem__, piece), 0)"),
     # a whole run with private normal KV equals it with every block named (preemptions, host tier, shadows)
     "private-flag": ("tests/sim/test_speed_equivalence_macro.py", "test_private_normal_kv_changes_nothing",
@@ -376,8 +376,8 @@ MUTATIONS: dict[str, tuple] = {
                             "        self._eviction_count += evicted\n        return num\n",
                             "        self._eviction_count += evicted\n        return 0\n"),
     "private-settle-spill": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
-                             "self._spill(hashes[start : start + m], KVClass.NORMAL)",
-                             "self._spill(hashes[start + 1 : start + m + 1], KVClass.NORMAL)"),
+                             "self._spill(hashes[start : start + m], KVClass.NORMAL, hashes[-1])",
+                             "self._spill(hashes[start + 1 : start + m + 1], KVClass.NORMAL, hashes[-1])"),
     # a private allocation and a private finish run with evictions owed: the room check counts the debt, and
     # every other finish settles first
     "owed-private-room": ("tests/test_kv_room.py", "test_private_allocations_and_finishes_leave_owed_evictions_owed",
@@ -405,12 +405,35 @@ MUTATIONS: dict[str, tuple] = {
                                "                else:\n                    piece = hashes[pos : pos + num - got]"),
     "private-head-of-count": (KV_PRIV, "test_private_run_through_a_compaction_equals_named", "shadowcore/kv.py",
                               ("                self._left_release(release, len(victims))\n            else:\n"
-                               "                self._evict_with_private(victims)"),
+                               "                pieces = self._evict_with_private(victims)"),
                               ("                self._left_release(release, max(1, len(victims) - 1))\n            else:\n"
-                               "                self._evict_with_private(victims)")),
+                               "                pieces = self._evict_with_private(victims)")),
     "private-extend-name": (KV_PRIV, "test_private_owner_extended_by_hashes_equals_named", "shadowcore/kv.py",
                             "        if hashes and owner.private:\n            self._name_held(owner)\n",
                             "        if False:\n            pass\n"),
+    # the host tier's private runs (session 12): kept by count, trimmed by count, counted per chain head, kept
+    # through a compaction, named on a lookup from the chain's head and on a by-hash query
+    "host-private-trim": (KV_PRIV, "test_a_private_chain_in_the_host_tier_is_found_from_its_first_block",
+                          "shadowcore/kv.py",
+                          "                self.num_private -= end - pos\n",
+                          "                self.num_private -= max(0, end - pos - 1)\n"),
+    "host-private-heads": (KV_PRIV, "test_a_private_chain_in_the_host_tier_is_found_from_its_first_block",
+                           "shadowcore/kv.py", "self.heads[head] = self.heads.get(head, 0) + 1",
+                           "self.heads[head] = 1"),
+    "host-private-lookup": (KV_PRIV, "test_a_private_chain_in_the_host_tier_is_found_from_its_first_block",
+                            "shadowcore/kv.py",
+                            "        if self._host_tier.heads and hashes and hashes[0] in self._host_tier.heads:",
+                            "        if False:"),
+    "host-private-compact": (KV_PRIV, "test_a_private_run_in_the_host_tier_survives_its_compaction",
+                             "shadowcore/kv.py", "            if hashes:\n                yield token, hashes",
+                             "            if hashes and len(token) == 2:\n                yield token, hashes"),
+    "host-private-in-host": (KV_PRIV, "test_a_private_run_in_the_host_tier_survives_its_compaction",
+                             "shadowcore/kv.py",
+                             "            self._settle()\n        self._host_tier.name()\n        return block_hash in",
+                             "            self._settle()\n        return block_hash in"),
+    "host-private-name-order": (KV_PRIV, "test_a_private_run_in_the_host_tier_survives_its_compaction",
+                                "shadowcore/kv.py", "        for token, hashes in self._live_runs():\n            if len(token) == 3:",
+                                "        for token, hashes in reversed(list(self._live_runs())):\n            if len(token) == 3:"),
     # the normal idle order answers by key for a private run's live entries (its last idle-left ones) only
     "private-mapping": (KV_PRIV, "test_idle_order_with_private_runs_is_a_mapping", "shadowcore/kv.py",
                         "            if block_hash in hashes[len(hashes) - releases.get(release, 0) :]:",

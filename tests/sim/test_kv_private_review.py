@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from shadowcore.kv import HostTierParams, KVClass, KVClassManager, KVClassPolicy
+from shadowcore.kv import HostTierParams, KVClass, KVClassManager, KVClassPolicy, PrefixMatch
 
 from .test_speed_equivalence_kv import _observed, _state
 
@@ -149,3 +149,57 @@ def test_private_run_through_a_compaction_equals_named(order: str) -> None:
     _both(priv, named, "allocate", "fresh2", list(range(8000, 8100)), 0, KVClass.NORMAL, 5.0)  # the rest, then big
     assert not priv.is_cached(-1)
     assert _state(priv) == _state(named)
+
+
+
+def _host_pair(capacity: int, num_blocks: int) -> tuple[KVClassManager, KVClassManager]:
+    policy = KVClassPolicy(host=HostTierParams(capacity_bytes=capacity * 16 * 131072.0))
+    return KVClassManager(num_blocks, 16, policy), KVClassManager(num_blocks, 16, policy)
+
+
+def test_a_private_chain_in_the_host_tier_is_found_from_its_first_block() -> None:
+    """A finished private chain evicted in three pieces stays private in the
+    host tier (runs kept by count); named spills trim the first piece; a
+    device query names the device's rest (its first block) but not the host
+    tier's; a lookup from the chain's first block still finds the host part
+    (the tier counts private runs per chain head), and a reload takes it
+    back."""
+    priv, named = _host_pair(4, 12)
+    _both(priv, named, "allocate", "p", range(1000, 1006), 0, KVClass.NORMAL, 0.0, private=True)
+    _both(priv, named, "release_and_cache", "p", range(1000, 1008), "c", 0.5)  # idle 1007, ..., 1000
+    _both(priv, named, "allocate", "a", list(range(5000, 5007)), 0, KVClass.NORMAL, 1.0)  # owes 3
+    _both(priv, named, "release", "a", 1.5)  # settles: 1007-1005 to the host tier
+    _both(priv, named, "allocate", "b", [6000, 6001], 0, KVClass.NORMAL, 2.0)  # 1004, 1003; trims 1007
+    _both(priv, named, "allocate", "c", [7000, 7001], 0, KVClass.NORMAL, 2.5)  # 1002, 1001; trims 1006, 1005
+    assert priv.num_host_blocks == 4
+    assert priv._host_tier.num_private == 4 and priv._host_tier.heads == {1000: 2}  # kept by count, two runs
+    assert not priv.is_cached(-1)  # names 1000 on the device only
+    assert priv._host_tier.num_private == 4
+    assert priv.match_prefix(range(1000, 1008)) == named.match_prefix(list(range(1000, 1008))) == PrefixMatch(1, 4)
+    _both(priv, named, "allocate", "r", list(range(1000, 1008)), 0, KVClass.NORMAL, 3.0)  # reloads 1001-1004
+    assert priv.num_reloaded_blocks == 4 and not priv._host_tier.heads
+    assert _state(priv) == _state(named)
+
+
+def test_a_private_run_in_the_host_tier_survives_its_compaction() -> None:
+    """A private run spilled behind a long named one, then the named one
+    reloaded (stale entries beyond ``_COMPACT_SLACK``: the tier's runs are
+    rebuilt from their live entries): the private run is kept as it is, found
+    from its chain's first block, and a by-hash query names it in LRU
+    order."""
+    priv, named = _host_pair(3000, 1600)
+    big = list(range(10**6, 10**6 + 1500))
+    _both(priv, named, "allocate", "big", big, 0, KVClass.NORMAL, 0.0)
+    _both(priv, named, "release", "big", 0.0)
+    _both(priv, named, "allocate", "p", range(1000, 1008), 0, KVClass.NORMAL, 0.5, private=True)
+    _both(priv, named, "release_and_cache", "p", range(1000, 1010), "c", 0.5)  # 10 idle behind big
+    _both(priv, named, "allocate", "f", [], 1600, KVClass.NORMAL, 1.0)  # evicts big, then the private run
+    _both(priv, named, "release", "f", 1.5)  # 1600 free blocks
+    assert priv._host_tier.num_private == 10
+    _both(priv, named, "allocate", "big", big, 0, KVClass.NORMAL, 2.0)  # reloads big: 1500 stale, compaction
+    assert priv._host_tier._stored == 10 and len(priv._host_tier._runs) == 1 and priv._host_tier.num_private == 10
+    _both(priv, named, "release", "big", 2.5)
+    _both(priv, named, "allocate", "f2", [], 1600, KVClass.NORMAL, 3.0)  # big to the host tier again, behind it
+    assert priv.in_host(1003) and named.in_host(1003) and not priv._host_tier.num_private  # named by the query
+    assert _observed(priv) == _observed(named)  # the host tier's order: the run, then big
+    assert priv.match_prefix(range(1000, 1004)) == named.match_prefix(list(range(1000, 1004))) == PrefixMatch(0, 4)

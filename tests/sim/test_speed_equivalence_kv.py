@@ -32,7 +32,7 @@ def _state(kv: KVClassManager) -> tuple:
               for h, (_, ref, since, _) in kv._blocks.items()}
     owners = {o: (w.kv_class, list(w.hashes), w.num_private_blocks) for o, w in kv._owners.items()}
     return (kv.num_free_blocks, kv.eviction_count, kv.num_shadow_blocks, dict(kv.num_evicted_blocks),
-            kv.num_shadow_blocks_used, kv.num_reloaded_blocks, [(h, token[0]) for h, token in kv._host.items()],
+            kv.num_shadow_blocks_used, kv.num_reloaded_blocks, kv.host_order(),
             kv.idle_order(KVClass.SHADOW), kv.idle_order(KVClass.NORMAL), blocks, owners, kv._num_cold_idle)
 
 
@@ -120,7 +120,7 @@ def _observed(kv: KVClassManager) -> tuple:
     owners = {o: (w.kv_class, list(w.hashes), w.num_private_blocks) for o, w in kv._owners.items()}
     return (kv.num_free_blocks, kv.eviction_count, kv.num_idle_blocks, kv.num_cached_blocks, kv.num_shadow_blocks,
             dict(kv.num_evicted_blocks), kv.num_shadow_blocks_used, kv.num_reloaded_blocks,
-            [(h, token[0]) for h, token in kv._host.items()], kv.idle_order(KVClass.SHADOW),
+            kv.host_order(), kv.num_host_blocks, kv.idle_order(KVClass.SHADOW),
             kv.idle_order(KVClass.NORMAL), owners, kv._num_cold_idle)
 
 
@@ -222,4 +222,65 @@ def test_private_blocks_equal_named_ones(host: bool, order: str, ops: list) -> N
         elif op[0] == "query":  # a by-hash query names the private blocks; then every block compares
             assert not priv.is_cached(-1)
             assert _state(priv) == _state(named), (n, op)
+        assert _observed(priv) == _observed(named), (n, op)
+
+
+_HOST_OP = st.one_of(
+    *(st.tuples(st.just("fresh"), st.integers(1, 8), st.integers(0, 2)) for _ in range(3)),
+    *(st.tuples(st.just("finish"), st.integers(0, 40), st.integers(0, 4)) for _ in range(3)),
+    st.tuples(st.just("alloc"), st.integers(0, 5), st.integers(1, 8), st.booleans()),
+    st.tuples(st.just("release"), st.integers(0, 40)),
+    st.tuples(st.just("lookup"), st.integers(0, 40), st.integers(0, 12)),
+    st.tuples(st.just("host"), st.integers(0, 40), st.integers(0, 11)),
+    st.tuples(st.just("query"),),
+)
+
+
+@pytest.mark.parametrize("capacity", [3, 20])
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(_HOST_OP, st.sampled_from([0.0, 0.5, 3.0])), min_size=10, max_size=60))
+def test_private_runs_in_the_host_tier_equal_named(capacity: int, ops: list) -> None:
+    """Finished private chains evicted to the host tier stay private there
+    (runs kept by count); trims through them, lookups of a private chain from
+    its first block (device, host tier, or both), host-tier queries by hash
+    (``in_host``, which names them) and device queries that name only the
+    device's private blocks leave everything a caller sees as the same calls
+    without ``private`` do."""
+    policy = KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=2.0,
+                           host=HostTierParams(capacity_bytes=capacity * 16 * 131072.0))
+    priv, named = (KVClassManager(16, 16, policy) for _ in range(2))
+    owners: list[tuple[str, int]] = []  # (owner id, chain) of live owners
+    fresh: list[int] = []  # the private chains allocated so far
+    now = 0.0
+    for n, (op, dt) in enumerate(ops):
+        now += dt
+        if op[0] in ("fresh", "alloc"):
+            if op[0] == "fresh":  # a chain no one else names
+                (_, length, extra), chain, cls, private = op, 100 + n, KVClass.NORMAL, True
+            else:
+                (_, chain, length, shadow), extra, private = op, 0, False
+                cls = KVClass.SHADOW if shadow else KVClass.NORMAL
+            a = priv.allocate(f"o{n}", _run(chain, length), extra, cls, now, private=private)
+            assert a == named.allocate(f"o{n}", _chain(chain, length), extra, cls, now), (n, op)
+            if a is not None:
+                owners.append((f"o{n}", chain))
+                fresh += [chain] if private else []
+        elif op[0] == "release" and owners:
+            owner, _ = owners.pop(op[1] % len(owners))
+            priv.release(owner, now)
+            named.release(owner, now)
+        elif op[0] == "finish" and owners:
+            owner, chain = owners.pop(op[1] % len(owners))
+            length = len(named._owners[owner].hashes) + op[2]
+            priv.release_and_cache(owner, _run(chain, length), f"commit{n}", now)
+            named.release_and_cache(owner, _chain(chain, length), f"commit{n}", now)
+        elif op[0] == "lookup" and fresh:  # from the chain's first block: private runs are found by hash
+            gone = [c for c in fresh if not named.is_cached(_chain(c, 1)[0])]  # none on the device: the host tier
+            chain = (gone or fresh)[op[1] % len(gone or fresh)]  # (a device lookup names all the device's private runs)
+            assert priv.match_prefix(_run(chain, op[2])) == named.match_prefix(_chain(chain, op[2])), (n, op)
+        elif op[0] == "host" and fresh:
+            h = _chain(fresh[op[1] % len(fresh)], 12)[op[2]]
+            assert priv.in_host(h) == named.in_host(h), (n, op)
+        elif op[0] == "query":  # names the device's private blocks, not the host tier's
+            assert not priv.is_cached(-1)
         assert _observed(priv) == _observed(named), (n, op)
