@@ -68,6 +68,23 @@ def record(policy: str, duration_s: float) -> list[tuple]:
                 depth[0] -= 1
         return method
 
+    keys: dict[int, tuple] = {}  # cached_prefix_blocks' keys by identity: (key, its index, (stamp, hashes))
+
+    def wrap_prefix(f):  # recorded with the key as an index and the hashes it stands for (one list per stamp)
+        def method(self, key, stamp, hashes_of):
+            if not depth[0]:
+                entry = keys.get(id(key))
+                if entry is None or entry[2][0] != stamp:
+                    entry = keys[id(key)] = (key, len(keys) if entry is None else entry[1],
+                                             (stamp, list(hashes_of(self.block_size))))
+                trace.append((index[id(self)], "cached_prefix_blocks", (entry[1], stamp, entry[2][1]), {}))
+            depth[0] += 1
+            try:
+                return f(self, key, stamp, hashes_of)
+            finally:
+                depth[0] -= 1
+        return method
+
     def wrap_property(p, name):
         def getter(self):
             if not depth[0]:
@@ -75,9 +92,12 @@ def record(policy: str, duration_s: float) -> list[tuple]:
             return p.fget(self)
         return property(getter)
 
+    prefix = getattr(manager, "cached_prefix_blocks", None)
     saved = {n: getattr(manager, n) for n in (*_METHODS, *_PROPERTIES, "__attrs_post_init__")}
     try:
         manager.__attrs_post_init__ = recorded_post_init
+        if prefix is not None:
+            manager.cached_prefix_blocks = wrap_prefix(prefix)
         for n in _METHODS:
             setattr(manager, n, wrap(saved[n], n))
         for n in _PROPERTIES:
@@ -86,6 +106,8 @@ def record(policy: str, duration_s: float) -> list[tuple]:
     finally:
         for n, v in saved.items():
             setattr(manager, n, v)
+        if prefix is not None:
+            manager.cached_prefix_blocks = prefix
     return trace
 
 
@@ -110,7 +132,16 @@ def _convert(mod, trace: list[tuple]) -> list[tuple]:
             return mod.KVClassPolicy(x.shadow_cap_fraction, x.cold_age_s, host, x.eviction_order)
         return x
 
-    return [(i, n, tuple(map(conv, args)), kw(n, kwargs)) for i, n, args, kwargs in trace]
+    keys: dict[int, object] = {}
+
+    def prefix(args: tuple) -> tuple[str, tuple]:  # a remembered lookup: as it is, or match_prefix's blocks
+        k, stamp, hashes = args
+        if hasattr(mod.KVClassManager, "cached_prefix_blocks"):
+            return "cached_prefix_blocks", (keys.setdefault(k, object()), stamp, lambda _, h=hashes: h)
+        return "match_prefix_blocks", (hashes,)
+
+    return [(i, *prefix(args), {}) if n == "cached_prefix_blocks" else (i, n, tuple(map(conv, args)), kw(n, kwargs))
+            for i, n, args, kwargs in trace]
 
 
 def _plain(v):
@@ -149,7 +180,12 @@ def replay(mod, ops: list[tuple], collect: bool = False) -> tuple[float, list]:
             managers.append(mod.KVClassManager(*args))
             continue
         m = managers[i]
-        v = getattr(m, name[1:]) if name[0] == "." else getattr(m, name)(*args, **kwargs)
+        if name[0] == ".":
+            v = getattr(m, name[1:])
+        elif name == "match_prefix_blocks":  # a version without cached_prefix_blocks: the lookup it stands for
+            v = m.match_prefix(*args).num_blocks
+        else:
+            v = getattr(m, name)(*args, **kwargs)
         if collect:
             results.append(_plain(v))
     cpu_s = time.process_time() - t0

@@ -83,7 +83,7 @@ import enum
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat, takewhile
 from operator import and_, attrgetter, countOf, is_, itemgetter, not_
 from typing import TypeVar
@@ -626,7 +626,7 @@ class _HostTier:
     entries when stale entries outnumber the live ones by more than
     ``_COMPACT_SLACK`` (amortised O(1) per stale entry)."""
 
-    __slots__ = ("_pos", "_runs", "_spills", "_stale", "_stored", "blocks", "heads", "num_private")
+    __slots__ = ("_pos", "_runs", "_spills", "_stale", "_stored", "blocks", "heads", "num_private", "removals")
 
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[KVClass, int]] = {}
@@ -637,6 +637,7 @@ class _HostTier:
         self._stale: dict[tuple[KVClass, int], int] = {}  # per spill token: its stale entries (none: absent)
         self.num_private = 0  # live entries of private runs (not in blocks)
         self.heads: dict[int, int] = {}  # a private chain's first hash -> its private runs here
+        self.removals = 0  # removal events from ``blocks`` (trims, reloads, clears): see cached_prefix_blocks
 
     def __len__(self) -> int:
         return len(self.blocks) + self.num_private
@@ -652,6 +653,7 @@ class _HostTier:
         if len(victims) >= capacity:  # the run alone fills the tier: only its last ``capacity`` stay
             kept = victims[len(victims) - capacity :]
             blocks.clear()
+            self.removals += 1
             self._runs.clear()
             self._stale.clear()
             self.heads.clear()
@@ -697,6 +699,7 @@ class _HostTier:
                         del stale[token]
                     chunk = live
                 deque(map(blocks.__delitem__, chunk), 0)
+                self.removals += 1
                 excess -= len(chunk)
             self._stored -= end - pos
             if end == len(hashes):
@@ -719,6 +722,7 @@ class _HostTier:
         popped = list(filter(None, map(self.blocks.pop, hashes, repeat(None))))
         if not popped:
             return
+        self.removals += 1
         stale = self._stale
         for token, group in itertools.groupby(popped):  # a reloaded chain's blocks come from few spills
             stale[token] = stale.get(token, 0) + len(list(group))
@@ -756,6 +760,7 @@ class _HostTier:
             runs.append((token, hashes))
             order.update(zip(hashes, repeat(token)))
         self.blocks.clear()
+        self.removals += 1
         self.blocks.update(order)
         self._runs, self._pos, self._stored = runs, 0, len(order)
         self._stale.clear()
@@ -814,6 +819,12 @@ class KVClassManager:
     # The first block's hash of each private chain (held or idle) -> how many: a lookup that starts there
     # names the private blocks first (match_prefix), so a private chain is found by hash like any other.
     _private_heads: dict[int, int] = attrs.field(init=False, factory=dict)
+    # Named blocks' removal events from the block map (evictions of named blocks): with the map's size and the
+    # host tier's, the key sets a prefix lookup reads (see cached_prefix_blocks).
+    _named_removals: int = attrs.field(init=False, default=0)
+    # cached_prefix_blocks' memo: the key sets' version it holds for, and per key (by identity) (key, stamp, n).
+    _prefix_version: tuple = attrs.field(init=False, default=())
+    _prefix_memo: dict[int, tuple] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
@@ -1010,6 +1021,35 @@ class KVClassManager:
             self._settle()
         self._name_private()
         return self._blocks[block_hash][2]
+
+    def cached_prefix_blocks(self, key: object, stamp: Hashable, hashes_of: Callable[[int], Sequence[int]]) -> int:
+        """``match_prefix(hashes_of(block_size)).num_blocks``, remembered per
+        ``key`` (by identity) until a named block enters or leaves the device
+        or the host tier: a pending shadow job's refresh asks this for its
+        session's history about once an iteration, and most iterations change
+        only private blocks (normal requests'), which no session's chain
+        names. The caller guarantees that ``stamp`` determines
+        ``hashes_of(block_size)`` for ``key`` (a history's epoch and length:
+        it only appends within an epoch) and that those hashes name no
+        private chain (``allocate(private=True)``'s promise). Settles first,
+        as every query does, so the answer is ``match_prefix``'s."""
+        if self._owed:
+            self._settle()
+        host = self._host_tier
+        # The key sets' version: a key set changes iff its size does or a removal ran (sizes only grow between
+        # removals, and each removal event bumps its counter), so equal versions mean equal key sets.
+        version = (len(self._blocks), self._named_removals, len(host.blocks), host.removals)
+        memo = self._prefix_memo
+        if version != self._prefix_version:
+            memo.clear()
+            self._prefix_version = version
+        else:
+            hit = memo.get(id(key))
+            if hit is not None and hit[0] is key and hit[1] == stamp:
+                return hit[2]
+        n = self.match_prefix(hashes_of(self.block_size)).num_blocks
+        memo[id(key)] = (key, stamp, n)  # (a lookup that named private blocks grew the map: the next call clears)
+        return n
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
         if self._owed:
@@ -1610,6 +1650,7 @@ class KVClassManager:
                 pieces = self._evict_with_private(victims)
         else:
             self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
+            self._named_removals += 1
         self._idle[cls].evicted(victims)  # their idle entries are stale now
         if self.policy.host is not None:
             if pieces is None:
@@ -1633,6 +1674,7 @@ class KVClassManager:
             run = private.get(release)
             if run is None:
                 deque(map(blocks.__delitem__, piece), 0)
+                self._named_removals += 1
             heads.append(None if run is None else run[1][-1])
             self._left_release(release, len(piece))
         self._idle[cls].left(len(victims))
@@ -1684,6 +1726,7 @@ class KVClassManager:
                 self._left_release(release, run)
             else:
                 deque(map(blocks.__delitem__, run), 0)
+                self._named_removals += 1
                 self._left_release(release, len(run))
         return spills
 

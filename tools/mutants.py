@@ -434,6 +434,27 @@ MUTATIONS: dict[str, tuple] = {
     "host-private-name-order": (KV_PRIV, "test_a_private_run_in_the_host_tier_survives_its_compaction",
                                 "shadowcore/kv.py", "        for token, hashes in self._live_runs():\n            if len(token) == 3:",
                                 "        for token, hashes in reversed(list(self._live_runs())):\n            if len(token) == 3:"),
+    # a remembered prefix lookup (cached_prefix_blocks) holds only while no named block enters or leaves: every
+    # removal event from the block map counts (the host tier's trims and reloads count too, but never alone: a
+    # named spill comes with a named eviction, a private one shrinks the tier's dict, a reload grows the map)
+    "prefix-memo-evict": (KV_PRIV, "test_a_remembered_lookup_sees_a_named_eviction_among_private_runs",
+                          "shadowcore/kv.py",
+                          ("            self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))\n"
+                           "            self._named_removals += 1\n"),
+                          "            self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))\n"),
+    "prefix-memo-head-run": (KV_PRIV, "test_a_remembered_lookup_sees_a_named_eviction_among_private_runs",
+                             "shadowcore/kv.py",
+                             ("                deque(map(blocks.__delitem__, piece), 0)\n"
+                              "                self._named_removals += 1\n"),
+                             "                deque(map(blocks.__delitem__, piece), 0)\n"),
+    "prefix-memo-with-private": (KV_PRIV, "test_a_remembered_lookup_sees_a_named_eviction_among_private_runs",
+                                 "shadowcore/kv.py",
+                                 ("                deque(map(blocks.__delitem__, run), 0)\n"
+                                  "                self._named_removals += 1\n"),
+                                 "                deque(map(blocks.__delitem__, run), 0)\n"),
+    "prefix-memo-stamp": (KV_EQ, "test_remembered_prefix_lookups_equal_fresh_ones", "shadowcore/kv.py",
+                          "if hit is not None and hit[0] is key and hit[1] == stamp:",
+                          "if hit is not None and hit[0] is key:"),
     # the normal idle order answers by key for a private run's live entries (its last idle-left ones) only
     "private-mapping": (KV_PRIV, "test_idle_order_with_private_runs_is_a_mapping", "shadowcore/kv.py",
                         "            if block_hash in hashes[len(hashes) - releases.get(release, 0) :]:",
@@ -497,8 +518,8 @@ MUTATIONS: dict[str, tuple] = {
                     "        return None\n"),
     "lazy-prefix": ("tests/sim/test_speed_equivalence_macro.py", "test_observations_equal_the_eager_loops",
                     "shadowcore/engine/instance.py",
-                    "        if self.touched is not None:\n            self.touched(False)\n        return self.kv.match_prefix",
-                    "        return self.kv.match_prefix"),
+                    "        if self.touched is not None:\n            self.touched(False)\n        block = self.kv.block_size",
+                    "        block = self.kv.block_size"),
     "lazy-evictions": ("tests/sim/test_speed_equivalence_macro.py", "test_observations_equal_the_eager_loops",
                        "shadowcore/engine/instance.py",
                        "        if self.touched is not None:\n            self.touched(False)\n        return self.kv.eviction_count",

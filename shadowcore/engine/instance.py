@@ -250,7 +250,9 @@ class EngineInstance:
     def cached_prefix_tokens(self, history: SessionHistory) -> int:
         if self.touched is not None:
             self.touched(False)
-        return self.kv.match_prefix(history.block_hashes(self.kv.block_size)).num_blocks * self.kv.block_size
+        block = self.kv.block_size  # (remembered per history while no named block moves: see cached_prefix_blocks)
+        return self.kv.cached_prefix_blocks(history, (history.epoch, history.num_tokens // block),
+                                            history.block_hashes) * block
 
     def eviction_count(self) -> int:
         if self.touched is not None:

@@ -203,3 +203,23 @@ def test_a_private_run_in_the_host_tier_survives_its_compaction() -> None:
     assert priv.in_host(1003) and named.in_host(1003) and not priv._host_tier.num_private  # named by the query
     assert _observed(priv) == _observed(named)  # the host tier's order: the run, then big
     assert priv.match_prefix(range(1000, 1004)) == named.match_prefix(list(range(1000, 1004))) == PrefixMatch(0, 4)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "named"])
+@pytest.mark.parametrize("order", ["shadow-first", "lru"])
+def test_a_remembered_lookup_sees_a_named_eviction_among_private_runs(order: str, private: bool) -> None:
+    """``cached_prefix_blocks`` after an allocation that evicts a named run
+    ahead of an idle private run (shadow-first: a head run of the idle order;
+    lru: victims given as a list; or ahead of a named run: popped from the
+    map) and adds as many blocks as it evicts (the map's size unchanged): the
+    eviction's count makes the lookup fresh."""
+    kv = KVClassManager(4, 16, KVClassPolicy(eviction_order=order))
+    key = object()
+    kv.allocate("a", [1, 2], 0, KVClass.NORMAL, 0.0)
+    kv.release("a", 0.0)
+    kv.allocate("p", range(100, 102), 0, KVClass.NORMAL, 1.0, private=private)
+    kv.release_and_cache("p", range(100, 102), "c", 1.0)
+    assert kv.cached_prefix_blocks(key, 2, lambda _: [1, 2]) == 2
+    kv.allocate("b", [9, 10], 0, KVClass.NORMAL, 2.0)  # evicts 2, 1 (at the next query)
+    assert kv.cached_prefix_blocks(key, 2, lambda _: [1, 2]) == 0 == kv.match_prefix([1, 2]).num_blocks
+    assert bool(kv._private_runs) is private and len(kv._blocks) == 2 + 2 * (not private)  # the map's size as before

@@ -284,3 +284,60 @@ def test_private_runs_in_the_host_tier_equal_named(capacity: int, ops: list) -> 
         elif op[0] == "query":  # names the device's private blocks, not the host tier's
             assert not priv.is_cached(-1)
         assert _observed(priv) == _observed(named), (n, op)
+
+
+_MEMO_OP = st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 5), st.integers(1, 10), st.booleans()),
+    st.tuples(st.just("fresh"), st.integers(1, 8), st.integers(0, 2)),
+    st.tuples(st.just("release"), st.integers(0, 40)),
+    st.tuples(st.just("finish"), st.integers(0, 40), st.integers(0, 4)),
+    st.tuples(st.just("grow"), st.integers(0, 40), st.integers(1, 4)),
+    st.tuples(st.just("history"), st.integers(0, 5), st.integers(0, 12)),  # a looked-up history's new length
+)
+
+
+class _Key:
+    """A lookup's key (cached_prefix_blocks remembers per key object, as the engine per history)."""
+
+
+@pytest.mark.parametrize("capacity", [0, 4])
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(_MEMO_OP, st.sampled_from([0.0, 0.5, 3.0])), min_size=5, max_size=40),
+       lengths=st.lists(st.integers(0, 12), min_size=6, max_size=6))
+def test_remembered_prefix_lookups_equal_fresh_ones(capacity: int, ops: list, lengths: list) -> None:
+    """``cached_prefix_blocks`` (a lookup remembered per key while no named
+    block enters or leaves the device or the host tier) answers what
+    ``match_prefix`` answers now, after every kind of change: named and
+    shadow allocations, private ones, releases, finishes, decode growth and
+    the evictions, spills, trims and reloads they make."""
+    policy = KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=2.0,
+                           host=HostTierParams(capacity_bytes=capacity * 16 * 131072.0) if capacity else None)
+    kv = KVClassManager(16, 16, policy)
+    keys = [_Key() for _ in range(6)]
+    lengths = list(lengths)
+    owners: list[tuple[str, int]] = []
+    now = 0.0
+    for n, (op, dt) in enumerate(ops):
+        now += dt
+        if op[0] == "alloc":
+            _, chain, length, shadow = op
+            if kv.allocate(f"o{n}", _chain(chain, length), 0, KVClass.SHADOW if shadow else KVClass.NORMAL,
+                           now) is not None:
+                owners.append((f"o{n}", chain))
+        elif op[0] == "fresh":
+            if kv.allocate(f"o{n}", _run(100 + n, op[1]), op[2], KVClass.NORMAL, now, private=True) is not None:
+                owners.append((f"o{n}", 100 + n))
+        elif op[0] == "release" and owners:
+            kv.release(owners.pop(op[1] % len(owners))[0], now)
+        elif op[0] == "finish" and owners:
+            owner, chain = owners.pop(op[1] % len(owners))
+            kv.release_and_cache(owner, _run(chain, len(kv._owners[owner].hashes) + op[2]), f"c{n}", now)
+        elif op[0] == "grow" and owners:
+            owner, chain = owners[op[1] % len(owners)]
+            if kv._owners[owner].kv_class is KVClass.NORMAL:
+                kv.extend_private([(owner, op[2])], now)
+        elif op[0] == "history":
+            lengths[op[1]] = op[2]
+        for chain, (key, length) in enumerate(zip(keys, lengths)):
+            got = kv.cached_prefix_blocks(key, length, lambda _, c=chain, k=length: _chain(c, k))
+            assert got == kv.match_prefix(_chain(chain, length)).num_blocks, (n, op, chain, length)
