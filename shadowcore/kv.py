@@ -463,21 +463,6 @@ class _IdleRuns(Mapping):
     def __reversed__(self) -> Iterator[int]:
         return reversed(list(self))
 
-    def private_head_of(self, victims: Sequence[int]) -> int | None:
-        """The release of the head run when it is private and ``victims``
-        are its next live entries (O(1) for a range), else None."""
-        runs = self._runs
-        if not runs:
-            return None
-        state, hashes = runs[0]
-        release = state[3]
-        if release not in self._anon:
-            return None
-        start = max(self._pos, len(hashes) - self._releases.get(release, 0))
-        if type(hashes) is type(victims) and hashes[start : start + len(victims)] == victims:
-            return release
-        return None
-
     def head(self) -> tuple[tuple, Sequence[int]] | None:
         """The head run as ``(state, hashes)`` after the trim (its whole
         hashes: the live entries are the last ``releases[state[3]]``), or None
@@ -906,7 +891,7 @@ class KVClassManager:
             if self._private_runs and not self._idle[KVClass.SHADOW].count:
                 owed = self._evict_private_heads(owed)  # the usual: finished requests' private chains at the head
             if owed:
-                self._evict(owed, KVClass.NORMAL, 0.0, ())
+                self._evict(owed, KVClass.NORMAL, 0.0)
 
     def _evict_private_heads(self, num: int) -> int:
         """Evict up to ``num`` of a normal requester's victims while they are
@@ -1162,11 +1147,14 @@ class KVClassManager:
         these blocks but the owner itself after a ``release`` (a preemption),
         and the manager keeps them as counts and runs, out of its block map:
         the result, and everything a caller can see afterwards, is exactly that
-        of the same call without ``private``.
+        of the same call without ``private``. Checked where it is cheap: a
+        chain whose first block is known already (:meth:`_known_head`) is
+        allocated as without ``private``.
         """
         if owner_id in self._owners:
             raise ValueError(f"owner {owner_id!r} already holds blocks")
-        if private:  # a normal take that reads no idle order and no host tier: it owes, unsettled (see _settle)
+        if private and not (hashes and self._known_head(hashes[0])):  # (else the promise is broken: named)
+            # a normal take that reads no idle order and no host tier: it owes, unsettled (see _settle)
             return self._allocate_private(owner_id, hashes, num_private_blocks, kv_class, now_s)
         if self._owed:
             self._settle()
@@ -1194,10 +1182,10 @@ class KVClassManager:
             used += host_used
         self._ref_hits(shared, kv_class)
         # Nothing of ``hashes`` is idle now (hits and shared are referenced, the rest is not cached), so no
-        # eviction can touch it: no protect set is needed.
+        # eviction can touch it.
         host = self._host
         in_host = bool(host) and not host.keys().isdisjoint(fresh)  # fresh blocks to take out of the host tier
-        self._take(num_new, kv_class, now_s, protect=(), owe=not in_host)
+        self._take(num_new, kv_class, now_s, owe=not in_host)
         host_hits = hashes[match.num_device_blocks : match.num_blocks]
         if in_host:
             self._host_tier.take(fresh)  # device and host tier stay disjoint
@@ -1206,6 +1194,17 @@ class KVClassManager:
         self.num_reloaded_blocks += len(host_hits)
         reload_s = self.reload_seconds(len(host_hits))
         return Allocation(match.num_device_blocks, len(host_hits), num_new, reload_s, used)
+
+    def _known_head(self, block_hash: int) -> bool:
+        """Whether a chain starting at ``block_hash`` may be cached already:
+        the block is on the device or in the host tier, or starts a private
+        chain. Then ``allocate(private=True)``'s promise does not hold (a
+        count-only history hashes by its id, so a session with a normal
+        request's id hashes alike), and the allocation goes the general way,
+        as without ``private`` (count-only chains share blocks from the
+        first: a cached block further on would need a 64-bit coincidence)."""
+        return (block_hash in self._blocks or block_hash in self._host or block_hash in self._private_heads
+                or block_hash in self._host_tier.heads)
 
     def _allocate_private(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, kv_class: KVClass,
                           now_s: float) -> Allocation | None:
@@ -1217,7 +1216,7 @@ class KVClassManager:
         num_new = len(hashes) + num_private_blocks
         if num_new > self.num_free_blocks and self.num_free_blocks + self.num_idle_blocks < num_new:
             return None  # _can_take of a normal owner with nothing excluded
-        self._take(num_new, kv_class, now_s, protect=(), owe=True)
+        self._take(num_new, kv_class, now_s, owe=True)
         # A range (consecutive hashes) is kept as it is: slices, reversal and comparisons of ranges are O(1).
         kept = hashes if isinstance(hashes, range) else list(hashes)
         self._owners[owner_id] = _Owner(kv_class, kept, num_private_blocks, private=True)
@@ -1245,7 +1244,7 @@ class KVClassManager:
         self._ref_hits(shared, owner.kv_class)
         host = self._host
         in_host = bool(host) and not host.keys().isdisjoint(fresh)
-        self._take(num_new, owner.kv_class, now_s, protect=(), owe=not in_host)  # as in allocate: nothing idle
+        self._take(num_new, owner.kv_class, now_s, owe=not in_host)  # as in allocate: nothing idle
         if in_host:
             self._host_tier.take(fresh)
         self._blocks.update(zip(fresh, repeat(_HELD[owner.kv_class])))
@@ -1475,12 +1474,10 @@ class KVClassManager:
         before it would reload from the host tier while any is owed."""
         head = owner.hashes
         k = len(head)
-        if not isinstance(hashes, (list, range)):
+        if type(hashes) is not type(head):  # (a list or a range) a list and a range never compare equal
+            if type(head) is not list:
+                return False  # a range head: only a range can extend it as the chain case needs
             hashes = list(hashes)
-        if type(hashes) is not type(head):  # a list and a range never compare equal
-            hashes = list(hashes) if isinstance(head, list) else hashes
-            if type(hashes) is not type(head):
-                return False
         if len(hashes) < k or hashes[:k] != head:
             return False
         tail = hashes[k:]
@@ -1608,25 +1605,26 @@ class KVClassManager:
         self.num_shadow_blocks_used += used
         return used
 
-    def _take(self, num: int, kv_class: KVClass, now_s: float, protect: set[int], owe: bool = False) -> None:
+    def _take(self, num: int, kv_class: KVClass, now_s: float, owe: bool = False) -> None:
         """Free blocks, then evictions: owed (see :meth:`_settle`) when ``owe``
         (the caller changes nothing of the host tier after this: the spill
-        would have come first), the owner is normal and nothing is protected;
-        made now otherwise."""
+        would have come first) and the owner is normal; made now otherwise.
+        No caller needs blocks kept from eviction: each takes after its hits
+        are referenced, so nothing of its own is idle."""
         from_free = min(num, self.num_free_blocks)
         self.num_free_blocks -= from_free
         if num > from_free:
-            if owe and kv_class is KVClass.NORMAL and not protect:
+            if owe and kv_class is KVClass.NORMAL:
                 self._owed += num - from_free
             else:
-                self._evict(num - from_free, kv_class, now_s, protect)
+                self._evict(num - from_free, kv_class, now_s)
         if kv_class is KVClass.SHADOW:
             self._num_shadow_blocks += num
 
-    def _evict(self, num: int, requester: KVClass, now_s: float, protect: set[int]) -> None:
+    def _evict(self, num: int, requester: KVClass, now_s: float) -> None:
         """Evict the first ``num`` of the policy's victims for ``requester``
-        (:meth:`KVClassPolicy.victim_runs`), in that order."""
-        runs = self.policy.victim_runs(self._idle, requester, num, now_s, protect)
+        (:meth:`KVClassPolicy.victim_runs`, nothing protected), in that order."""
+        runs = self.policy.victim_runs(self._idle, requester, num, now_s)
         if sum(map(len, map(_SECOND, runs))) < num:
             raise AssertionError("_evict called without enough evictable blocks")  # _can_take checked
         for cls, run in runs:  # in order (the host tier keeps its own LRU)
@@ -1642,12 +1640,7 @@ class KVClassManager:
             return
         pieces = None  # with private runs among the victims: (piece, its private chain's head or None), in order
         if self._private_runs and cls is KVClass.NORMAL:
-            release = self._idle[cls].private_head_of(victims)
-            if release is not None:  # the next blocks of a private head run given as a list (after a compaction)
-                pieces = [(victims, self._private_runs[release][1][-1])]
-                self._left_release(release, len(victims))
-            else:
-                pieces = self._evict_with_private(victims)
+            pieces = self._evict_with_private(victims)
         else:
             self._evicted_from_idle(list(map(_RELEASE, map(blocks.pop, victims))))
             self._named_removals += 1
@@ -1689,8 +1682,9 @@ class KVClassManager:
     def _evict_with_private(self, victims: list[int]) -> list[tuple[Sequence[int], int | None]]:
         """The block map and release counts of evicting ``victims``, the next
         idle normal blocks from the head of the normal idle order, some of
-        them private, given as a list (the lru order's victims, or an order
-        that takes every idle normal block): a private run's victims are
+        them private, given as a list (the lru order's victims, an order
+        that takes every idle normal block, or the entries of a private run
+        after a compaction of the idle order): a private run's victims are
         counted per run, the rest popped from the map. Returns the victims
         per run, in order, each with its private chain's first hash (None: a
         named run), for the spill."""

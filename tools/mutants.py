@@ -311,8 +311,8 @@ MUTATIONS: dict[str, tuple] = {
                      '''        """Drop an owner's references; its hashed blocks stay cached (idle)."""\n        if self._owed:\n            self._settle()\n''',
                      '''        """Drop an owner's references; its hashed blocks stay cached (idle)."""\n'''),
     "owed-count": ("tests/test_kv_room.py", "test_decode_growth_evicts_the_blocks_idle_when_it_grew",
-                   "shadowcore/kv.py", "            self._evict(owed, KVClass.NORMAL, 0.0, ())",
-                   "            self._evict(owed - 1, KVClass.NORMAL, 0.0, ())"),
+                   "shadowcore/kv.py", "            self._evict(owed, KVClass.NORMAL, 0.0)",
+                   "            self._evict(owed - 1, KVClass.NORMAL, 0.0)"),
     "owed-room": ("tests/test_kv_room.py", "test_decode_growth_evicts_the_blocks_idle_when_it_grew",
                   "shadowcore/kv.py",
                   "if total > free + idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count - self._owed:",
@@ -321,8 +321,8 @@ MUTATIONS: dict[str, tuple] = {
                      "shadowcore/kv.py",
                      "        for owner, n in grown:\n            owner.num_private_blocks += n\n", ""),
     "owe-host": ("tests/test_kv_room.py", "test_an_allocation_that_reloads_from_the_host_tier_evicts_before_the_reload",
-                 "shadowcore/kv.py", "        self._take(num_new, kv_class, now_s, protect=(), owe=not in_host)",
-                 "        self._take(num_new, kv_class, now_s, protect=(), owe=True)"),
+                 "shadowcore/kv.py", "        self._take(num_new, kv_class, now_s, owe=not in_host)",
+                 "        self._take(num_new, kv_class, now_s, owe=True)"),
     "idle-mixed": ("tests/test_kv_room.py", "test_a_hit_inside_a_release_of_both_classes_is_not_evicted",
                    "shadowcore/kv.py", "            if newly_idle[0] and newly_idle[1]:\n                self._mixed.add(release)\n",
                    ""),
@@ -403,11 +403,9 @@ MUTATIONS: dict[str, tuple] = {
                                ("                else:\n"
                                 "                    piece = list(islice(self._live(state, hashes, pos), num - got))"),
                                "                else:\n                    piece = hashes[pos : pos + num - got]"),
-    "private-head-of-count": (KV_PRIV, "test_private_run_through_a_compaction_equals_named", "shadowcore/kv.py",
-                              ("                self._left_release(release, len(victims))\n            else:\n"
-                               "                pieces = self._evict_with_private(victims)"),
-                              ("                self._left_release(release, max(1, len(victims) - 1))\n            else:\n"
-                               "                pieces = self._evict_with_private(victims)")),
+    "private-list-count": (KV_PRIV, "test_private_run_through_a_compaction_equals_named", "shadowcore/kv.py",
+                              "            if is_private:\n                self._left_release(release, run)",
+                              "            if is_private:\n                self._left_release(release, max(1, run - 1))"),
     "private-extend-name": (KV_PRIV, "test_private_owner_extended_by_hashes_equals_named", "shadowcore/kv.py",
                             "        if hashes and owner.private:\n            self._name_held(owner)\n",
                             "        if False:\n            pass\n"),
@@ -455,6 +453,10 @@ MUTATIONS: dict[str, tuple] = {
     "prefix-memo-stamp": (KV_EQ, "test_remembered_prefix_lookups_equal_fresh_ones", "shadowcore/kv.py",
                           "if hit is not None and hit[0] is key and hit[1] == stamp:",
                           "if hit is not None and hit[0] is key:"),
+    # allocate(private=True) of a chain whose first block is known (a session named as a normal request) is named
+    "private-known-head": (KV_PRIV, "test_a_private_allocation_of_a_cached_chain_equals_named", "shadowcore/kv.py",
+                           "        if private and not (hashes and self._known_head(hashes[0])):",
+                           "        if private:"),
     # the normal idle order answers by key for a private run's live entries (its last idle-left ones) only
     "private-mapping": (KV_PRIV, "test_idle_order_with_private_runs_is_a_mapping", "shadowcore/kv.py",
                         "            if block_hash in hashes[len(hashes) - releases.get(release, 0) :]:",

@@ -223,3 +223,27 @@ def test_a_remembered_lookup_sees_a_named_eviction_among_private_runs(order: str
     kv.allocate("b", [9, 10], 0, KVClass.NORMAL, 2.0)  # evicts 2, 1 (at the next query)
     assert kv.cached_prefix_blocks(key, 2, lambda _: [1, 2]) == 0 == kv.match_prefix([1, 2]).num_blocks
     assert bool(kv._private_runs) is private and len(kv._blocks) == 2 + 2 * (not private)  # the map's size as before
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_a_private_allocation_of_a_cached_chain_equals_named(where: str) -> None:
+    """``allocate(private=True)`` whose promise is broken: a session named as
+    a normal request (count-only histories hash by id, so their chains are
+    the same) has its chain cached on the device or in the host tier; the
+    private allocation then hits it, as the same call without ``private``."""
+    from shadowcore.job import SessionHistory
+
+    chain = SessionHistory("n3:i0", num_tokens=4 * 16).block_hash_run(16)  # the session's and the request's
+    priv, named = _host_pair(8, 12)
+    _both(priv, named, "allocate", "s", list(chain), 0, KVClass.NORMAL, 0.0)
+    _both(priv, named, "release", "s", 0.5)
+    if where == "host":
+        _both(priv, named, "allocate", "f", [], 12, KVClass.NORMAL, 1.0)  # the chain to the host tier
+        _both(priv, named, "release", "f", 1.0)
+    longer = range(chain.start, chain.stop + 2)
+    _both(priv, named, "allocate", "n3:i0", longer, 0, KVClass.NORMAL, 1.5, private=True)
+    assert priv._owners["n3:i0"].private is False
+    _both(priv, named, "release_and_cache", "n3:i0", range(chain.start, chain.stop + 3), "c", 2.0)
+    _both(priv, named, "allocate", "g", list(range(7000, 7010)), 0, KVClass.NORMAL, 2.5)
+    assert not priv.is_cached(-1)
+    assert _state(priv) == _state(named)
