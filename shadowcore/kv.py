@@ -510,10 +510,17 @@ class _IdleRuns(Mapping):
         if not self._anon:
             return None
         releases = self._releases
-        for release, (state, hashes) in self._anon.items():
-            if block_hash in hashes[len(hashes) - releases.get(release, 0) :]:
+        for state, hashes in self.private_runs():
+            if block_hash in hashes[len(hashes) - releases[state[3]] :]:
                 return state[2]
         return None
+
+    def private_runs(self) -> Iterator[tuple[tuple, Sequence[int]]]:
+        """The private runs, as ``(state, hashes)`` in order (each run's
+        live entries are its last ``releases[state[3]]``): a scan of the runs,
+        for the rare reads by key and the manager's naming."""
+        anon = self._anon
+        return ((state, hashes) for state, hashes in self._runs if state[3] in anon)
 
     def values(self) -> Iterator[float]:
         return map(_SECOND, self._pairs())
@@ -798,9 +805,10 @@ class KVClassManager:
     # Evictions owed: blocks normal owners took from idle whose victims are not chosen yet (_settle).
     _owed: int = attrs.field(init=False, default=0)
     # Private blocks (allocate(private=True)), not in _blocks: the held ones' count, and per release of a
-    # private owner's finished chain its idle run (state, hashes in idle order) until evicted or named.
+    # private owner's finished chain (its run in the normal idle order: _IdleRuns.private_runs) the chain's first
+    # hash, until its last block is evicted or it is named.
     _num_private_held: int = attrs.field(init=False, default=0)
-    _private_runs: dict[int, tuple[tuple, list[int]]] = attrs.field(init=False, factory=dict)
+    _private_runs: dict[int, int] = attrs.field(init=False, factory=dict)
     # The first block's hash of each private chain (held or idle) -> how many: a lookup that starts there
     # names the private blocks first (match_prefix), so a private chain is found by hash like any other.
     _private_heads: dict[int, int] = attrs.field(init=False, factory=dict)
@@ -935,13 +943,14 @@ class KVClassManager:
         see changes. Done before a per-block query or a lookup of a private
         chain (the idle orders and the policy's victim orders read private
         runs as they are)."""
-        runs, blocks = self._private_runs, self._blocks
-        if runs:
+        private, blocks = self._private_runs, self._blocks
+        if private:
             left = self._idle_left
-            for release, (state, hashes) in runs.items():
-                blocks.update(zip(hashes[len(hashes) - left[release] :], repeat(state)))
-                self._private_head(hashes[-1], -1)
-            runs.clear()
+            for state, hashes in self._idle[KVClass.NORMAL].private_runs():
+                blocks.update(zip(hashes[len(hashes) - left[state[3]] :], repeat(state)))
+            for head in private.values():
+                self._private_head(head, -1)
+            private.clear()
         if held and self._num_private_held:
             for owner in self._owners.values():
                 if owner.private:
@@ -964,10 +973,12 @@ class KVClassManager:
         """One private chain more (``delta`` 1) or less (-1) starting at ``block_hash``."""
         heads = self._private_heads
         n = heads.get(block_hash, 0) + delta
-        if n:
+        if n > 0:
             heads[block_hash] = n
-        else:
+        elif n == 0:
             del heads[block_hash]
+        else:
+            raise AssertionError(f"no private chain starts at {block_hash} (a private run's head is wrong)")
 
     def class_of(self, block_hash: int) -> KVClass | None:
         if self._owed:
@@ -1097,10 +1108,8 @@ class KVClassManager:
         else:
             del self._idle_left[release]
             self._mixed.discard(release)
-            if self._private_runs:
-                run = self._private_runs.pop(release, None)
-                if run is not None:
-                    self._private_head(run[1][-1], -1)
+            if release in self._private_runs:
+                self._private_head(self._private_runs.pop(release), -1)
 
     def _evicted_from_idle(self, releases: list[int]) -> None:
         """:meth:`_leave_idle` for the releases of evicted blocks of one
@@ -1501,7 +1510,7 @@ class KVClassManager:
             release = self._num_releases + 1
             idle_state = (False, 0, now_s, release)
             order = hashes[::-1]
-            self._private_runs[release] = (idle_state, order)
+            self._private_runs[release] = hashes[0]
             self._idle[KVClass.NORMAL].append(idle_state, order)
             self._new_release(release, len(order), now_s)
         return True
@@ -1664,11 +1673,11 @@ class KVClassManager:
         heads = []  # per piece: its private chain's first hash, or None (a named run)
         for state, piece in victims.pieces:
             release = state[3]
-            run = private.get(release)
-            if run is None:
+            head = private.get(release)
+            if head is None:
                 deque(map(blocks.__delitem__, piece), 0)
                 self._named_removals += 1
-            heads.append(None if run is None else run[1][-1])
+            heads.append(head)
             self._left_release(release, len(piece))
         self._idle[cls].left(len(victims))
         if self.policy.host is not None:
@@ -1702,7 +1711,7 @@ class KVClassManager:
                 if list(hashes[start : start + m]) != list(victims[i : i + m]):
                     break
                 pieces.append((release, True, m))
-                spills.append((hashes[start : start + m], private[release][1][-1]))
+                spills.append((hashes[start : start + m], private[release]))
             else:
                 live = list(islice(compress(hashes, map(is_, map(blocks.get, hashes), repeat(state))), n - i))
                 m = len(live)
