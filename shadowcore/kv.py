@@ -934,6 +934,18 @@ class KVClassManager:
         n_host = _run_length(self._host, itertools.islice(hashes, n_dev, None)) if self._host else 0
         return PrefixMatch(n_dev, n_host)
 
+    def may_hold_prefix(self, first_hash: int) -> bool:
+        """Whether a prefix whose first block is ``first_hash`` may be cached
+        (on the device, in the host tier, or as a private chain's head), read
+        without settling the owed evictions: O(1). False is exact: then
+        :meth:`match_prefix` of any hashes starting with ``first_hash`` finds
+        no block, now and after any ``extend_private`` calls and owed
+        evictions in between (those only take blocks away, or spill named
+        blocks to the host tier, which this reads; a private chain's other
+        blocks start no other history's prefix, as ``allocate(private=True)``
+        promises)."""
+        return first_hash in self._blocks or first_hash in self._host or first_hash in self._private_heads
+
     def shadow_room_blocks(self, now_s: float) -> int:
         """Blocks a shadow chunk could take now: cap room, free and cold."""
         if self._owed:
