@@ -24,7 +24,7 @@ from shadowcore.latency import windowed_prefill_s
 
 from .test_speed_equivalence import _same
 
-_FIELDS = {"instances_per_model": 4, "duration_s": 40.0, "warmup_s": 5.0, "session_rate_per_s": 0.4,
+_FIELDS = {"instances_per_model": 4, "duration_s": 30.0, "warmup_s": 5.0, "session_rate_per_s": 0.4,
            "calls_per_session": 5, "normal_rate_per_s": 3.0, "normal_output_median": 200, "num_blocks": 1500,
            "seed": 3}
 
