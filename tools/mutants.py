@@ -456,6 +456,19 @@ MUTATIONS: dict[str, tuple] = {
     # a decode-only iteration's memoised time is keyed by everything it depends on (table cell and batch size)
     "decode-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_aggregate_is_bit_identical_and_raises_alike",
                     "backends/shadow_sim/vidur_latency.py", 'key = cell * stride + nd', "key = nd"),
+    # a run of steady decodes is timed one lookup per table cell: a cell's last step (dense and geometric columns)
+    # and the context limit are where the value may change
+    "decode-run-dense": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
+                         "backends/shadow_sim/vidur_latency.py",
+                         "last = min(num, ((((total + 255) >> 8) << 8) - total_context) // nd)",
+                         "last = min(num, ((((total + 255) >> 8) << 8) - total_context) // nd + 1)"),
+    "decode-run-geo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
+                       "backends/shadow_sim/vidur_latency.py",
+                       "last = min(num, (geo[i] - total_context) // nd) if i < len(geo) else num",
+                       "last = min(num, (geo[i] + 256 - total_context) // nd) if i < len(geo) else num"),
+    "decode-run-limit": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
+                         "backends/shadow_sim/vidur_latency.py",
+                         "num = min(num_steps, kv_limit - max_context)", "num = num_steps"),
     "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
                     "shadowcore/engine/_fastpath.py", '        return "no_jobs"\n', '        return "no_room"\n'),
     # lazy ticks (issue 17): every touch of a lazily running instance first applies its pending ends, and a

@@ -71,7 +71,7 @@ from shadowcore.engine._deadlines import DecodeDeadlines
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClass, KVClassManager
-from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
+from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk, decode_run_s
 from shadowcore.types import (
     ChunkResult,
     DecodeAggregate,
@@ -233,6 +233,8 @@ class EngineInstance:
     num_agg_snapshots: int = 0  # of which planned on a full snapshot (views of every request; a diagnostic)
     steady_runs: bool = True  # run_steady may take runs of plain ticks (off: one round trip per iteration)
     num_steady_ticks: int = 0  # iteration ends taken by run_steady (a diagnostic)
+    # plain_ends' look-ahead (clock, decodes, total and longest context, the next durations), reused by run_steady
+    _ahead: tuple | None = attrs.field(default=None, init=False, repr=False)
     # Set by the cluster while this instance's steady run is lazy (ends not yet applied): every public
     # method that reads or changes its state calls it first (True: a change, the run is cut there).
     touched: Callable[[bool], None] | None = attrs.field(default=None, init=False, repr=False)
@@ -799,7 +801,11 @@ class EngineInstance:
         lazy cohort holds every running request, nothing waits, and the hook
         (if any) grants nothing until the next event: it can skip now, and
         its controller never grants or this instance has no pending job (a
-        job becomes pending only through another event)."""
+        job becomes pending only through another event); and the end in
+        flight finishes no cohort member (run_steady would take no end)."""
+        finish = self._lazy_finish
+        if finish and finish[0][0] <= self.num_fast_iterations + 1:  # the commonest no, asked first
+            return False
         cls = type(self)
         if (not self.steady_runs or self._step is not None or self._agg is not None or not self._cohort or self._eager
                 or self._prefilling or self.waiting or self._due or self._due_lazy or self._due_phase
@@ -830,6 +836,7 @@ class EngineInstance:
         tick = _fastpath.tick_accounting(self.hook, True, False) if self.hook is not None else None
         nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
         next_finish = finish[0][0] if finish else math.inf
+        ahead, i = self._ahead_from(clock, nd, total, longest)
         room = -2  # what reservations here may take: free and idle blocks, read at the first boundary
         needs: list[tuple[str, int]] = []
         t, last, d, busy, num = now_s, now_s, self._steady_s, self.busy_s, 0  # t: the in-flight iteration's end
@@ -851,7 +858,11 @@ class EngineInstance:
                     tick(d)
                 total += nd
                 longest += 1
-                d = predict(nd, total, longest)  # the next iteration (start_step); may raise, as start_step would
+                if i < len(ahead):  # plain_ends' look-ahead: predict's value for this very step
+                    d = ahead[i]
+                    i += 1
+                else:
+                    d = predict(nd, total, longest)  # the next iteration (start_step); may raise, as start_step would
                 t += d
                 if t >= horizon_s:
                     break
@@ -891,18 +902,24 @@ class EngineInstance:
         if finish:
             num = min(num, finish[0][0] - clock - 1)
         num = min(num, kv.block_size * ((kv.num_free_blocks + kv.num_idle_blocks) // nd))
-        predict, total, longest, t = self.latency.predict_decodes_s, self._ctx_total, self._ctx_max, now_s
-        for j in range(num):
-            total += nd
-            longest += 1
-            try:
-                d = predict(nd, total, longest)
-            except Exception:  # noqa: BLE001 (a look-ahead: whatever it raises, run_steady raises there, at its time)
-                return j, t
-            if d is None:  # not timed from the aggregates: leave that iteration to the end in its own event
-                return j, t
+        # a step that gives None or raises ends the list: run_steady meets it there, at its time
+        ds = decode_run_s(self.latency, nd, self._ctx_total, self._ctx_max, num) if num > 0 else []
+        self._ahead = (clock, nd, self._ctx_total, self._ctx_max, ds)  # run_steady's next durations (pure values)
+        t = now_s
+        for d in ds:
             t += d
-        return max(num, 0), t
+        return len(ds), t
+
+    def _ahead_from(self, clock: int, nd: int, total: int, longest: int) -> tuple[list, int]:
+        """plain_ends' durations still ahead of a steady run at these aggregates, and where they
+        start (the latency model is pure: the same arguments give the same values); ([], 0) when
+        the run is not the one plain_ends looked at."""
+        ahead = self._ahead
+        if ahead is not None and ahead[1] == nd:
+            k = clock - ahead[0]
+            if k >= 0 and total == ahead[2] + k * nd and longest == ahead[3] + k:
+                return ahead[4], k
+        return _NO_AHEAD, 0
 
     def _reserve_due(self, clock: int, room: int, needs: list) -> int:
         """The cohort members whose block boundary ``clock`` reaches get their
@@ -1229,6 +1246,7 @@ def _lazy_eligible(req: EngineRequest) -> bool:
 
 
 _CLASSIC = object()  # _start_agg: run the slow path
+_NO_AHEAD: list = []  # _ahead_from: no look-ahead (never appended to)
 # The longest-context heap keeps finished members until they surface; past 4 entries per running request plus
 # this many, _join rebuilds it from the live ones (the same minimum key: _cohort_max's answer does not change).
 _LONGEST_SLACK = 64
