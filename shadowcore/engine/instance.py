@@ -505,12 +505,13 @@ class EngineInstance:
             return _CLASSIC
         entries, blocked, nd = sched
         prefills, dctx = [], []  # dctx: re-admitted requests whose prefix is all cached decode at once
+        used = nd
         for r, n in entries:
+            used += n
             if r.num_prompt_tokens + r.num_generated - r.num_computed_tokens == 1 and r.first_token_s is not None:
                 dctx.append(r.num_computed_tokens)
             else:
                 prefills.append(PrefillChunk(n, r.num_computed_tokens))
-        used = nd + sum(n for _, n in entries)
         hook = self.hook
         why = None
         if hook is not None and not _fastpath.plans_nothing(hook):
@@ -543,8 +544,11 @@ class EngineInstance:
         budget = self.limits.token_budget - nd
         if budget < 0:
             return None
-        needs = self._decode_needs()
-        total = sum(n for n in needs if n > 0) + len(self._due_lazy) + self._due_phase
+        needs = self._decode_needs() if self._due else []
+        total = len(self._due_lazy) + self._due_phase
+        for n in needs:
+            if n > 0:
+                total += n
         entries, grow = [], []
         for req in self._prefilling:
             if budget <= 0:
@@ -565,8 +569,9 @@ class EngineInstance:
                 raise AssertionError(f"{self.instance_id}: a reservation that fits failed")
             req.num_blocks += need
         k = len(entries)
-        blocked = self._admit_waiting(budget, entries, now_s)
-        self._prefilling.extend(r for r, _ in entries[k:])
+        blocked = self._admit_waiting(budget, entries, now_s) if self.waiting else False
+        if len(entries) > k:
+            self._prefilling += [e[0] for e in entries[k:]]
         return entries, blocked, nd
 
     def _predict_agg(self, prefills: list, nd: int, dctx: list) -> float:
@@ -1074,19 +1079,21 @@ class EngineInstance:
 
     def _admit_waiting(self, budget: int, batch: list, now_s: float) -> bool:
         """FCFS admissions into ``batch`` within ``budget``; True when one was blocked."""
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            req = self.waiting[0]
-            if -(-(req.num_tokens + 1) // self.kv.block_size) > self.kv.num_blocks:
-                self._reject(self.waiting.popleft(), now_s)
+        waiting, running, max_seqs, kv = self.waiting, self.running, self.limits.max_num_seqs, self.kv
+        while waiting and budget > 0 and len(running) < max_seqs:
+            req = waiting[0]
+            num_tokens = req.num_prompt_tokens + req.num_generated  # req.num_tokens
+            if -(-(num_tokens + 1) // kv.block_size) > kv.num_blocks:
+                self._reject(waiting.popleft(), now_s)
                 continue
             if not self._admit(req, now_s):
                 return True
-            self.waiting.popleft()
-            self.running.append(req)
+            waiting.popleft()
+            running.append(req)
             self._num_routed += req.kind is _ROUTED
             req.run_seq = self._num_admitted
             self._num_admitted += 1
-            n = min(budget, req.num_tokens - req.num_computed_tokens)
+            n = min(budget, num_tokens - req.num_computed_tokens)
             batch.append((req, n))
             budget -= n
         return False
@@ -1117,27 +1124,29 @@ class EngineInstance:
         self.num_preemptions += 1
 
     def _admit(self, req: EngineRequest, now_s: float) -> bool:
-        bs = self.kv.block_size
+        kv = self.kv
+        bs = kv.block_size
         if req.num_oracle_tokens and req.num_admissions == 0:  # oracle: the prefix is cached for free
             owner = f"oracle:{req.request_id}"
-            if self.kv.allocate(owner, req.history.block_hashes(bs, req.num_oracle_tokens // bs), 0,
-                                KVClass.NORMAL, now_s) is not None:
-                self.kv.release(owner, now_s)
+            if kv.allocate(owner, req.history.block_hashes(bs, req.num_oracle_tokens // bs), 0,
+                           KVClass.NORMAL, now_s) is not None:
+                kv.release(owner, now_s)
         private = req.private_kv and req.num_admissions == 0
-        hashes = (req.history.block_hash_run if private else req.history.block_hashes)(bs, req.num_tokens // bs)
-        total = -(-(req.num_tokens + 1) // bs)
-        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)
+        num_tokens = req.num_prompt_tokens + req.num_generated  # req.num_tokens
+        hashes = (req.history.block_hash_run if private else req.history.block_hashes)(bs, num_tokens // bs)
+        total = -(-(num_tokens + 1) // bs)
+        alloc = kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)
         if alloc is None:
             return False
         # vLLM's get_computed_blocks: a hit covers at most num_tokens - 1 tokens in whole blocks (the last
         # token is always computed), so a fully cached prompt still recomputes its last block.
-        hit = min(alloc.num_device_hit_blocks + alloc.num_host_hit_blocks, (req.num_tokens - 1) // bs) * bs
+        hit = min(alloc.num_device_hit_blocks + alloc.num_host_hit_blocks, (num_tokens - 1) // bs) * bs
         if req.num_cached_tokens is None:
             req.num_cached_tokens = hit
         req.num_computed_tokens = hit
         req.num_blocks = total
         req.pending_reload_s = alloc.reload_s
-        self.queued_prefill_tokens -= req.num_tokens
+        self.queued_prefill_tokens -= num_tokens
         return True
 
     def _advance(self, req: EngineRequest, n: int, now_s: float) -> None:
@@ -1167,12 +1176,12 @@ class EngineInstance:
         self._num_routed -= req.kind is _ROUTED
         # Cache the full blocks whose KV was computed, as vLLM does: the last sampled token's KV never is,
         # so (num_tokens - 1) // block_size blocks.
-        num_full = (req.num_tokens - 1) // self.kv.block_size
-        history = req.history
-        self.kv.release_and_cache(req.owner_id,
-                                  (history.block_hash_run if req.private_kv else history.block_hashes)(
-                                      self.kv.block_size, num_full),
-                                  f"commit:{req.request_id}", now_s)
+        kv, history = self.kv, req.history
+        bs = kv.block_size
+        num_full = (req.num_prompt_tokens + req.num_generated - 1) // bs  # req.num_tokens - 1
+        kv.release_and_cache(req.owner_id,
+                             (history.block_hash_run if req.private_kv else history.block_hashes)(bs, num_full),
+                             f"commit:{req.request_id}", now_s)
         if req.on_finish is not None:
             req.on_finish(req, now_s)
 
