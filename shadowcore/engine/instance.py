@@ -844,16 +844,23 @@ class EngineInstance:
         ahead, i = self._ahead_from(clock, nd, total, longest)
         room = -2  # what reservations here may take: free and idle blocks, read at the first boundary
         needs: list[tuple[str, int]] = []
+        pooled, bs = 0, len(phase)  # pooled: the phase members' blocks of _reserve_due's boundaries, summed
         t, last, d, busy, num = now_s, now_s, self._steady_s, self.busy_s, 0  # t: the in-flight iteration's end
         try:
             while True:
                 c = clock + 1
                 if c >= next_finish:
                     break
-                if phase[c % len(phase)] or c in lazy_due:  # a boundary at c (see _reserve_due)
+                p = phase[c % bs]
+                if p or c in lazy_due:  # a boundary at c (see _reserve_due)
                     if room == -2:  # nothing changes the pool in this loop: the same value as at its start
                         room = kv.num_free_blocks + kv.num_idle_blocks
-                    room = self._reserve_due(c, room, needs)
+                    if c in lazy_due:
+                        room = self._reserve_due(c, room, needs)
+                    elif p <= room:  # phase members only: _reserve_due's one need, added to the others
+                        pooled, room, self._pooled_upto = pooled + p, room - p, c
+                    else:
+                        room = -1
                     if room < 0:
                         break
                 busy += d  # the end of the iteration in flight (end_step)
@@ -872,8 +879,10 @@ class EngineInstance:
                 if t >= horizon_s:
                     break
         finally:  # the state of the ends taken (also when the latency model raised)
+            if pooled:
+                needs.append((self._pool_id, pooled))
             if needs:
-                kv.extend_private(needs, last)  # fits: checked against room
+                kv.extend_private(needs, last)  # fits: checked against room; the order of needs does not matter
             if num:
                 self.busy_s = busy
                 self.num_iterations_run += num
