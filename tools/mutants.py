@@ -480,6 +480,17 @@ MUTATIONS: dict[str, tuple] = {
                   "shadowcore/engine/cluster.py",
                   "        if inst is not None and inst.touched is not None:\n            inst.touched(True)\n",
                   "        if inst is not None and inst.touched is not None:\n            pass\n"),
+    # a run's look-ahead durations are reused only by the run they were computed for (same decodes, aggregates)
+    "ahead-stale": ("tests/sim/test_speed_equivalence.py", "test_a_run_uses_only_its_own_look_ahead",
+                    "shadowcore/engine/instance.py",
+                    "if k >= 0 and total == ahead[2] + k * nd and longest == ahead[3] + k:", "if k >= 0:"),
+    # a run of steady ticks sums its phase members' boundary blocks, and stops where they do not fit
+    "run-pooled": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                   "shadowcore/engine/instance.py",
+                   "            if pooled:\n                needs.append((self._pool_id, pooled))\n",
+                   "            pass\n"),
+    "run-pooled-room": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                        "shadowcore/engine/instance.py", "                    elif p <= room:", "                    elif True:"),
     # a run of steady ticks asks the credit once whether such a tick earns (the rule stays _earn_decode_credit's)
     "tick-credit": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
                     "shadowcore/engine/_fastpath.py",
