@@ -58,8 +58,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import heapq
 import math
+import operator
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -845,8 +847,8 @@ class EngineInstance:
         room = -2  # what reservations here may take: free and idle blocks, read at the first boundary
         needs: list[tuple[str, int]] = []
         pooled, bs = 0, len(phase)  # pooled: the phase members' blocks of _reserve_due's boundaries, summed
-        t, last, d, busy, num = now_s, now_s, self._steady_s, self.busy_s, 0  # t: the in-flight iteration's end
-        try:
+        t, last, d, busy, start, num_ahead = now_s, now_s, self._steady_s, self.busy_s, clock, len(ahead)
+        try:  # t: the in-flight iteration's end; after the k-th end here, contexts total + k nd, longest + k
             while True:
                 c = clock + 1
                 if c >= next_finish:
@@ -865,16 +867,13 @@ class EngineInstance:
                         break
                 busy += d  # the end of the iteration in flight (end_step)
                 clock, last = c, t
-                num += 1
                 if tick is not None:
                     tick(d)
-                total += nd
-                longest += 1
-                if i < len(ahead):  # plain_ends' look-ahead: predict's value for this very step
+                if i < num_ahead:  # plain_ends' look-ahead: predict's value for this very step
                     d = ahead[i]
                     i += 1
-                else:
-                    d = predict(nd, total, longest)  # the next iteration (start_step); may raise, as start_step would
+                else:  # the next iteration (start_step); may raise, as start_step would
+                    d = predict(nd, total + (c - start) * nd, longest + c - start)
                 t += d
                 if t >= horizon_s:
                     break
@@ -883,13 +882,14 @@ class EngineInstance:
                 needs.append((self._pool_id, pooled))
             if needs:
                 kv.extend_private(needs, last)  # fits: checked against room; the order of needs does not matter
+            num = clock - start
             if num:
                 self.busy_s = busy
                 self.num_iterations_run += num
                 self.num_fast_iterations = clock
                 self.num_steady_ticks += num
                 self.iteration += num
-                self._ctx_total, self._ctx_max, self._steady_s = total, longest, d
+                self._ctx_total, self._ctx_max, self._steady_s = total + num * nd, longest + num, d
         return last, num, t
 
     def plain_ends(self, now_s: float, max_ends: int) -> tuple[int, float]:
@@ -919,10 +919,7 @@ class EngineInstance:
         # a step that gives None or raises ends the list: run_steady meets it there, at its time
         ds = decode_run_s(self.latency, nd, self._ctx_total, self._ctx_max, num) if num > 0 else []
         self._ahead = (clock, nd, self._ctx_total, self._ctx_max, ds)  # run_steady's next durations (pure values)
-        t = now_s
-        for d in ds:
-            t += d
-        return len(ds), t
+        return len(ds), functools.reduce(operator.add, ds, now_s)  # now_s + ds[0] + ds[1] ..., in that order
 
     def _ahead_from(self, clock: int, nd: int, total: int, longest: int) -> tuple[list, int]:
         """plain_ends' durations still ahead of a steady run at these aggregates, and where they
