@@ -1162,8 +1162,11 @@ class EngineInstance:
         if req.first_token_s is None:
             req.first_token_s = now_s
         req.num_generated += 1
-        if req.on_token is not None:
-            req.on_token(req, now_s)
+        on_token = req.on_token
+        if on_token is append_output_to_history and req.history.token_ids is None:
+            req.history.num_tokens += 1  # what SessionHistory.append(1) does without token ids
+        elif on_token is not None:
+            on_token(req, now_s)
         if req.num_generated >= req.num_output_tokens:
             self._finish(req, now_s)
 
