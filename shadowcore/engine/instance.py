@@ -747,6 +747,11 @@ class EngineInstance:
         path would preempt nobody either; in one go (extend_private, whose
         outcome does not depend on the order of its needs)."""
         due, bs, at_boundary, num_phase = self._due, self.kv.block_size, self._due_lazy, self._due_phase
+        if num_phase and not due and not at_boundary and not needs:  # the usual: the phase members' blocks only
+            if not self.kv.extend_private(((self._pool_id, num_phase),), now_s):
+                return False
+            self._due_phase, self._pooled_upto = 0, self.num_fast_iterations
+            return True
         if len(due) != len(needs):
             raise ValueError(f"{self.instance_id}: {len(needs)} needs for {len(due)} due requests")
         grow = [(req.owner_id, need) for req, need in zip(due, needs) if need > 0]
