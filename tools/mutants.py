@@ -364,9 +364,9 @@ MUTATIONS: dict[str, tuple] = {
     # a whole run with private normal KV equals it with every block named (preemptions, host tier, shadows)
     "private-flag": ("tests/sim/test_speed_equivalence_macro.py", "test_private_normal_kv_changes_nothing",
                      "shadowcore/engine/instance.py",
-                     "        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)",
-                     ("        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s,\n"
-                      "                                 private=req.private_kv)")),
+                     "        alloc = kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)",
+                     ("        alloc = kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s,\n"
+                      "                            private=req.private_kv)")),
     "private-evict-count": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                             "                pieces.append((release, True, m))",
                             "                pieces.append((release, True, max(1, m - 1)))"),
