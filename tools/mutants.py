@@ -364,9 +364,9 @@ MUTATIONS: dict[str, tuple] = {
     # a whole run with private normal KV equals it with every block named (preemptions, host tier, shadows)
     "private-flag": ("tests/sim/test_speed_equivalence_macro.py", "test_private_normal_kv_changes_nothing",
                      "shadowcore/engine/instance.py",
-                     "        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)",
-                     ("        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s,\n"
-                      "                                 private=req.private_kv)")),
+                     "        alloc = kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)",
+                     ("        alloc = kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s,\n"
+                      "                            private=req.private_kv)")),
     "private-evict-count": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                             "                pieces.append((release, True, m))",
                             "                pieces.append((release, True, max(1, m - 1)))"),
@@ -474,6 +474,19 @@ MUTATIONS: dict[str, tuple] = {
     # a decode-only iteration's memoised time is keyed by everything it depends on (table cell and batch size)
     "decode-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_aggregate_is_bit_identical_and_raises_alike",
                     "backends/shadow_sim/vidur_latency.py", 'key = cell * stride + nd', "key = nd"),
+    # a run of steady decodes is timed one lookup per table cell: a cell's last step (dense and geometric columns)
+    # and the context limit are where the value may change
+    "decode-run-dense": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
+                         "backends/shadow_sim/vidur_latency.py",
+                         "last = min(num, ((((total + 255) >> 8) << 8) - total_context) // nd)",
+                         "last = min(num, ((((total + 255) >> 8) << 8) - total_context) // nd + 1)"),
+    "decode-run-geo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
+                       "backends/shadow_sim/vidur_latency.py",
+                       "last = min(num, (geo[i] - total_context) // nd) if i < len(geo) else num",
+                       "last = min(num, (geo[i] + 256 - total_context) // nd) if i < len(geo) else num"),
+    "decode-run-limit": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
+                         "backends/shadow_sim/vidur_latency.py",
+                         "num = min(num_steps, kv_limit - max_context)", "num = num_steps"),
     "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
                     "shadowcore/engine/_fastpath.py", '        return "no_jobs"\n', '        return "no_room"\n'),
     # lazy ticks (issue 17): every touch of a lazily running instance first applies its pending ends, and a
@@ -485,6 +498,17 @@ MUTATIONS: dict[str, tuple] = {
                   "shadowcore/engine/cluster.py",
                   "        if inst is not None and inst.touched is not None:\n            inst.touched(True)\n",
                   "        if inst is not None and inst.touched is not None:\n            pass\n"),
+    # a run's look-ahead durations are reused only by the run they were computed for (same decodes, aggregates)
+    "ahead-stale": ("tests/sim/test_speed_equivalence.py", "test_a_run_uses_only_its_own_look_ahead",
+                    "shadowcore/engine/instance.py",
+                    "if k >= 0 and total == ahead[2] + k * nd and longest == ahead[3] + k:", "if k >= 0:"),
+    # a run of steady ticks sums its phase members' boundary blocks, and stops where they do not fit
+    "run-pooled": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                   "shadowcore/engine/instance.py",
+                   "            if pooled:\n                needs.append((self._pool_id, pooled))\n",
+                   "            pass\n"),
+    "run-pooled-room": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                        "shadowcore/engine/instance.py", "                    elif p <= room:", "                    elif True:"),
     # a run of steady ticks asks the credit once whether such a tick earns (the rule stays _earn_decode_credit's)
     "tick-credit": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
                     "shadowcore/engine/_fastpath.py",
