@@ -1059,6 +1059,24 @@ class KVClassManager:
         n_host = _run_length(self._host, itertools.islice(hashes, n_dev, None)) if self._host else 0
         return PrefixMatch(n_dev, n_host)
 
+    def may_hold_prefix(self, first_hash: int) -> bool:
+        """Whether a prefix whose first block is ``first_hash`` may be cached
+        (on the device, in the host tier, or as a private chain's head, on the
+        device or in the host tier), read without settling the owed
+        evictions: O(1). False is exact: then :meth:`match_prefix` of any
+        hashes starting with ``first_hash`` finds no block, now and after any
+        ``extend_private`` calls and owed evictions in between (those only
+        take blocks away, or spill blocks to the host tier, named ones into
+        its dict, a private chain's under its head, which this reads; a
+        private chain's other blocks start no other history's prefix, as
+        ``allocate(private=True)`` promises). Also the check that a private
+        allocation's promise holds where it is cheap (see :meth:`allocate`):
+        a count-only history hashes by its id, so a session with a normal
+        request's id hashes alike; count-only chains share blocks from the
+        first (a cached block further on would need a 64-bit coincidence)."""
+        return (first_hash in self._blocks or first_hash in self._host or first_hash in self._private_heads
+                or first_hash in self._host_tier.heads)
+
     def shadow_room_blocks(self, now_s: float) -> int:
         """Blocks a shadow chunk could take now: cap room, free and cold."""
         if self._owed:
@@ -1157,12 +1175,12 @@ class KVClassManager:
         and the manager keeps them as counts and runs, out of its block map:
         the result, and everything a caller can see afterwards, is exactly that
         of the same call without ``private``. Checked where it is cheap: a
-        chain whose first block is known already (:meth:`_known_head`) is
-        allocated as without ``private``.
+        chain whose first block may be cached already (:meth:`may_hold_prefix`)
+        is allocated as without ``private``.
         """
         if owner_id in self._owners:
             raise ValueError(f"owner {owner_id!r} already holds blocks")
-        if private and not (hashes and self._known_head(hashes[0])):  # (else the promise is broken: named)
+        if private and not (hashes and self.may_hold_prefix(hashes[0])):  # (else the promise is broken: named)
             # a normal take that reads no idle order and no host tier: it owes, unsettled (see _settle)
             return self._allocate_private(owner_id, hashes, num_private_blocks, kv_class, now_s)
         if self._owed:
@@ -1203,17 +1221,6 @@ class KVClassManager:
         self.num_reloaded_blocks += len(host_hits)
         reload_s = self.reload_seconds(len(host_hits))
         return Allocation(match.num_device_blocks, len(host_hits), num_new, reload_s, used)
-
-    def _known_head(self, block_hash: int) -> bool:
-        """Whether a chain starting at ``block_hash`` may be cached already:
-        the block is on the device or in the host tier, or starts a private
-        chain. Then ``allocate(private=True)``'s promise does not hold (a
-        count-only history hashes by its id, so a session with a normal
-        request's id hashes alike), and the allocation goes the general way,
-        as without ``private`` (count-only chains share blocks from the
-        first: a cached block further on would need a 64-bit coincidence)."""
-        return (block_hash in self._blocks or block_hash in self._host or block_hash in self._private_heads
-                or block_hash in self._host_tier.heads)
 
     def _allocate_private(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, kv_class: KVClass,
                           now_s: float) -> Allocation | None:

@@ -175,7 +175,37 @@ class LinearLatencyModel:
         )
 
 
-__all__ = ["BatchShape", "LatencyModel", "LinearLatencyModel", "PrefillChunk", "chunked_prefill_s"]
+__all__ = ["BatchShape", "LatencyModel", "LinearLatencyModel", "PrefillChunk", "chunked_prefill_s", "decode_run_s"]
+
+
+def decode_run_s(latency: LatencyModel, num_decodes: int, total_context: int, max_context: int,
+                 num_steps: int) -> list[float]:
+    """The times of a run of steady decode iterations after one of ``num_decodes``
+    sequences with these aggregates, every context one token longer at each:
+    ``predict_decodes_s(num_decodes, total_context + k * num_decodes, max_context + k)``
+    for ``k`` = 1 .. ``num_steps``, stopping before the first step that gives ``None``
+    or raises (a look-ahead: the caller meets that step itself). A model may answer
+    it faster with a method ``predict_decode_run_s`` of the same arguments, which must
+    give exactly this list (``tests/sim/test_speed_equivalence_latency.py``)."""
+    run = getattr(latency, "predict_decode_run_s", None)
+    if run is not None:
+        return run(num_decodes, total_context, max_context, num_steps)
+    predict = getattr(latency, "predict_decodes_s", None)
+    out: list[float] = []
+    if predict is None:
+        return out
+    total, longest = total_context, max_context
+    for _ in range(num_steps):
+        total += num_decodes
+        longest += 1
+        try:
+            d = predict(num_decodes, total, longest)
+        except Exception:  # noqa: BLE001 (a look-ahead, see above)
+            break
+        if d is None:
+            break
+        out.append(d)
+    return out
 
 
 def windowed_prefill_s(latency: LatencyModel, num_tokens: int, chunk_tokens: int, window_tokens: int) -> float:
@@ -197,9 +227,12 @@ def chunked_prefill_s(latency: LatencyModel, num_tokens: int, chunk_tokens: int,
     """Predicted time to prefill ``num_tokens`` alone in chunks of ``chunk_tokens``
     on top of ``num_context_tokens`` already cached (the isolated prefill of SLOs
     and the placement estimate)."""
+    fast = getattr(latency, "predict_batch_s", None)  # the same values (its contract), no BatchShape built
     total, done = 0.0, 0
     while done < num_tokens:
         n = min(chunk_tokens, num_tokens - done)
-        total += latency.predict_s(BatchShape((PrefillChunk(n, num_context_tokens + done),)))
+        chunk = PrefillChunk(n, num_context_tokens + done)
+        t = fast((chunk,), 0, 0, 0) if fast is not None else None
+        total += latency.predict_s(BatchShape((chunk,))) if t is None else t
         done += n
     return total

@@ -364,9 +364,9 @@ MUTATIONS: dict[str, tuple] = {
     # a whole run with private normal KV equals it with every block named (preemptions, host tier, shadows)
     "private-flag": ("tests/sim/test_speed_equivalence_macro.py", "test_private_normal_kv_changes_nothing",
                      "shadowcore/engine/instance.py",
-                     "        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)",
-                     ("        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s,\n"
-                      "                                 private=req.private_kv)")),
+                     "        alloc = kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)",
+                     ("        alloc = kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s,\n"
+                      "                            private=req.private_kv)")),
     "private-evict-count": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                             "                pieces.append((release, True, m))",
                             "                pieces.append((release, True, max(1, m - 1)))"),
@@ -455,9 +455,29 @@ MUTATIONS: dict[str, tuple] = {
                           "if hit is not None and hit[0] is key:"),
     # allocate(private=True) of a chain whose first block is known (a session named as a normal request) is named
     "private-known-head": (KV_PRIV, "test_a_private_allocation_of_a_cached_chain_equals_named", "shadowcore/kv.py",
-                           "        if private and not (hashes and self._known_head(hashes[0])):",
+                           "        if private and not (hashes and self.may_hold_prefix(hashes[0])):",
                            "        if private:"),
     # the normal idle order answers by key for a private run's live entries (its last idle-left ones) only
+    # placement's shortcuts (EngineCluster): a prefix lookup that may skip an instance only when its KV holds the
+    # first block nowhere (device, host tier, private chain head), and one instant's estimates memoised by work
+    "may-hold-host": ("tests/test_kv_may_hold.py",
+                      "test_may_hold_prefix_false_means_no_cached_prefix_even_before_the_owed_evictions",
+                      "shadowcore/kv.py", "        return (first_hash in self._blocks or first_hash in self._host or",
+                      "        return (first_hash in self._blocks or"),
+    "may-hold-private": ("tests/test_kv_may_hold.py",
+                         "test_may_hold_prefix_false_means_no_cached_prefix_even_before_the_owed_evictions",
+                         "shadowcore/kv.py", "first_hash in self._host or first_hash in self._private_heads",
+                         "first_hash in self._host"),
+    "may-hold-host-private": (KV_PRIV, "test_may_hold_prefix_sees_a_private_chain_in_the_host_tier",
+                              "shadowcore/kv.py", "\n                or first_hash in self._host_tier.heads)", ")"),
+    "placement-skip-host": ("tests/sim/test_placement_scan.py",
+                            "test_placement_reads_equal_the_full_reads_and_the_run_does_not_move",
+                            "shadowcore/engine/cluster.py", "if not first or not inst.kv.may_hold_prefix(first[0]):",
+                            "if not first or first[0] not in inst.kv._blocks:"),
+    "placement-memo-key": ("tests/sim/test_placement_scan.py",
+                           "test_one_instants_estimates_equal_fresh_ones_for_every_queue_and_window",
+                           "shadowcore/engine/cluster.py", "key = (id(inst.latency), inst.limits.token_budget, work)",
+                           "key = (id(inst.latency), inst.limits.token_budget, num_uncached_tokens)"),
     "private-mapping": (KV_PRIV, "test_idle_order_with_private_runs_is_a_mapping", "shadowcore/kv.py",
                         "            if block_hash in hashes[len(hashes) - releases[state[3]] :]:",
                         "            if block_hash in hashes:"),
@@ -502,6 +522,19 @@ MUTATIONS: dict[str, tuple] = {
     # a decode-only iteration's memoised time is keyed by everything it depends on (table cell and batch size)
     "decode-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_aggregate_is_bit_identical_and_raises_alike",
                     "backends/shadow_sim/vidur_latency.py", 'key = cell * stride + nd', "key = nd"),
+    # a run of steady decodes is timed one lookup per table cell: a cell's last step (dense and geometric columns)
+    # and the context limit are where the value may change
+    "decode-run-dense": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
+                         "backends/shadow_sim/vidur_latency.py",
+                         "last = min(num, ((((total + 255) >> 8) << 8) - total_context) // nd)",
+                         "last = min(num, ((((total + 255) >> 8) << 8) - total_context) // nd + 1)"),
+    "decode-run-geo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
+                       "backends/shadow_sim/vidur_latency.py",
+                       "last = min(num, (geo[i] - total_context) // nd) if i < len(geo) else num",
+                       "last = min(num, (geo[i] + 256 - total_context) // nd) if i < len(geo) else num"),
+    "decode-run-limit": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
+                         "backends/shadow_sim/vidur_latency.py",
+                         "num = min(num_steps, kv_limit - max_context)", "num = num_steps"),
     "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
                     "shadowcore/engine/_fastpath.py", '        return "no_jobs"\n', '        return "no_room"\n'),
     # lazy ticks (issue 17): every touch of a lazily running instance first applies its pending ends, and a
@@ -513,6 +546,17 @@ MUTATIONS: dict[str, tuple] = {
                   "shadowcore/engine/cluster.py",
                   "        if inst is not None and inst.touched is not None:\n            inst.touched(True)\n",
                   "        if inst is not None and inst.touched is not None:\n            pass\n"),
+    # a run's look-ahead durations are reused only by the run they were computed for (same decodes, aggregates)
+    "ahead-stale": ("tests/sim/test_speed_equivalence.py", "test_a_run_uses_only_its_own_look_ahead",
+                    "shadowcore/engine/instance.py",
+                    "if k >= 0 and total == ahead[2] + k * nd and longest == ahead[3] + k:", "if k >= 0:"),
+    # a run of steady ticks sums its phase members' boundary blocks, and stops where they do not fit
+    "run-pooled": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                   "shadowcore/engine/instance.py",
+                   "            if pooled:\n                needs.append((self._pool_id, pooled))\n",
+                   "            pass\n"),
+    "run-pooled-room": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                        "shadowcore/engine/instance.py", "                    elif p <= room:", "                    elif True:"),
     # a run of steady ticks asks the credit once whether such a tick earns (the rule stays _earn_decode_credit's)
     "tick-credit": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
                     "shadowcore/engine/_fastpath.py",

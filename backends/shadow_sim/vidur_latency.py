@@ -683,6 +683,38 @@ class VidurLatencyModel:
             s = memo[key] = self._total_s(t, nd, nd, nd)
         return s
 
+    def predict_decode_run_s(self, num_decodes: int, total_context: int, max_context: int,
+                             num_steps: int) -> list[float]:
+        """``[predict_decodes_s(num_decodes, total_context + k * num_decodes,
+        max_context + k) for k in 1..num_steps]`` (a run of steady decode
+        iterations, every context one token longer each), stopping before the
+        first step that would raise or give None: the same values
+        (:func:`shadowcore.latency.decode_run_s` is the rule). An iteration's
+        time depends on the decode table's cell of its total context, which
+        stays the same over ``256 / num_decodes`` steps (dense columns) or a
+        geometric column's width: one lookup per cell, not per step."""
+        bmax, kv_limit, _, _, _, geo = self._decode_hot
+        nd = num_decodes
+        if nd <= 0 or nd > bmax or nd > self._rt["limit"]:
+            return []  # every step gives None or raises (the limit: at its memo miss, and nothing is memoised)
+        num = min(num_steps, kv_limit - max_context)  # step k raises once max_context + k > kv_limit
+        out: list[float] = []
+        k = 1
+        while k <= num:
+            total = total_context + k * nd
+            if total <= _DENSE_S:  # column (total + 255) >> 8 holds while total <= its top, 256 * column
+                last = min(num, ((((total + 255) >> 8) << 8) - total_context) // nd)
+            else:  # column 257 + bisect_left(geo, total) holds while total <= geo[that index]
+                i = bisect.bisect_left(geo, total)
+                last = min(num, (geo[i] - total_context) // nd) if i < len(geo) else num
+            try:  # every step of the cell gives this value, or raises as this one does
+                d = self.predict_decodes_s(nd, total, max_context + k)
+            except Exception:  # noqa: BLE001 (a look-ahead: the caller meets the error at that step itself)
+                return out
+            out.extend([d] * (last - k + 1))
+            k = last + 1
+        return out
+
     def _total_s(self, attention_s: float, tokens: int, seqs: int, num_decodes: int) -> float:
         """An iteration's time from its attention time: the per-token ops, the
         fixed cost, the LM head, the per-sequence costs (one order of float

@@ -12,7 +12,9 @@ heap: the cluster asks how many ends from now on are provably plain
 the ends in between are applied only when something observes the instance
 (its ``touched`` callback, called by every public method that reads or changes
 its state; the placement estimate reads only the queued prefill work, the latency
-model and the token budget, which no plain tick changes) or at that event. **An instance's
+model and the token budget, which no plain tick changes; a cached-prefix lookup whose first
+block the instance's KV holds nowhere, ``KVClassManager.may_hold_prefix``, is 0 with no
+catch-up, since plain ticks name no block) or at that event. **An instance's
 state is exact at every time something observes it**: a touch at ``t`` first
 applies every pending end at or before ``t`` (and before the queued event), so
 it sees what the eager loop would have shown; a touch that changes the
@@ -27,6 +29,11 @@ moves (fewer events are popped). Tie-break: a touch at time ``t`` comes after
 every pending end at ``t`` (iteration ends come first at equal times); two
 instances' iteration ends at the same instant keep no order between them
 beyond that.
+
+Placement is linear in the instances of a model per routed call, at a small
+constant: an instance that holds none of the session's prefix answers from
+one membership test, and the placement estimates of one instant are computed
+once per (latency model, token budget, work) (:meth:`EngineCluster.estimated_prefill_completion_s`).
 """
 
 from __future__ import annotations
@@ -80,6 +87,10 @@ class EngineCluster:
     num_lazy_runs: int = 0  # lazy runs started (a diagnostic)
     num_lazy_cuts: int = 0  # of which cut by a change before their queued event (a diagnostic)
     _lazy: dict = attrs.field(init=False, factory=dict)  # instance -> _LazyRun
+    #: (id of a latency model, token budget, work) -> the windowed prefill estimate, for the instant
+    #: ``_estimates_at`` only (a latency model is pure; its instances outlive the instant)
+    _estimates: dict = attrs.field(init=False, factory=dict)
+    _estimates_at: float = attrs.field(init=False, default=math.nan)
 
     def instances(self, model: str) -> list[str]:
         return [i.instance_id for i in self.by_model[model]]
@@ -88,12 +99,25 @@ class EngineCluster:
         return self.by_id[instance_id].block_size
 
     def cached_prefix_tokens(self, instance_id: str, history: SessionHistory) -> int:
-        return self.by_id[instance_id].cached_prefix_tokens(history)  # brings a lazy run up to date itself
+        inst = self.by_id[instance_id]
+        first = history.block_hash_run(inst.kv.block_size, 1)
+        if not first or not inst.kv.may_hold_prefix(first[0]):
+            return 0  # exact without a catch-up: plain ticks and owed evictions never add a named block
+        return inst.cached_prefix_tokens(history)  # brings a lazy run up to date itself
 
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
         inst = self.by_id[instance_id]  # no catch-up: plain ticks change none of what this reads
         work = inst.queued_prefill_tokens + num_uncached_tokens
-        return self.loop.now_s + windowed_prefill_s(inst.latency, work, inst.limits.token_budget, self.window_tokens)
+        now = self.loop.now_s
+        if now != self._estimates_at:  # the memo holds one instant's estimates (a placement's)
+            self._estimates.clear()
+            self._estimates_at = now
+        key = (id(inst.latency), inst.limits.token_budget, work)
+        prefill_s = self._estimates.get(key)
+        if prefill_s is None:
+            prefill_s = self._estimates[key] = windowed_prefill_s(inst.latency, work, inst.limits.token_budget,
+                                                                  self.window_tokens)
+        return now + prefill_s
 
     def watch_jobs(self, manager) -> None:
         """Let ``manager`` (a :class:`~shadowcore.manager.ShadowManager`) cut an instance's lazy run whenever

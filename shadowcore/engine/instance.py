@@ -58,8 +58,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import heapq
 import math
+import operator
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -71,7 +73,7 @@ from shadowcore.engine._deadlines import DecodeDeadlines
 from shadowcore.hook import EngineHook
 from shadowcore.job import SessionHistory
 from shadowcore.kv import KVClass, KVClassManager
-from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk
+from shadowcore.latency import BatchShape, LatencyModel, PrefillChunk, decode_run_s
 from shadowcore.types import (
     ChunkResult,
     DecodeAggregate,
@@ -233,6 +235,8 @@ class EngineInstance:
     num_agg_snapshots: int = 0  # of which planned on a full snapshot (views of every request; a diagnostic)
     steady_runs: bool = True  # run_steady may take runs of plain ticks (off: one round trip per iteration)
     num_steady_ticks: int = 0  # iteration ends taken by run_steady (a diagnostic)
+    # plain_ends' look-ahead (clock, decodes, total and longest context, the next durations), reused by run_steady
+    _ahead: tuple | None = attrs.field(default=None, init=False, repr=False)
     # Set by the cluster while this instance's steady run is lazy (ends not yet applied): every public
     # method that reads or changes its state calls it first (True: a change, the run is cut there).
     touched: Callable[[bool], None] | None = attrs.field(default=None, init=False, repr=False)
@@ -505,12 +509,13 @@ class EngineInstance:
             return _CLASSIC
         entries, blocked, nd = sched
         prefills, dctx = [], []  # dctx: re-admitted requests whose prefix is all cached decode at once
+        used = nd
         for r, n in entries:
+            used += n
             if r.num_prompt_tokens + r.num_generated - r.num_computed_tokens == 1 and r.first_token_s is not None:
                 dctx.append(r.num_computed_tokens)
             else:
                 prefills.append(PrefillChunk(n, r.num_computed_tokens))
-        used = nd + sum(n for _, n in entries)
         hook = self.hook
         why = None
         if hook is not None and not _fastpath.plans_nothing(hook):
@@ -543,8 +548,11 @@ class EngineInstance:
         budget = self.limits.token_budget - nd
         if budget < 0:
             return None
-        needs = self._decode_needs()
-        total = sum(n for n in needs if n > 0) + len(self._due_lazy) + self._due_phase
+        needs = self._decode_needs() if self._due else []
+        total = len(self._due_lazy) + self._due_phase
+        for n in needs:
+            if n > 0:
+                total += n
         entries, grow = [], []
         for req in self._prefilling:
             if budget <= 0:
@@ -565,8 +573,9 @@ class EngineInstance:
                 raise AssertionError(f"{self.instance_id}: a reservation that fits failed")
             req.num_blocks += need
         k = len(entries)
-        blocked = self._admit_waiting(budget, entries, now_s)
-        self._prefilling.extend(r for r, _ in entries[k:])
+        blocked = self._admit_waiting(budget, entries, now_s) if self.waiting else False
+        if len(entries) > k:
+            self._prefilling += [e[0] for e in entries[k:]]
         return entries, blocked, nd
 
     def _predict_agg(self, prefills: list, nd: int, dctx: list) -> float:
@@ -740,6 +749,11 @@ class EngineInstance:
         path would preempt nobody either; in one go (extend_private, whose
         outcome does not depend on the order of its needs)."""
         due, bs, at_boundary, num_phase = self._due, self.kv.block_size, self._due_lazy, self._due_phase
+        if num_phase and not due and not at_boundary and not needs:  # the usual: the phase members' blocks only
+            if not self.kv.extend_private(((self._pool_id, num_phase),), now_s):
+                return False
+            self._due_phase, self._pooled_upto = 0, self.num_fast_iterations
+            return True
         if len(due) != len(needs):
             raise ValueError(f"{self.instance_id}: {len(needs)} needs for {len(due)} due requests")
         grow = [(req.owner_id, need) for req, need in zip(due, needs) if need > 0]
@@ -801,7 +815,11 @@ class EngineInstance:
         lazy cohort holds every running request, nothing waits, and the hook
         (if any) grants nothing until the next event: it can skip now, and
         its controller never grants or this instance has no pending job (a
-        job becomes pending only through another event)."""
+        job becomes pending only through another event); and the end in
+        flight finishes no cohort member (run_steady would take no end)."""
+        finish = self._lazy_finish
+        if finish and finish[0][0] <= self.num_fast_iterations + 1:  # the commonest no, asked first
+            return False
         cls = type(self)
         if (not self.steady_runs or self._step is not None or self._agg is not None or not self._cohort or self._eager
                 or self._prefilling or self.waiting or self._due or self._due_lazy or self._due_phase
@@ -832,41 +850,53 @@ class EngineInstance:
         tick = _fastpath.tick_accounting(self.hook, True, False) if self.hook is not None else None
         nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
         next_finish = finish[0][0] if finish else math.inf
+        ahead, i = self._ahead_from(clock, nd, total, longest)
         room = -2  # what reservations here may take: free and idle blocks, read at the first boundary
         needs: list[tuple[str, int]] = []
-        t, last, d, busy, num = now_s, now_s, self._steady_s, self.busy_s, 0  # t: the in-flight iteration's end
-        try:
+        pooled, bs = 0, len(phase)  # pooled: the phase members' blocks of _reserve_due's boundaries, summed
+        t, last, d, busy, start, num_ahead = now_s, now_s, self._steady_s, self.busy_s, clock, len(ahead)
+        try:  # t: the in-flight iteration's end; after the k-th end here, contexts total + k nd, longest + k
             while True:
                 c = clock + 1
                 if c >= next_finish:
                     break
-                if phase[c % len(phase)] or c in lazy_due:  # a boundary at c (see _reserve_due)
+                p = phase[c % bs]
+                if p or c in lazy_due:  # a boundary at c (see _reserve_due)
                     if room == -2:  # nothing changes the pool in this loop: the same value as at its start
                         room = kv.num_free_blocks + kv.num_idle_blocks
-                    room = self._reserve_due(c, room, needs)
+                    if c in lazy_due:
+                        room = self._reserve_due(c, room, needs)
+                    elif p <= room:  # phase members only: _reserve_due's one need, added to the others
+                        pooled, room, self._pooled_upto = pooled + p, room - p, c
+                    else:
+                        room = -1
                     if room < 0:
                         break
                 busy += d  # the end of the iteration in flight (end_step)
                 clock, last = c, t
-                num += 1
                 if tick is not None:
                     tick(d)
-                total += nd
-                longest += 1
-                d = predict(nd, total, longest)  # the next iteration (start_step); may raise, as start_step would
+                if i < num_ahead:  # plain_ends' look-ahead: predict's value for this very step
+                    d = ahead[i]
+                    i += 1
+                else:  # the next iteration (start_step); may raise, as start_step would
+                    d = predict(nd, total + (c - start) * nd, longest + c - start)
                 t += d
                 if t >= horizon_s:
                     break
         finally:  # the state of the ends taken (also when the latency model raised)
+            if pooled:
+                needs.append((self._pool_id, pooled))
             if needs:
-                kv.extend_private(needs, last)  # fits: checked against room
+                kv.extend_private(needs, last)  # fits: checked against room; the order of needs does not matter
+            num = clock - start
             if num:
                 self.busy_s = busy
                 self.num_iterations_run += num
                 self.num_fast_iterations = clock
                 self.num_steady_ticks += num
                 self.iteration += num
-                self._ctx_total, self._ctx_max, self._steady_s = total, longest, d
+                self._ctx_total, self._ctx_max, self._steady_s = total + num * nd, longest + num, d
         return last, num, t
 
     def plain_ends(self, now_s: float, max_ends: int) -> tuple[int, float]:
@@ -893,18 +923,21 @@ class EngineInstance:
         if finish:
             num = min(num, finish[0][0] - clock - 1)
         num = min(num, kv.block_size * ((kv.num_free_blocks + kv.num_idle_blocks) // nd))
-        predict, total, longest, t = self.latency.predict_decodes_s, self._ctx_total, self._ctx_max, now_s
-        for j in range(num):
-            total += nd
-            longest += 1
-            try:
-                d = predict(nd, total, longest)
-            except Exception:  # noqa: BLE001 (a look-ahead: whatever it raises, run_steady raises there, at its time)
-                return j, t
-            if d is None:  # not timed from the aggregates: leave that iteration to the end in its own event
-                return j, t
-            t += d
-        return max(num, 0), t
+        # a step that gives None or raises ends the list: run_steady meets it there, at its time
+        ds = decode_run_s(self.latency, nd, self._ctx_total, self._ctx_max, num) if num > 0 else []
+        self._ahead = (clock, nd, self._ctx_total, self._ctx_max, ds)  # run_steady's next durations (pure values)
+        return len(ds), functools.reduce(operator.add, ds, now_s)  # now_s + ds[0] + ds[1] ..., in that order
+
+    def _ahead_from(self, clock: int, nd: int, total: int, longest: int) -> tuple[list, int]:
+        """plain_ends' durations still ahead of a steady run at these aggregates, and where they
+        start (the latency model is pure: the same arguments give the same values); ([], 0) when
+        the run is not the one plain_ends looked at."""
+        ahead = self._ahead
+        if ahead is not None and ahead[1] == nd:
+            k = clock - ahead[0]
+            if k >= 0 and total == ahead[2] + k * nd and longest == ahead[3] + k:
+                return ahead[4], k
+        return _NO_AHEAD, 0
 
     def _reserve_due(self, clock: int, room: int, needs: list) -> int:
         """The cohort members whose block boundary ``clock`` reaches get their
@@ -1059,19 +1092,21 @@ class EngineInstance:
 
     def _admit_waiting(self, budget: int, batch: list, now_s: float) -> bool:
         """FCFS admissions into ``batch`` within ``budget``; True when one was blocked."""
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            req = self.waiting[0]
-            if -(-(req.num_tokens + 1) // self.kv.block_size) > self.kv.num_blocks:
-                self._reject(self.waiting.popleft(), now_s)
+        waiting, running, max_seqs, kv = self.waiting, self.running, self.limits.max_num_seqs, self.kv
+        while waiting and budget > 0 and len(running) < max_seqs:
+            req = waiting[0]
+            num_tokens = req.num_prompt_tokens + req.num_generated  # req.num_tokens
+            if -(-(num_tokens + 1) // kv.block_size) > kv.num_blocks:
+                self._reject(waiting.popleft(), now_s)
                 continue
             if not self._admit(req, now_s):
                 return True
-            self.waiting.popleft()
-            self.running.append(req)
+            waiting.popleft()
+            running.append(req)
             self._num_routed += req.kind is _ROUTED
             req.run_seq = self._num_admitted
             self._num_admitted += 1
-            n = min(budget, req.num_tokens - req.num_computed_tokens)
+            n = min(budget, num_tokens - req.num_computed_tokens)
             batch.append((req, n))
             budget -= n
         return False
@@ -1102,27 +1137,29 @@ class EngineInstance:
         self.num_preemptions += 1
 
     def _admit(self, req: EngineRequest, now_s: float) -> bool:
-        bs = self.kv.block_size
+        kv = self.kv
+        bs = kv.block_size
         if req.num_oracle_tokens and req.num_admissions == 0:  # oracle: the prefix is cached for free
             owner = f"oracle:{req.request_id}"
-            if self.kv.allocate(owner, req.history.block_hashes(bs, req.num_oracle_tokens // bs), 0,
-                                KVClass.NORMAL, now_s) is not None:
-                self.kv.release(owner, now_s)
+            if kv.allocate(owner, req.history.block_hashes(bs, req.num_oracle_tokens // bs), 0,
+                           KVClass.NORMAL, now_s) is not None:
+                kv.release(owner, now_s)
         private = req.private_kv and req.num_admissions == 0
-        hashes = (req.history.block_hash_run if private else req.history.block_hashes)(bs, req.num_tokens // bs)
-        total = -(-(req.num_tokens + 1) // bs)
-        alloc = self.kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)
+        num_tokens = req.num_prompt_tokens + req.num_generated  # req.num_tokens
+        hashes = (req.history.block_hash_run if private else req.history.block_hashes)(bs, num_tokens // bs)
+        total = -(-(num_tokens + 1) // bs)
+        alloc = kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)
         if alloc is None:
             return False
         # vLLM's get_computed_blocks: a hit covers at most num_tokens - 1 tokens in whole blocks (the last
         # token is always computed), so a fully cached prompt still recomputes its last block.
-        hit = min(alloc.num_device_hit_blocks + alloc.num_host_hit_blocks, (req.num_tokens - 1) // bs) * bs
+        hit = min(alloc.num_device_hit_blocks + alloc.num_host_hit_blocks, (num_tokens - 1) // bs) * bs
         if req.num_cached_tokens is None:
             req.num_cached_tokens = hit
         req.num_computed_tokens = hit
         req.num_blocks = total
         req.pending_reload_s = alloc.reload_s
-        self.queued_prefill_tokens -= req.num_tokens
+        self.queued_prefill_tokens -= num_tokens
         return True
 
     def _advance(self, req: EngineRequest, n: int, now_s: float) -> None:
@@ -1132,8 +1169,11 @@ class EngineInstance:
         if req.first_token_s is None:
             req.first_token_s = now_s
         req.num_generated += 1
-        if req.on_token is not None:
-            req.on_token(req, now_s)
+        on_token = req.on_token
+        if on_token is append_output_to_history and req.history.token_ids is None:
+            req.history.num_tokens += 1  # what SessionHistory.append(1) does without token ids
+        elif on_token is not None:
+            on_token(req, now_s)
         if req.num_generated >= req.num_output_tokens:
             self._finish(req, now_s)
 
@@ -1152,12 +1192,12 @@ class EngineInstance:
         self._num_routed -= req.kind is _ROUTED
         # Cache the full blocks whose KV was computed, as vLLM does: the last sampled token's KV never is,
         # so (num_tokens - 1) // block_size blocks.
-        num_full = (req.num_tokens - 1) // self.kv.block_size
-        history = req.history
-        self.kv.release_and_cache(req.owner_id,
-                                  (history.block_hash_run if req.private_kv else history.block_hashes)(
-                                      self.kv.block_size, num_full),
-                                  f"commit:{req.request_id}", now_s)
+        kv, history = self.kv, req.history
+        bs = kv.block_size
+        num_full = (req.num_prompt_tokens + req.num_generated - 1) // bs  # req.num_tokens - 1
+        kv.release_and_cache(req.owner_id,
+                             (history.block_hash_run if req.private_kv else history.block_hashes)(bs, num_full),
+                             f"commit:{req.request_id}", now_s)
         if req.on_finish is not None:
             req.on_finish(req, now_s)
 
@@ -1231,6 +1271,7 @@ def _lazy_eligible(req: EngineRequest) -> bool:
 
 
 _CLASSIC = object()  # _start_agg: run the slow path
+_NO_AHEAD: list = []  # _ahead_from: no look-ahead (never appended to)
 # The longest-context heap keeps finished members until they surface; past 4 entries per running request plus
 # this many, _join rebuilds it from the live ones (the same minimum key: _cohort_max's answer does not change).
 _LONGEST_SLACK = 64

@@ -247,3 +247,16 @@ def test_a_private_allocation_of_a_cached_chain_equals_named(where: str) -> None
     _both(priv, named, "allocate", "g", list(range(7000, 7010)), 0, KVClass.NORMAL, 2.5)
     assert not priv.is_cached(-1)
     assert _state(priv) == _state(named)
+
+
+def test_may_hold_prefix_sees_a_private_chain_in_the_host_tier() -> None:
+    """A finished private chain evicted whole to the host tier (kept there by
+    count, under its first hash): ``may_hold_prefix`` of that hash is True, as
+    for the same chain named, and the lookup finds it."""
+    priv, named = _host_pair(8, 8)
+    _both(priv, named, "allocate", "p", range(1000, 1004), 0, KVClass.NORMAL, 0.0, private=True)
+    _both(priv, named, "release_and_cache", "p", range(1000, 1004), "c", 0.5)
+    _both(priv, named, "allocate", "f", [], 8, KVClass.NORMAL, 1.0)  # the chain to the host tier
+    assert priv._host_tier.heads == {1000: 1} and not priv._private_heads and priv._host_tier.num_private == 4
+    assert priv.may_hold_prefix(1000) and named.may_hold_prefix(1000)
+    assert priv.match_prefix(range(1000, 1004)) == named.match_prefix(list(range(1000, 1004))) == PrefixMatch(0, 4)

@@ -309,3 +309,47 @@ if __name__ == "__main__":
     data = {name: _normalise(run_case(name)) for name in sorted(CASES) + sorted(EXPERIMENT_CASES)}
     GOLDEN.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN} ({GOLDEN.stat().st_size} bytes)")
+
+
+def test_a_run_uses_only_its_own_look_ahead() -> None:
+    """run_steady reuses the durations plain_ends looked ahead only for the very
+    run they were computed for (same clock offset, batch size and aggregates): a
+    look-ahead left by other aggregates at the same clock and batch size changes
+    nothing, the run's own gives the same ends as none."""
+    import copy
+    import math
+
+    from shadowcore.engine.instance import EngineLimits, EngineRequest, append_output_to_history
+    from shadowcore.job import SessionHistory
+    from shadowcore.kv import KVClassManager
+    from shadowcore.latency import LinearLatencyModel
+    from shadowcore.types import RequestKind
+
+    inst = EngineInstance("i0", "m", KVClassManager(20_000, 16), LinearLatencyModel(), 0.05, EngineLimits(2048, 64))
+    now, checked = 0.0, 0
+    for k in range(40):
+        history = SessionHistory(f"r{k}")
+        history.append(100 + 13 * k)
+        inst.enqueue(EngineRequest(f"r{k}", RequestKind.NORMAL, history, 100 + 13 * k, 200, now, 10.0, 0.05,
+                                   on_token=append_output_to_history))
+        end = inst.start_step(now)
+        while end is not None and not inst.can_run_steady():
+            inst.end_step(end)
+            now, end = end, inst.start_step(end)
+        if end is None:
+            continue
+        none, own, stale = inst, copy.deepcopy(inst), copy.deepcopy(inst)
+        assert own.plain_ends(end, 40)[0] > 5
+        stale._ctx_total += 999  # another run's aggregates, same clock and batch size
+        stale.plain_ends(end, 40)
+        stale._ctx_total -= 999
+        none._ahead = None
+        want = none.run_steady(end, math.inf)
+        for other in (own, stale):
+            assert other.run_steady(end, math.inf) == want
+            assert (other.busy_s, other._steady_s, other._ctx_total) == (none.busy_s, none._steady_s, none._ctx_total)
+        checked += want[1] > 5
+        now, end = want[0], want[2]
+        inst.end_step(end)
+        now = end
+    assert checked > 10

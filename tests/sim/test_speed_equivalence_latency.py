@@ -193,3 +193,63 @@ def test_deadline_heap_gives_the_exact_minimum_slack() -> None:
         assert got == want, (trial, got, want)
         ties += sum(1 for v in views if abs(decode_slack_s(v, now, margin) - want) < 1e-9) > 1
     assert ties > 20, ties
+
+
+def _run_one_by_one(model, nd: int, total: int, longest: int, num: int) -> list[float]:
+    """decode_run_s's rule written out: each step's predict_decodes_s until one gives None or raises."""
+    out = []
+    for k in range(1, num + 1):
+        try:
+            d = model.predict_decodes_s(nd, total + k * nd, longest + k)
+        except Exception:  # noqa: BLE001
+            break
+        if d is None:
+            break
+        out.append(d)
+    return out
+
+
+def test_vidur_decode_run_equals_its_steps_one_by_one() -> None:
+    """VidurLatencyModel.predict_decode_run_s (one lookup per table cell) gives exactly the
+    steps' predict_decodes_s, across dense and geometric columns, up to the context limit,
+    and nothing for batches no step can time; decode_run_s dispatches to it."""
+    pytest.importorskip("vidur")
+    from shadow_sim.vidur_latency import VidurLatencyModel
+
+    from shadowcore.latency import decode_run_s
+
+    model = VidurLatencyModel.for_model("Llama-3.1-8B", "H100-80GB", 1, progress=False)
+    limit, bmax = model._rt["kv_limit"], model._rt["bmax"]
+    rng = np.random.default_rng(3)
+    cases = [(1, 0, 0, 600), (3, 65_000, 30_000, 400), (7, 255, 100, 300), (250, 60_000, 400, 256),
+             (2, 2 * limit - 40, limit - 20, 100), (1, limit, limit, 5), (bmax + 1, 10, 10, 5), (0, 0, 0, 5)]
+    for _ in range(60):
+        nd = int(rng.integers(1, bmax + 1))
+        longest = int(rng.integers(0, limit))
+        total = int(rng.integers(longest, longest * nd + 1))
+        cases.append((nd, total, longest, int(rng.integers(0, 300))))
+    cells = 0
+    for nd, total, longest, num in cases:
+        want = _run_one_by_one(model, nd, total, longest, num)
+        got = model.predict_decode_run_s(nd, total, longest, num)
+        assert got == want, (nd, total, longest, num)
+        assert decode_run_s(model, nd, total, longest, num) == want
+        cells += len(set(want))
+    assert cells > 100  # the runs cross many cells, not one value each
+    assert model.predict_decode_run_s(2, 2 * limit - 40, limit - 20, 100) == want_short(model, limit)
+
+
+def want_short(model, limit: int) -> list[float]:
+    """A run that reaches the context limit stops there: 20 steps of 100."""
+    out = _run_one_by_one(model, 2, 2 * limit - 40, limit - 20, 100)
+    assert len(out) == 20
+    return out
+
+
+def test_decode_run_without_a_run_method_steps_one_by_one() -> None:
+    from shadowcore.latency import decode_run_s
+
+    model = LinearLatencyModel()
+    assert decode_run_s(model, 5, 1000, 300, 40) == _run_one_by_one(model, 5, 1000, 300, 40)
+    assert len(decode_run_s(model, 5, 1000, 300, 40)) == 40
+    assert decode_run_s(model, 0, 0, 0, 10) == []
