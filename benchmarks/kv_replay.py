@@ -158,8 +158,9 @@ def _host_order(m) -> list[tuple[int, str]]:
     """The host tier's blocks and classes, least recent first (older versions: its dict of spill tokens)."""
     if hasattr(m, "host_order"):
         return [(h, c.value) for h, c in m.host_order()]
-    m.num_host_blocks  # settles owed evictions
-    return [(h, v[0].value) for h, v in m._host.items()]
+    if m.num_host_blocks:  # (the property settles the owed evictions first)
+        return [(h, v[0].value) for h, v in m._host.items()]
+    return []
 
 
 def _final_state(mod, m) -> tuple:
