@@ -720,9 +720,18 @@ class EngineInstance:
             return None
         if (self._due or self._due_lazy or self._due_phase) and not self._reserve_decodes(self._decode_needs(), now_s):
             return None
-        if self.hook is not None and not _fastpath.can_skip(self.hook):  # after the reservations, as begin_step is
-            return None  # the slow path finds the blocks reserved and does the rest
         nd = len(self.running)
+        hook = self.hook
+        if hook is not None and not _fastpath.can_skip(hook):  # after the reservations, as begin_step is
+            if not self._cohort or not self._agg_allowed():
+                return None  # the slow path finds the blocks reserved and does the rest
+            # What _start_agg would do with no entry (nothing prefills or waits, the blocks are reserved):
+            room = _ShadowRoom(self.kv, now_s)
+            why = _fastpath.empty_plan_reason(hook, self._summary(now_s, [], False, nd), room)
+            if why is None:
+                self._steady = False
+                return self._start_agg_planned(now_s, [], False, nd, room())
+            _fastpath.count_empty_plan(hook, why)  # and on: a steady iteration (the same batch and duration)
         fast = getattr(self.latency, "predict_decodes_s", None)
         duration = fast(nd, self._ctx_total, self._ctx_max) if fast is not None else None
         if duration is None:
