@@ -537,6 +537,18 @@ MUTATIONS: dict[str, tuple] = {
                          "num = min(num_steps, kv_limit - max_context)", "num = num_steps"),
     "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
                     "shadowcore/engine/_fastpath.py", '        return "no_jobs"\n', '        return "no_room"\n'),
+    # a steady iteration whose pending jobs need a refresh: proven empty in place (the reason counted as
+    # _start_agg would), or planned as _start_agg would when it might grant
+    "steady-refresh-count": ("tests/sim/test_speed_equivalence.py",
+                             "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
+                             "shadowcore/engine/instance.py",
+                             "            _fastpath.count_empty_plan(hook, why)  # and on: a steady iteration",
+                             "            pass  # and on: a steady iteration"),
+    "steady-refresh-plan": ("tests/sim/test_speed_equivalence.py",
+                            "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
+                            "shadowcore/engine/instance.py",
+                            "            if why is None:\n                self._steady = False\n",
+                            "            if why is None:\n                why = 'granted'\n            if False:\n"),
     # lazy ticks (issue 17): every touch of a lazily running instance first applies its pending ends, and a
     # change (a request enqueued, a job that may become pending there) cuts the run
     "lazy-enqueue": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
