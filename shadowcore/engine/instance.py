@@ -596,13 +596,13 @@ class EngineInstance:
         given the shadow room apart: the field here is 0, never read)."""
         eager = self._eager
         members = len(self.running) - len(self._prefilling) - len(eager)
-        if eager:
-            total = self._ctx_total - sum(r.num_computed_tokens for r in eager)
-            views = [r.view(1) for r in eager]
-            views.extend(r.view(n) for r, n in entries)
-        else:  # the usual: routed calls are the only eager requests
-            total, views = self._ctx_total, [r.view(n) for r, n in entries]
-        with _validation(self.validate_values):
+        with _validation(self.validate_values):  # the views too, as every other snapshot's
+            if eager:
+                total = self._ctx_total - sum(r.num_computed_tokens for r in eager)
+                views = [r.view(1) for r in eager]
+                views.extend(r.view(n) for r, n in entries)
+            else:  # the usual: routed calls are the only eager requests
+                total, views = self._ctx_total, [r.view(n) for r, n in entries]
             return StepSnapshot(
                 self.instance_id, self.iteration, now_s, views, len(self.waiting), blocked, self.tpot_slo_s,
                 max(0, self.limits.token_budget - used), 0,
