@@ -357,6 +357,13 @@ class EngineInstance:
     # predict_decodes_s from the aggregates is bit-identical to predict_s), the
     # same per-request updates and callbacks in batch order, and the hook's
     # accounting through skip_step. No snapshot, view, plan or outcome is built.
+    # With the lazy cohort, a steady iteration can_skip refuses (its pending
+    # jobs need a refresh, or miss n_min tokens or more) is what _start_agg
+    # would schedule with no entry: _fastpath.empty_plan_reason on the
+    # aggregate summary decides it here (its count, then on as a steady
+    # iteration; the aggregate path's duration predict_batch_s is
+    # predict_decodes_s's, bit-identical), and only when it might grant does
+    # _start_agg_planned plan it, as _start_agg would have.
     # tests/sim/test_speed_equivalence.py pins that the results are identical.
     #
     # Lazy decode cohort (``lazy_decodes``): in a run of steady iterations, a
