@@ -1,4 +1,4 @@
-"""Issue 16 item 7, part (a): ``idle-first-host`` against the request-level
+"""Issue 16 item 7, part (a): ``imminent-host`` (item 7's policy; any ``--policy``) against the request-level
 baseline (the paper's prototype, Appendix D.1) on vLLM's scheduler in virtual
 time at H100 speed, on the effect harness's workload
 (:mod:`shadow_vllm.effects`: one session file plus one normal-traffic draw, one
@@ -16,7 +16,8 @@ TTFT ratio at most 1.05, and its normal SLO attainment not below no-shadow's.
 Not a test: it prints figures (and exits 1 when the verdict is not met).
 ``--engine sim`` runs the simulator's side of the same harness instead (seconds
 per arm; the two engines agree within the harness's tolerances). Parameters
-of ``idle-first-host`` were chosen on seeds 100-102; report others (0-2).
+of ``idle-first-host`` were chosen on seeds 100-102 and ``imminent-host``'s on the
+testbed's 100-104; report others (0-2 here, 0-8 on the testbed).
 
 Run from the project root (about a minute of vLLM scheduling per arm and seed)::
 
@@ -29,7 +30,7 @@ time) and prints item 7's verdict there, per seed and over seeds, with what
 the testbed's table leaves out: the same-model TTFT ratio (from the matched
 calls' mean TTFT and mean switch-call TTFT) and routed-call latency::
 
-    shadowprefill reproduce --testbed --quick --seeds 0,1,2 --policy idle-first-host --out tbq
+    shadowprefill reproduce --testbed --quick --seeds 0,1,2 --policy imminent-host --out tbq
     python benchmarks/idle_first.py --testbed-points tbq/points/*.json
 """
 
@@ -46,7 +47,7 @@ from typing import Any
 
 from shadowcore.config import PluginRef, parse_ref
 
-SAME_TTFT_BOUND = 1.05
+SAME_TTFT_BOUND = 1.05  # the testbed's own (shadow_vllm.virtual.testbed.SAME_TTFT_BOUND; a test checks they agree)
 MODELS = ("Qwen2.5-7B", "Llama-3.1-8B")
 
 
@@ -55,7 +56,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (sessions and normal traffic)")
     p.add_argument("--engine", default="vllm", choices=("vllm", "sim"))
     p.add_argument("--policy", action="append", default=None,
-                   help="engine-level policy NAME[:JSON] (repeat; default idle-first-host)")
+                   help="engine-level policy NAME[:JSON] (repeat; default imminent-host)")
     p.add_argument("--host-tier", default="auto", choices=("auto", "on", "off"),
                    help="vLLM's OffloadingConnector for the policies (auto: for names ending in -host)")
     p.add_argument("--num-sessions", type=int, default=48)
@@ -66,63 +67,57 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def same_model_ttft_s(m: Mapping[str, float]) -> float:
-    """Mean TTFT of the matched same-model calls, from a testbed arm's means over all and over switch calls."""
-    same = m["calls"] - m["switch_calls"]
-    return (m["ttft_s"] * m["calls"] - m["switch_ttft_s"] * m["switch_calls"]) / same if same else math.nan
-
-
 def testbed_verdict(paths: Sequence[str]) -> int:
     """Item 7 on the testbed's point files: per seed, then over seeds (reductions and SLO change as the
     seeds' mean, as ``reproduce --testbed`` reports them; the same-model TTFT ratio of the summed TTFTs);
-    each arm against request-level over the points both ran. Files of one (pair, rho, seed) from several
-    runs merge (the first file's arm where two have it)."""
+    each arm against request-level over the points both ran, by the testbed's own rule
+    (:func:`shadow_vllm.virtual.testbed.item7_checks`). Files of one (pair, rho, seed) from several runs
+    merge (the first file's arm where two have it)."""
     import json
+
+    from shadow_vllm.virtual.testbed import item7_checks, with_same_ttft_sum
 
     by_point: dict[tuple, dict[str, Mapping[str, float]]] = {}
     for path in paths:
         pt = json.loads(Path(path).read_text())
         arms = by_point.setdefault((pt["pair"], pt["rho"], pt["seed"]), {})
-        for arm, m in pt["arms"].items():
+        for arm, m in with_same_ttft_sum(pt["arms"]).items():
             arms.setdefault(arm, m)
     names = list(dict.fromkeys(a for arms in by_point.values() for a in arms))
+    keep = ("switch_ttft_red", "call_latency_red", "switch_latency_red", "normal_slo_pp", "same_ttft_sum")
     rows: dict[str, dict[tuple, dict[str, float]]] = {a: {} for a in names}
     print(f"{'point':24s} {'arm':58s} {'sw TTFT red':>11s} {'same TTFT':>9s} {'call lat red':>12s} "
           f"{'sw lat red':>10s} {'normal SLO pp':>13s}")
     for key, arms in sorted(by_point.items()):
-        base = arms["no-shadow"]
         for arm, m in arms.items():
-            r = rows[arm][key] = {
-                "switch_ttft_red": m["switch_ttft_red"], "call_latency_red": m["call_latency_red"],
-                "switch_latency_red": m["switch_latency_red"], "normal_slo_pp": m["normal_slo_pp"],
-                "same_sum": same_model_ttft_s(m) * (m["calls"] - m["switch_calls"]),
-                "base_same_sum": same_model_ttft_s(base) * (base["calls"] - base["switch_calls"])}
+            r = rows[arm][key] = {k: m[k] for k in keep}
             print(f"{f'{key[0]} rho {key[1]} seed {key[2]}':24s} {arm[:58]:58s} {r['switch_ttft_red']:11.3f} "
-                  f"{r['same_sum'] / r['base_same_sum']:9.3f} {r['call_latency_red']:12.3f} "
+                  f"{r['same_ttft_sum'] / arms['no-shadow']['same_ttft_sum']:9.3f} {r['call_latency_red']:12.3f} "
                   f"{r['switch_latency_red']:10.3f} {100 * r['normal_slo_pp']:13.2f}")
 
     def mean(arm: str, keys: Sequence[tuple]) -> dict[str, float]:
-        m = {k: sum(rows[arm][p][k] for p in keys) / len(keys) for k in rows[arm][keys[0]]}
-        return {**m, "same_ratio": m["same_sum"] / m["base_same_sum"]}
+        return {k: sum(rows[arm][p][k] for p in keys) / len(keys) for k in keep}
 
     ok = True
     for arm in names[2:]:
         keys = sorted(rows[arm])
-        m, rl = mean(arm, keys), mean("request-level", keys)
-        checks = {
+        m, rl, base = mean(arm, keys), mean("request-level", keys), mean("no-shadow", keys)
+        met = item7_checks(m, rl, base)
+        ratio = lambda x, base=base: x["same_ttft_sum"] / base["same_ttft_sum"]
+        lines = {
             f"switch TTFT reduction {m['switch_ttft_red']:.3f} >= request-level's {rl['switch_ttft_red']:.3f}":
-                m["switch_ttft_red"] >= rl["switch_ttft_red"],
-            f"same-model TTFT ratio {m['same_ratio']:.3f} <= {SAME_TTFT_BOUND} (request-level "
-            f"{rl['same_ratio']:.3f})": m["same_ratio"] <= SAME_TTFT_BOUND,
-            f"normal SLO change {100 * m['normal_slo_pp']:+.2f} pp >= 0": m["normal_slo_pp"] >= 0,
+                met["switch TTFT"],
+            f"same-model TTFT ratio {ratio(m):.3f} <= {SAME_TTFT_BOUND} (request-level {ratio(rl):.3f})":
+                met["same-model TTFT"],
+            f"normal SLO change {100 * m['normal_slo_pp']:+.2f} pp >= 0": met["normal SLO"],
         }
         print(f"\n{arm} (mean over {len(keys)} points: {', '.join(f'seed {k[2]}' for k in keys)}):")
-        for what, met in checks.items():
-            print(f"  {'MET    ' if met else 'NOT MET'} {what}")
+        for what, good in lines.items():
+            print(f"  {'MET    ' if good else 'NOT MET'} {what}")
         print(f"  routed-call latency {100 * m['call_latency_red']:.1f}% below no-shadow's (request-level "
               f"{100 * rl['call_latency_red']:.1f}%); switch calls {100 * m['switch_latency_red']:.1f}% "
               f"(request-level {100 * rl['switch_latency_red']:.1f}%)")
-        ok = ok and all(checks.values())
+        ok = ok and all(met.values())
     return 0 if ok else 1
 
 
@@ -212,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.testbed_points:
         return testbed_verdict(args.testbed_points)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    refs = [parse_ref(p) for p in (args.policy or ["idle-first-host"])]
+    refs = [parse_ref(p) for p in (args.policy or ["imminent-host"])]
     arms: dict[str, tuple[Any, bool]] = {"no-shadow": ("no-shadow", False), "request-level": ("no-shadow", False)}
     for ref in refs:
         host = args.host_tier == "on" or (args.host_tier == "auto" and ref.name.endswith("-host"))

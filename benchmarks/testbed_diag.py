@@ -14,8 +14,9 @@ virtual time, and per arm:
 ``--gaps``: per switch call whose shadow was incomplete, the missing tokens, the tool gap
 (previous call's end to this call's arrival), its planned iterations on the instance by budget
 cause (``(routed<=0)``: the routed decodes' Eq. 1 slack gone at the margin that applied;
-``[batch<=0]``: the batch's too), whether the first pending job was imminent, and the tokens
-granted to that session and to others.
+``[batch<=0]``: the batch's too), in how many of them the session had a job pending on the target
+(``own-job-pending``; 0: no job to prefill, e.g. the targeting's gate left it out), whether the first
+pending job was imminent, and the tokens granted to that session and to others.
 
 Usage: ``python benchmarks/testbed_diag.py --seed 100 --policy idle-first-host
 --policy 'idle-first-host:{"routed_decode_margin":0.4}'``. Prints a table per arm; a diagnostic,
@@ -69,7 +70,7 @@ def run(seed: int, arm: str, policy) -> dict:
                 last["why"], last["imminent"] = why, bool(imminence.get("imminent"))
                 return b
             slack.budget = budget
-            hook.observers.add(_Timeline(timeline.setdefault(name, []), vr, last[name]))
+            hook.observers.add(_Timeline(timeline.setdefault(name, []), vr, last[name], hook))
     vr.run()
     measured = {p.session_id for p in sim.workload.sessions if ex.warmup_s <= p.arrival_s < ex.end_s}
     prev_ctx = {}
@@ -101,10 +102,10 @@ def run(seed: int, arm: str, policy) -> dict:
 class _Timeline:
     """An observer of one hook's plans: (virtual time, budget reason, routed kind, granted tokens,
     budget why (with the zero-slack cause), whether the first job was imminent, budget s, base s,
-    decode-only, {session: tokens granted})."""
+    decode-only, {session: tokens granted}, sessions with a pending job on the instance)."""
 
-    def __init__(self, rows: list, vr, last: dict) -> None:
-        self.rows, self.vr, self.last = rows, vr, last
+    def __init__(self, rows: list, vr, last: dict, hook) -> None:
+        self.rows, self.vr, self.last, self.hook = rows, vr, last, hook
 
     def on_plan(self, snapshot, plan) -> None:
         kind = "routed-prefill" if snapshot.has_routed and _prefilling(snapshot) else \
@@ -115,7 +116,8 @@ class _Timeline:
         decode_only = snapshot.aggregate is None and snapshot.batch_shape.is_decode_only
         self.rows.append((self.vr.loop.now_s, plan.budget.reason.value, kind, sum(g.num_tokens for g in plan.grants),
                           self.last.get("why", plan.budget.reason.value), self.last.get("imminent", False),
-                          plan.budget.budget_s, plan.predicted_base_s, decode_only, per))
+                          plan.budget.budget_s, plan.predicted_base_s, decode_only, per,
+                          frozenset(j.key.session_id for j in self.hook.manager.pending_jobs(self.hook.instance_id))))
 
 
 def _gaps(r: dict) -> None:
@@ -133,10 +135,12 @@ def _gaps(r: dict) -> None:
             other = sum(x[3] for x in gap) - own
             imm = sum(1 for x in gap if x[5])
             zero_do = sum(1 for x in gap if x[3] == 0 and x[8] and x[2] != "no-routed")
-            totals.update({"calls": 1, "missing": ctx - cached, "gap_iters": len(gap), "own": own, "other": other})
+            with_job = sum(1 for x in gap if sid in x[10])  # 0: no job of this session pending on the target
+            totals.update({"calls": 1, "missing": ctx - cached, "gap_iters": len(gap), "own": own, "other": other,
+                           "calls_without_a_pending_job": with_job == 0})
             totals.update({f"{w}/{k}": v for (w, k), v in whys.items()})
             print(f"    miss {model} {sid}#{idx}: missing={ctx - cached} of ctx={ctx} gap={arrival - prev:.2f}s "
-                  f"iters={len(gap)} first-imminent={imm} decode-only-zero={zero_do} granted own={own} "
+                  f"iters={len(gap)} own-job-pending={with_job} first-imminent={imm} decode-only-zero={zero_do} granted own={own} "
                   f"other={other} ttft={ttft:.2f}s by cause: "
                   + ", ".join(f"{w}/{k}={v}" for (w, k), v in sorted(whys.items())))
     print("    miss totals: " + ", ".join(f"{k}={v}" for k, v in sorted(totals.items())))

@@ -186,26 +186,28 @@ def test_routed_decode_margin_keeps_every_slo_slack_budget_within_the_batch_slac
     assert log.decoding > 0 and not log.problems, log.problems[:3]
 
 
-def test_reproduce_reports_idle_first_host_against_the_oracle() -> None:
-    """reproduce's main and models-per-router studies run idle-first-host, and its paper-comparison
-    table has its item 7 rows (fed synthetic comparisons, no simulation)."""
-    from shadow_sim.experiments.reproduce import markdown, studies
+def test_reproduce_reports_item7s_policy_against_the_oracle() -> None:
+    """reproduce's main study runs idle-first-host and imminent-host (item 7's policy), the models-per-router
+    study idle-first-host, and its paper-comparison table has the item 7 rows for imminent-host (fed
+    synthetic comparisons, no simulation)."""
+    from shadow_sim.experiments.reproduce import ITEM7_POLICY, markdown, studies
     from shadow_sim.experiments.runner import COLUMNS, Comparison, policy_label
 
+    assert ITEM7_POLICY == "imminent-host"
     results = {}
     for study, label, _fields, refs in studies(True):
         names = tuple(policy_label(r) for r in refs)
-        gain = {n: (0.8 if n == "idle-first-host" else 0.5) for n in names}
+        gain = {n: {"imminent-host": 0.8, "idle-first-host": 0.7}.get(n, 0.5) for n in names}
         summary = {n: {**{key: (0.0, 0.0) for key, _title, _kind in COLUMNS}, "oracle_gain_switch": (gain[n], 0.0),
                        "energy_inc": (0.004, 0.0), "normal_slo_pp": (0.001, 0.0), "calls": (120.0, 0.0),
                        "switch_calls": (30.0, 0.0)} for n in names}
         results[f"{study}:{label}"] = (study, Comparison(label, names, names[0], "oracle-host", (), summary))
-    assert "idle-first-host" in results["main:Q7/L70"][1].policies
+    assert {"idle-first-host", "imminent-host"} <= set(results["main:Q7/L70"][1].policies)
     assert "idle-first-host" in results["nmodels:N=5"][1].policies
     table = markdown(results, quick=True)
-    assert "| idle-first-host (ours) share of the oracle's switch-call gain, main pairs (target >= 75%) | ours | – | 80.0% |" \
+    assert "| imminent-host (ours) share of the oracle's switch-call gain, main pairs (target >= 75%) | ours | – | 80.0% |" \
         in table
-    assert "| idle-first-host (ours) energy per good request change, main pairs (target <= +1%) | ours | – | 0.4% |" \
+    assert "| imminent-host (ours) energy per good request change, main pairs (target <= +1%) | ours | – | 0.4% |" \
         in table
 
 
@@ -230,7 +232,10 @@ def test_testbed_verdict_reads_point_files(tmp_path, capsys) -> None:
     point = {"pair": "L8/L70", "rho": 0.3, "seed": 7, "arms": {
         "no-shadow": arm(1.0, 1.6, 0.0), "request-level": arm(0.6, 0.4, 0.5), "ours": arm(0.64, 0.4, 0.6)}}
     (tmp_path / "p.json").write_text(json.dumps(point))
-    assert bench.same_model_ttft_s(point["arms"]["ours"]) == pytest.approx(0.8)
+    from shadow_vllm.virtual import testbed
+
+    assert testbed.same_model_ttft_s(point["arms"]["ours"]) == pytest.approx(0.8)
+    assert bench.SAME_TTFT_BOUND == testbed.SAME_TTFT_BOUND
     assert bench.main(["--testbed-points", str(tmp_path / "p.json")]) == 1  # 0.8 / 0.6 = 1.33 > 1.05
     out = capsys.readouterr().out
     assert "MET     switch TTFT reduction 0.600 >= request-level's 0.500" in out

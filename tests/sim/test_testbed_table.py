@@ -44,3 +44,22 @@ def test_switch_ttft_share_bounds_the_task_time_reduction() -> None:
     assert math.isnan(testbed.switch_ttft_share({}))
     table = testbed.per_point_table({("L8/L70", 0.3): {"no-shadow": m}}, ("no-shadow",))
     assert "| 15.0% |" in table
+
+
+def test_item7_table_judges_each_engine_level_arm_against_request_level() -> None:
+    """Item 7's testbed bar: switch-call TTFT reduction at least request-level's, same-model TTFT (summed,
+    from the means over all and over switch calls) at most 1.05x no-shadow's, normal SLO not lower."""
+    def arm(ttft: float, switch_ttft: float, switch_red: float, slo_pp: float = 0.0) -> dict:
+        return {"calls": 10.0, "switch_calls": 4.0, "ttft_s": ttft, "switch_ttft_s": switch_ttft,
+                "switch_ttft_red": switch_red, "normal_slo_pp": slo_pp}
+
+    # same-model TTFT: no-shadow (10 - 6.4) / 6 = 0.6, request-level (6 - 1.6) / 6 = 0.733; "ok" 0.6; "slow" 0.8
+    seed = {"no-shadow": arm(1.0, 1.6, 0.0), "request-level": arm(0.6, 0.4, 0.5),
+            "ok": arm(0.52, 0.4, 0.5), "slow": arm(0.64, 0.4, 0.6), "short": arm(0.52, 0.4, 0.49, -0.01)}
+    derived = testbed.with_same_ttft_sum(seed)
+    assert math.isclose(derived["slow"]["same_ttft_sum"], 4.8)
+    table = testbed.item7_table({("L8/L70", 0.3): derived}, tuple(seed))
+    assert "| L8/L70 | 0.3 | ok | 50.0% (50.0%) | 1.000 (1.222) | +0.00 | met |" in table
+    assert "| slow | 60.0% (50.0%) | 1.333 (1.222) | +0.00 | not met (same-model TTFT) |" in table
+    assert "| short | 49.0% (50.0%) | 1.000 (1.222) | -1.00 | not met (switch TTFT, normal SLO) |" in table
+    assert "request-level |" not in table.split("\n", 2)[2]  # only engine-level arms are judged
