@@ -66,9 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="16,64,256")
     ap.add_argument("--iterations", type=int, default=2000)
+    ap.add_argument("--json", action="store_true", help="print [[batch, us per iteration], ...] only "
+                                                         "(benchmarks/scale.py reads it)")
     a = ap.parse_args(argv)
     batches = [int(x) for x in a.batches.split(",")]
     rows = [(b, per_iteration_us(b, a.iterations)) for b in batches]
+    if a.json:
+        import json
+
+        print(json.dumps(rows))
+        return 0
     print(f"{'decodes':>8} {'us/iteration':>13}  (one prefill chunk, one admission, one finish each)")
     for b, us in rows:
         print(f"{b:>8} {us:>13.1f}")
