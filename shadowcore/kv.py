@@ -707,6 +707,25 @@ class _HostTier:
         else:
             del self.heads[head]
 
+    def trims_private_only(self, num: int, capacity: int) -> bool:
+        """Whether spilling ``num`` more private blocks, in pieces each below
+        ``capacity``, would trim only private runs' entries (so ``blocks`` and
+        ``removals`` stay as they are): the trims then take the ``len(self) +
+        num - capacity`` least recent entries, all from the head runs, none
+        of them the new ones (``num < capacity``)."""
+        if num >= capacity:
+            return False
+        excess = len(self.blocks) + self.num_private + num - capacity
+        pos = self._pos
+        for token, hashes in self._runs:
+            if excess <= 0:
+                return True
+            if len(token) != 3:
+                return False  # a named run: a trim reaching it counts a removal, even of stale entries only
+            excess -= len(hashes) - pos
+            pos = 0
+        return excess <= 0
+
     def take(self, hashes: Iterable[int]) -> None:
         """Reload: the blocks of ``hashes`` that are in the tier leave it
         (their entries go stale); compact when stale ones are too many.
@@ -901,6 +920,41 @@ class KVClassManager:
             if owed:
                 self._evict(owed, KVClass.NORMAL, 0.0)
 
+    def _owed_private_victims(self) -> list[tuple[int, int]] | None:
+        """The owed evictions' victims as ``(release, count)`` pieces, in
+        order, when they are all private runs at the head of the normal idle
+        order (the usual), which :meth:`_settle` takes by count
+        (:meth:`_evict_private_heads`: the policy takes heads, no shadow
+        block is idle); None otherwise. A read: the idle order only drops
+        dead runs at its head (a change of representation)."""
+        private = self._private_runs
+        if not private or self._idle[KVClass.SHADOW].count or not self.policy.takes_heads(KVClass.NORMAL):
+            return None
+        left, need, pieces = self._idle_left, self._owed, []
+        for state, _ in self._idle[KVClass.NORMAL].runs_from_head():
+            release = state[3]
+            if release not in left:
+                continue  # a dead run: no block of its release is idle (the settle's trim drops it unread)
+            if release not in private:
+                return None
+            m = min(need, left[release])
+            pieces.append((release, m))
+            need -= m
+            if not need:
+                return pieces
+        return None
+
+    def _settle_names_nothing(self, pieces: list[tuple[int, int]] | None) -> bool:
+        """Whether making the owed evictions, whose victims are ``pieces``
+        (:meth:`_owed_private_victims`), would leave the named key sets as
+        they are (the block map, the host tier's dict and their removal
+        counts: :meth:`_key_sets_version`): the victims are private, and the
+        host tier's trims of their spill take only private runs' entries."""
+        if pieces is None:
+            return False
+        capacity = self.host_capacity_blocks
+        return not capacity or self._host_tier.trims_private_only(self._owed, capacity)
+
     def _evict_private_heads(self, num: int) -> int:
         """Evict up to ``num`` of a normal requester's victims while they are
         private runs at the head of the normal idle order, and return how many
@@ -1028,14 +1082,19 @@ class KVClassManager:
         ``hashes_of(block_size)`` for ``key`` (a history's epoch and length:
         it only appends within an epoch) and that those hashes name no
         private chain (``allocate(private=True)``'s promise). Settles first,
-        as every query does, so the answer is ``match_prefix``'s."""
-        if self._owed:
-            self._settle()
-        host = self._host_tier
-        # The key sets' version: a key set changes iff its size does or a removal ran (sizes only grow between
-        # removals, and each removal event bumps its counter), so equal versions mean equal key sets.
-        version = (len(self._blocks), self._named_removals, len(host.blocks), host.removals)
+        as every query does, so the answer is ``match_prefix``'s, except for a
+        remembered answer when the owed evictions are private only
+        (:meth:`_settle_names_nothing`): settling them would leave the
+        version as it is, so the answer after it is the remembered one, and
+        the debt stays owed for the next query (this one changed nothing)."""
         memo = self._prefix_memo
+        if self._owed:
+            hit = memo.get(id(key))
+            if (hit is not None and hit[0] is key and hit[1] == stamp and self._key_sets_version() == self._prefix_version
+                    and self._settle_names_nothing(self._owed_private_victims())):
+                return hit[2]
+            self._settle()
+        version = self._key_sets_version()
         if version != self._prefix_version:
             memo.clear()
             self._prefix_version = version
@@ -1046,6 +1105,13 @@ class KVClassManager:
         n = self.match_prefix(hashes_of(self.block_size)).num_blocks
         memo[id(key)] = (key, stamp, n)  # (a lookup that named private blocks grew the map: the next call clears)
         return n
+
+    def _key_sets_version(self) -> tuple:
+        """The named key sets' version: a key set changes iff its size does or
+        a removal ran (sizes only grow between removals, and each removal
+        event bumps its counter), so equal versions mean equal key sets."""
+        host = self._host_tier
+        return len(self._blocks), self._named_removals, len(host.blocks), host.removals
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
         if self._owed:
@@ -1078,16 +1144,27 @@ class KVClassManager:
                 or first_hash in self._host_tier.heads)
 
     def shadow_room_blocks(self, now_s: float) -> int:
-        """Blocks a shadow chunk could take now: cap room, free and cold."""
+        """Blocks a shadow chunk could take now: cap room, free and cold.
+        Owed evictions whose victims are all private head runs
+        (:meth:`_owed_private_victims`) stay owed: settling them changes
+        neither the shadow count nor the free count, and takes from the cold
+        count exactly their blocks of cold releases, which this subtracts."""
+        pieces = None
         if self._owed:
-            self._settle()
+            pieces = self._owed_private_victims()
+            if pieces is None:
+                self._settle()
         room = self.cap_blocks - self._num_shadow_blocks
         if room <= 0:
             return 0
         if self.num_free_blocks >= room:
             return room
         self._refresh_cold(now_s)
-        return min(room, self.num_free_blocks + self._num_cold_idle)
+        cold = self._num_cold_idle
+        if pieces:
+            live = self._live  # a release not in it is cold (_left_release takes its blocks from the cold count)
+            cold -= sum(m for release, m in pieces if release not in live)
+        return min(room, self.num_free_blocks + cold)
 
     def _refresh_cold(self, now_s: float) -> None:
         """Count idle blocks that became cold since the last call: O(1) per
