@@ -1486,13 +1486,20 @@ class KVClassManager:
         if not keep and len(hashes) >= 4:
             states = list(map(blocks.__getitem__, hashes))
             n = len(hashes)
-            num_shadow = sum(map(_KV_CLASS_FLAG, states))
-            if (list(map(_REF, states)).count(1) == n and num_shadow in (0, n)  # one class, one holder each
-                    and len(set(hashes)) == n):
-                shadow = num_shadow > 0
-                blocks.update(zip(hashes, repeat(idle_state[shadow])))
-                idle[_KV_CLASS[shadow]].append(idle_state[shadow], hashes)
-                self._new_release(release, len(hashes), now_s)
+            if list(map(_REF, states)).count(1) == n and len(set(hashes)) == n:  # one holder each: all go idle
+                flags = list(map(_KV_CLASS_FLAG, states))
+                num_shadow = sum(flags)
+                if num_shadow in (0, n):  # one class (a released request's or a fresh shadow chunk's)
+                    shadow = num_shadow > 0
+                    blocks.update(zip(hashes, repeat(idle_state[shadow])))
+                    idle[_KV_CLASS[shadow]].append(idle_state[shadow], hashes)
+                else:  # both (a shadow chunk over a prefix of normal blocks): the loop's lists, by class in order
+                    self._mixed.add(release)
+                    for shadow, run in ((False, list(compress(hashes, map(not_, flags)))),
+                                        (True, list(compress(hashes, flags)))):
+                        blocks.update(zip(run, repeat(idle_state[shadow])))
+                        idle[_KV_CLASS[shadow]].append(idle_state[shadow], run)
+                self._new_release(release, n, now_s)
                 return
         newly_idle = ([], [])  # by the shadow flag, in order
         for h in hashes:
