@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from shadowcore.kv import HostTierParams, KVClass, KVClassManager, KVClassPolicy
 
-from .test_speed_equivalence_kv import _chain, _run, _state
+from .test_speed_equivalence_kv import _chain, _Key, _run, _state
 
 _OP = st.one_of(
     st.tuples(st.just("alloc"), st.integers(0, 4), st.integers(1, 8), st.booleans()),  # named or shadow
@@ -31,10 +31,6 @@ _OP = st.one_of(
     st.tuples(st.just("read"),),
     st.tuples(st.just("read"),),
 )
-
-
-class _Key:
-    """A lookup's key (remembered per key object, as the engine per history)."""
 
 
 def _reads(kv: KVClassManager, keys: list, now: float, settle: bool) -> list[int]:
@@ -49,10 +45,13 @@ def _reads(kv: KVClassManager, keys: list, now: float, settle: bool) -> list[int
     return out
 
 
+def _pool(num_blocks: int, host_blocks: int = 0) -> KVClassManager:
+    host = HostTierParams(capacity_bytes=host_blocks * 16 * 131072.0) if host_blocks else None
+    return KVClassManager(num_blocks, 16, KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=2.0, host=host))
+
+
 def _drive(capacity: int, ops: list) -> None:
-    policy = KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=2.0,
-                           host=HostTierParams(capacity_bytes=capacity * 16 * 131072.0) if capacity else None)
-    kvs = [KVClassManager(24, 16, policy), KVClassManager(24, 16, policy)]  # [reads that may leave debt, settled]
+    kvs = [_pool(24, capacity), _pool(24, capacity)]  # [reads that may leave debt, settled]
     keys = [[_Key() for _ in range(5)] for _ in kvs]
     owners: list[tuple[str, int]] = []
     now = 0.0
@@ -108,11 +107,6 @@ def test_the_shadow_room_under_private_debt_leaves_out_the_cold_victims() -> Non
     assert kv.extend_private([("q", 5)], 3.0) and kv._owed == 5
     assert kv.shadow_room_blocks(3.0) == 3 and kv._owed == 5  # cap 8: 3 cold idle left after the 5 owed
     assert kv.num_shadow_blocks == 0 and kv.shadow_room_blocks(3.0) == 3  # settled: the same
-
-
-def _pool(num_blocks: int, host_blocks: int = 0) -> KVClassManager:
-    host = HostTierParams(capacity_bytes=host_blocks * 16 * 131072.0) if host_blocks else None
-    return KVClassManager(num_blocks, 16, KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=2.0, host=host))
 
 
 def _lookup(kv: KVClassManager, key: _Key) -> int:
