@@ -55,7 +55,10 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
   the ones the takes would have made (only normal takes and private finishes
   ran since, which leave the idle orders' heads and the host tier as they
   were, and a normal requester's victims do not depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
-  debt without settling it.
+  debt without settling it; a remembered prefix lookup and the shadow room
+  read past it while every owed victim is a private head run whose spill
+  trims only private host-tier entries (``_owed_scan_now``: settling then
+  changes no named key set, and the room subtracts the cold victims).
 * Device and host tier are disjoint, so a spilled run enters the host tier in
   one update with one capacity check (exactly an LRU of single spills). The
   tier is a plain dict in LRU order plus the runs spills appended
