@@ -55,7 +55,10 @@ tier each run as a few C-level passes (``dict.update``, ``map``,
   the ones the takes would have made (only normal takes and private finishes
   ran since, which leave the idle orders' heads and the host tier as they
   were, and a normal requester's victims do not depend on the time). ``eviction_count`` and ``num_idle_blocks`` count the
-  debt without settling it.
+  debt without settling it; a remembered prefix lookup and the shadow room
+  read past it while every owed victim is a private head run whose spill
+  trims only private host-tier entries (``_owed_scan_now``: settling then
+  changes no named key set, and the room subtracts the cold victims).
 * Device and host tier are disjoint, so a spilled run enters the host tier in
   one update with one capacity check (exactly an LRU of single spills). The
   tier is a plain dict in LRU order plus the runs spills appended
@@ -707,6 +710,24 @@ class _HostTier:
         else:
             del self.heads[head]
 
+    def head_token(self) -> tuple | None:
+        """The least recent run's token (None: no run)."""
+        return self._runs[0][0] if self._runs else None
+
+    def private_cover(self, start: int, cover: int) -> tuple[int, int, bool]:
+        """Scan the runs from index ``start`` (``cover`` entries found so far)
+        for the least recent entries that are private runs' ones: ``(next
+        index, cover, blocked)``, ``blocked`` when a named run ends it (a
+        trim reaching a named run counts a removal, even of stale entries
+        only). A trim of up to ``cover`` entries takes private ones only."""
+        runs = self._runs
+        for k in range(start, len(runs)):
+            token, hashes = runs[k]
+            if len(token) != 3:
+                return k, cover, True
+            cover += len(hashes) - (self._pos if k == 0 else 0)
+        return len(runs), cover, False
+
     def take(self, hashes: Iterable[int]) -> None:
         """Reload: the blocks of ``hashes`` that are in the tier leave it
         (their entries go stale); compact when stale ones are too many.
@@ -764,6 +785,41 @@ class _HostTier:
         return [(h, token[0]) for token, hashes in self._live_runs() for h in hashes]
 
 
+class _OwedScan:
+    """The owed evictions' victims while they are all private runs at the
+    head of the normal idle order (:meth:`KVClassManager._owed_scan_now`).
+
+    Invariants: ``releases`` are the private head runs' releases in order
+    (release order, so oldest first), ``ends[i + 1]`` the idle blocks of the
+    first ``i + 1`` of them (``ends[0]`` 0); ``next`` the index of the
+    idle order's next run to scan, ``blocked`` once a named run came first;
+    ``host_*`` the same for the host tier's least recent private entries
+    (:meth:`_HostTier.private_cover`)."""
+
+    __slots__ = ("blocked", "cold", "ends", "head", "host_blocked", "host_cover", "host_head", "host_next", "next",
+                 "releases")
+
+    def __init__(self, head: tuple | None) -> None:
+        self.head = head  # the idle order's head run when the scan began
+        self.releases: list[int] = []
+        self.ends = [0]
+        self.next = 0
+        self.blocked = False
+        self.cold = 0  # the first ``cold`` releases are known cold
+        self.host_head: tuple | None = None
+        self.host_next, self.host_cover, self.host_blocked = 0, 0, False
+
+    def cold_victims(self, owed: int, live: Container[int]) -> int:
+        """Of the first ``owed`` victims, those of cold releases (not in
+        ``live``): the cold releases are the oldest, so a prefix of
+        ``releases``, which only grows (a release once cold stays cold)."""
+        releases, i = self.releases, self.cold
+        while i < len(releases) and releases[i] not in live:
+            i += 1
+        self.cold = i
+        return min(owed, self.ends[i])
+
+
 @attrs.define(eq=False)
 class _Owner:
     kv_class: KVClass
@@ -818,6 +874,8 @@ class KVClassManager:
     # cached_prefix_blocks' memo: the key sets' version it holds for, and per key (by identity) (key, stamp, n).
     _prefix_version: tuple = attrs.field(init=False, default=())
     _prefix_memo: dict[int, tuple] = attrs.field(init=False, factory=dict)
+    # The owed evictions' victims while they are private head runs (_owed_scan_now), until the next settle.
+    _owed_scan: _OwedScan | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self.num_free_blocks = self.num_blocks
@@ -896,10 +954,74 @@ class KVClassManager:
         owed = self._owed
         if owed:
             self._owed = 0
+            self._owed_scan = None
             if self._private_runs and not self._idle[KVClass.SHADOW].count:
                 owed = self._evict_private_heads(owed)  # the usual: finished requests' private chains at the head
             if owed:
                 self._evict(owed, KVClass.NORMAL, 0.0)
+
+    def _owed_scan_now(self) -> _OwedScan | None:
+        """The owed evictions' victims as a :class:`_OwedScan` when they are
+        all private runs at the head of the normal idle order (the usual),
+        which :meth:`_settle` takes by count (:meth:`_evict_private_heads`:
+        the policy takes heads, no shadow block is idle); None otherwise.
+        Kept until the next settle: in between only the debt grows and
+        releases append at the tail (see :meth:`_settle`), so the head runs,
+        their idle counts and the host tier stay as they were, and a larger
+        debt only scans further. A read."""
+        scan = self._owed_scan
+        runs = self._idle[KVClass.NORMAL]._runs
+        if scan is None or not runs or runs[0] is not scan.head:  # (the head run checked: indices stay valid)
+            if (not self._private_runs or self._idle[KVClass.SHADOW].count
+                    or not self.policy.takes_heads(KVClass.NORMAL)):
+                return None
+            head = self._idle[KVClass.NORMAL].head()  # dead runs at the head dropped (representation only)
+            scan = self._owed_scan = _OwedScan(head)
+        if scan.blocked:
+            return None
+        if scan.ends[-1] < self._owed:
+            self._extend_scan(scan)
+        return None if scan.ends[-1] < self._owed else scan
+
+    def _extend_scan(self, scan: _OwedScan) -> None:
+        """Scan further runs of the normal idle order until the private ones
+        cover the debt, a named run blocks, or the runs end."""
+        runs, left, private, owed = self._idle[KVClass.NORMAL]._runs, self._idle_left, self._private_runs, self._owed
+        k, n = scan.next, len(runs)
+        while k < n and scan.ends[-1] < owed:
+            release = runs[k][0][3]
+            k += 1
+            if release not in left:
+                continue  # a dead run: no block of its release is idle (the settle's trim drops it unread)
+            if release not in private:
+                scan.blocked = True
+                break
+            scan.releases.append(release)
+            scan.ends.append(scan.ends[-1] + left[release])
+        scan.next = k
+
+    def _settle_names_nothing(self, scan: _OwedScan | None) -> bool:
+        """Whether making the owed evictions, found all private by ``scan``
+        (:meth:`_owed_scan_now`), would leave the named key sets as they
+        are (the block map, the host tier's dict and their removal counts:
+        :meth:`_key_sets_version`): the host tier's trims of their spill (in
+        pieces below its capacity) take the ``len + owed - capacity`` least
+        recent entries, which must all be private runs' ones."""
+        if scan is None:
+            return False
+        capacity, owed = self.host_capacity_blocks, self._owed
+        if not capacity:
+            return True
+        if owed >= capacity:
+            return False
+        host = self._host_tier
+        excess = len(host) + owed - capacity
+        if excess > scan.host_cover and not scan.host_blocked:
+            if scan.host_next and host.head_token() is not scan.host_head:
+                scan.host_next, scan.host_cover = 0, 0  # (never while owed: the host tier changes only at a settle)
+            scan.host_head = host.head_token()
+            scan.host_next, scan.host_cover, scan.host_blocked = host.private_cover(scan.host_next, scan.host_cover)
+        return excess <= scan.host_cover
 
     def _evict_private_heads(self, num: int) -> int:
         """Evict up to ``num`` of a normal requester's victims while they are
@@ -1028,14 +1150,19 @@ class KVClassManager:
         ``hashes_of(block_size)`` for ``key`` (a history's epoch and length:
         it only appends within an epoch) and that those hashes name no
         private chain (``allocate(private=True)``'s promise). Settles first,
-        as every query does, so the answer is ``match_prefix``'s."""
-        if self._owed:
-            self._settle()
-        host = self._host_tier
-        # The key sets' version: a key set changes iff its size does or a removal ran (sizes only grow between
-        # removals, and each removal event bumps its counter), so equal versions mean equal key sets.
-        version = (len(self._blocks), self._named_removals, len(host.blocks), host.removals)
+        as every query does, so the answer is ``match_prefix``'s, except for a
+        remembered answer when the owed evictions are private only
+        (:meth:`_settle_names_nothing`): settling them would leave the
+        version as it is, so the answer after it is the remembered one, and
+        the debt stays owed for the next query (this one changed nothing)."""
         memo = self._prefix_memo
+        if self._owed:
+            hit = memo.get(id(key))
+            if (hit is not None and hit[0] is key and hit[1] == stamp and self._key_sets_version() == self._prefix_version
+                    and self._settle_names_nothing(self._owed_scan_now())):
+                return hit[2]
+            self._settle()
+        version = self._key_sets_version()
         if version != self._prefix_version:
             memo.clear()
             self._prefix_version = version
@@ -1046,6 +1173,13 @@ class KVClassManager:
         n = self.match_prefix(hashes_of(self.block_size)).num_blocks
         memo[id(key)] = (key, stamp, n)  # (a lookup that named private blocks grew the map: the next call clears)
         return n
+
+    def _key_sets_version(self) -> tuple:
+        """The named key sets' version: a key set changes iff its size does or
+        a removal ran (sizes only grow between removals, and each removal
+        event bumps its counter), so equal versions mean equal key sets."""
+        host = self._host_tier
+        return len(self._blocks), self._named_removals, len(host.blocks), host.removals
 
     def match_prefix(self, hashes: Sequence[int]) -> PrefixMatch:
         if self._owed:
@@ -1078,16 +1212,26 @@ class KVClassManager:
                 or first_hash in self._host_tier.heads)
 
     def shadow_room_blocks(self, now_s: float) -> int:
-        """Blocks a shadow chunk could take now: cap room, free and cold."""
+        """Blocks a shadow chunk could take now: cap room, free and cold.
+        Owed evictions whose victims are all private head runs
+        (:meth:`_owed_scan_now`) stay owed: settling them changes
+        neither the shadow count nor the free count, and takes from the cold
+        count exactly their blocks of cold releases, which this subtracts."""
+        scan = None
         if self._owed:
-            self._settle()
+            scan = self._owed_scan_now()
+            if scan is None:
+                self._settle()
         room = self.cap_blocks - self._num_shadow_blocks
         if room <= 0:
             return 0
         if self.num_free_blocks >= room:
             return room
         self._refresh_cold(now_s)
-        return min(room, self.num_free_blocks + self._num_cold_idle)
+        cold = self._num_cold_idle
+        if scan is not None:  # the settle takes its victims' blocks of cold releases from the cold count
+            cold -= scan.cold_victims(self._owed, self._live)
+        return min(room, self.num_free_blocks + cold)
 
     def _refresh_cold(self, now_s: float) -> None:
         """Count idle blocks that became cold since the last call: O(1) per
@@ -1345,13 +1489,20 @@ class KVClassManager:
         if not keep and len(hashes) >= 4:
             states = list(map(blocks.__getitem__, hashes))
             n = len(hashes)
-            num_shadow = sum(map(_KV_CLASS_FLAG, states))
-            if (list(map(_REF, states)).count(1) == n and num_shadow in (0, n)  # one class, one holder each
-                    and len(set(hashes)) == n):
-                shadow = num_shadow > 0
-                blocks.update(zip(hashes, repeat(idle_state[shadow])))
-                idle[_KV_CLASS[shadow]].append(idle_state[shadow], hashes)
-                self._new_release(release, len(hashes), now_s)
+            if list(map(_REF, states)).count(1) == n and len(set(hashes)) == n:  # one holder each: all go idle
+                flags = list(map(_KV_CLASS_FLAG, states))
+                num_shadow = sum(flags)
+                if num_shadow in (0, n):  # one class (a released request's or a fresh shadow chunk's)
+                    shadow = num_shadow > 0
+                    blocks.update(zip(hashes, repeat(idle_state[shadow])))
+                    idle[_KV_CLASS[shadow]].append(idle_state[shadow], hashes)
+                else:  # both (a shadow chunk over a prefix of normal blocks): the loop's lists, by class in order
+                    self._mixed.add(release)
+                    for shadow, run in ((False, list(compress(hashes, map(not_, flags)))),
+                                        (True, list(compress(hashes, flags)))):
+                        blocks.update(zip(run, repeat(idle_state[shadow])))
+                        idle[_KV_CLASS[shadow]].append(idle_state[shadow], run)
+                self._new_release(release, n, now_s)
                 return
         newly_idle = ([], [])  # by the shadow flag, in order
         for h in hashes:

@@ -31,6 +31,7 @@ AUTH = "tests/gateway/test_auth.py"
 MALFORMED = "tests/gateway/test_malformed.py"
 KV_EQ = "tests/sim/test_speed_equivalence_kv.py"
 KV_PRIV = "tests/sim/test_kv_private_review.py"
+KV_OWED = "tests/sim/test_kv_owed_reads.py"
 KIT_IMM = "tests/test_kit_imminent_first.py"
 EVICT_CLASSES = "_SHADOW_FIRST = (KVClass.SHADOW, KVClass.NORMAL)"
 
@@ -463,6 +464,24 @@ MUTATIONS: dict[str, tuple] = {
     "prefix-memo-stamp": (KV_EQ, "test_remembered_prefix_lookups_equal_fresh_ones", "shadowcore/kv.py",
                           "if hit is not None and hit[0] is key and hit[1] == stamp:",
                           "if hit is not None and hit[0] is key:"),
+    # reads that leave owed evictions owed (session 13): only while every victim is a private head run, the host
+    # tier's trims of their spill take private entries only, the room less their cold blocks, one scan per debt
+    "owed-scan-named": (KV_OWED, "test_a_remembered_lookup_sees_owed_victims_past_the_private_runs", "shadowcore/kv.py",
+                        "            if release not in private:\n                scan.blocked = True\n                break\n",
+                        ""),
+    "owed-scan-host": (KV_OWED, "test_a_remembered_lookup_sees_the_host_tier_trim_a_named_run", "shadowcore/kv.py",
+                       "        return excess <= scan.host_cover\n", "        return True\n"),
+    "owed-room-cold": (KV_OWED, "test_the_shadow_room_under_private_debt_leaves_out_the_cold_victims", "shadowcore/kv.py",
+                       "            cold -= scan.cold_victims(self._owed, self._live)\n", "            cold -= 0\n"),
+    "owed-scan-reset": (KV_OWED, "test_a_remembered_lookup_after_a_settle_scans_the_debt_again", "shadowcore/kv.py",
+                        "            self._owed = 0\n            self._owed_scan = None\n", "            self._owed = 0\n"),
+    # _unref of a run held once each with both classes: each class's blocks, in order, as its own idle run
+    "unref-mixed-class": (KV_OWED, "test_a_release_of_both_classes_equals_the_block_loop", "shadowcore/kv.py",
+                          "                        blocks.update(zip(run, repeat(idle_state[shadow])))\n",
+                          "                        blocks.update(zip(run, repeat(idle_state[False])))\n"),
+    "unref-mixed-flag": (KV_OWED, "test_a_release_of_both_classes_equals_the_block_loop", "shadowcore/kv.py",
+                         "                    self._mixed.add(release)\n                    for shadow, run in",
+                         "                    for shadow, run in"),
     # allocate(private=True) of a chain whose first block is known (a session named as a normal request) is named
     "private-known-head": (KV_PRIV, "test_a_private_allocation_of_a_cached_chain_equals_named", "shadowcore/kv.py",
                            "        if private and not (hashes and self.may_hold_prefix(hashes[0])):",

@@ -527,7 +527,7 @@ class EngineInstance:
         why = None
         if hook is not None and not _fastpath.plans_nothing(hook):
             room = _ShadowRoom(self.kv, now_s)  # asked only when a plan's size depends on it
-            why = _fastpath.empty_plan_reason(hook, self._summary(now_s, entries, blocked, used), room)
+            why = self._empty_plan_reason(now_s, entries, blocked, used, room)
             if why is None:
                 return self._start_agg_planned(now_s, entries, blocked, used, room())
             _fastpath.count_empty_plan(hook, why)
@@ -597,23 +597,31 @@ class EngineInstance:
             t = self.latency.predict_s(BatchShape(prefills, ctx))
         return t
 
+    def _empty_plan_reason(self, now_s: float, entries: list, blocked: bool, used: int, room: _ShadowRoom) -> str | None:
+        """``_fastpath.empty_plan_reason`` on the aggregate snapshot
+        (:meth:`_summary`), the values it builds (the views, the snapshot,
+        the controller's budget, the sizing's chunks) validated as every
+        other snapshot's are (``validate_values``)."""
+        with _validation(self.validate_values):
+            return _fastpath.empty_plan_reason(self.hook, self._summary(now_s, entries, blocked, used), room)
+
     def _summary(self, now_s: float, entries: list, blocked: bool, used: int) -> StepSnapshot:
         """The snapshot with the cohort as a DecodeAggregate: views of the
         eager decodes and the entries only (for empty_plan_reason, which is
-        given the shadow room apart: the field here is 0, never read)."""
+        given the shadow room apart: the field here is 0, never read).
+        Called inside ``_validation`` (:meth:`_empty_plan_reason`)."""
         eager = self._eager
         members = len(self.running) - len(self._prefilling) - len(eager)
-        with _validation(self.validate_values):  # the views too, as every other snapshot's
-            if eager:
-                total = self._ctx_total - sum(r.num_computed_tokens for r in eager)
-                views = [r.view(1) for r in eager]
-                views.extend(r.view(n) for r, n in entries)
-            else:  # the usual: routed calls are the only eager requests
-                total, views = self._ctx_total, [r.view(n) for r, n in entries]
-            return StepSnapshot(
-                self.instance_id, self.iteration, now_s, views, len(self.waiting), blocked, self.tpot_slo_s,
-                max(0, self.limits.token_budget - used), 0,
-                DecodeAggregate(members, total, self._cohort_max(), self._cohort_min_slack_s))
+        if eager:
+            total = self._ctx_total - sum(r.num_computed_tokens for r in eager)
+            views = [r.view(1) for r in eager]
+            views.extend(r.view(n) for r, n in entries)
+        else:  # the usual: routed calls are the only eager requests
+            total, views = self._ctx_total, [r.view(n) for r, n in entries]
+        return StepSnapshot(
+            self.instance_id, self.iteration, now_s, views, len(self.waiting), blocked, self.tpot_slo_s,
+            max(0, self.limits.token_budget - used), 0,
+            DecodeAggregate(members, total, self._cohort_max(), self._cohort_min_slack_s))
 
     def _cohort_min_slack_s(self, now_s: float, margin: float) -> float:
         """The smallest Eq. 1 slack at ``now_s`` among the cohort's members (DecodeDeadlines)."""
@@ -734,7 +742,7 @@ class EngineInstance:
                 return None  # the slow path finds the blocks reserved and does the rest
             # What _start_agg would do with no entry (nothing prefills or waits, the blocks are reserved):
             room = _ShadowRoom(self.kv, now_s)
-            why = _fastpath.empty_plan_reason(hook, self._summary(now_s, [], False, nd), room)
+            why = self._empty_plan_reason(now_s, [], False, nd, room)
             if why is None:
                 self._steady = False
                 return self._start_agg_planned(now_s, [], False, nd, room())
