@@ -263,7 +263,11 @@ class ScenarioRun:
         return cls.start_normal is ScenarioRun.start_normal and cls._enqueue is ScenarioRun._enqueue
 
     def feed_normal(self, by_instance: dict[str, list[tuple[str, NormalRequest]]]) -> None:
-        """Each instance takes its own arrivals (``EngineCluster.feed``)."""
+        """Each instance takes its own arrivals (``EngineCluster.feed``). A subclass that hooks ``_normal_done``
+        hears of every finish in the loop's order, so its instances are never deferred (a deferred instance
+        finishes its requests in stretches, out of that order)."""
+        if type(self)._normal_done is not ScenarioRun._normal_done:
+            self.cluster.defer_instances = False
         for instance_id, requests in by_instance.items():
             self.cluster.feed(self.cluster.by_id[instance_id], requests, self._fed_request)
 
