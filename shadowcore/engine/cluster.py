@@ -30,6 +30,20 @@ every pending end at ``t`` (iteration ends come first at equal times); two
 instances' iteration ends at the same instant keep no order between them
 beyond that.
 
+Deferred instances (``feed``, ``defer_instances``): an instance that takes its own normal arrivals, holds no
+routed call and whose hook plans nothing (or that has none) changes nothing but itself until the router side
+observes it, so it puts no event on the heap: its iteration ends, arrivals, the router's settles (``kick_all``)
+and wake-ups wait in its ``_Local`` and are applied, in the loop's order for one instance (time; at one instant
+ends, settles, arrivals, wake-ups: the kinds' order), whenever something observes it (its ``touched``, the
+placement reads, a settle's or a wake-up's own ``kick``) and, at the end of the run, by the loop's ``on_empty``.
+**Its state is exact at every observation**: a read at ``t`` first applies its ends and settles at or before
+``t`` and its arrivals and wake-ups before ``t`` (those at ``t`` come after the router's event at ``t``). A change
+(a routed call enqueued, a job activated) makes it eager again: its iteration in flight, due wake-ups and next
+arrival go on the heap; its next iteration end with no routed call in it defers it again. Only the records of its
+finishes leave it (``ScenarioRun`` puts them back in finishing order) and the loop's clock at the end (the last
+event of all, as the loop's would be). Ties: as with lazy ticks, two instances' events at one instant keep no
+order between them beyond the kinds' order.
+
 Placement is linear in the instances of a model per routed call, at a small
 constant: an instance that holds none of the session's prefix answers from
 one membership test, and the placement estimates of one instant are computed
@@ -71,14 +85,18 @@ class _Feed:
     request, arrival time)`` builds the engine request. ``token`` names the one queued arrival event that is live
     (a deferred instance takes its arrivals itself: its queued event goes stale)."""
 
-    __slots__ = ("next", "requests", "start", "token")
+    __slots__ = ("next", "next_s", "requests", "start", "token")
 
     def __init__(self, requests: Sequence[tuple], start: Callable) -> None:
         self.requests, self.start, self.next, self.token = requests, start, 0, 0
+        self.next_s = requests[0][1].arrival_s if requests else math.inf  # the arrival of requests[next]
 
-    @property
-    def next_s(self) -> float:
-        return self.requests[self.next][1].arrival_s if self.next < len(self.requests) else math.inf
+    def take(self) -> tuple:
+        """The next ``(request id, request)``; ``next_s`` moves on."""
+        out = self.requests[self.next]
+        self.next += 1
+        self.next_s = self.requests[self.next][1].arrival_s if self.next < len(self.requests) else math.inf
+        return out
 
 
 class _Local:
@@ -298,8 +316,7 @@ class EngineCluster:
         """An eager instance's next arrival (its event queues the one after, then starts it)."""
         if token != feed.token:
             return  # stale: the instance was deferred and took this arrival itself
-        rid, r = feed.requests[feed.next]
-        feed.next += 1
+        rid, r = feed.take()
         self._queue_arrival(inst, feed)
         inst.enqueue(feed.start(inst, rid, r, self.loop.now_s))
         self.kick(inst)
@@ -373,8 +390,7 @@ class EngineCluster:
             elif a <= w:
                 if a >= t:
                     return
-                rid, r = feed.requests[feed.next]
-                feed.next += 1
+                rid, r = feed.take()
                 inst.enqueue(feed.start(inst, rid, r, a))
                 self._local_kick(inst, local, a)
             else:
