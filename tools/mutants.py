@@ -698,7 +698,7 @@ MUTATIONS: dict[str, tuple] = {
                           "        if False:\n            loop.at("),
     "defer-records-order": (DEFER, "test_finishing_order_is_restored", "shadowcore/engine/run.py",
                             "        self._records_in_finishing_order()\n", ""),
-    "feed-ids": ("tests/sim/test_speed_equivalence.py", "test_results_identical_to_golden",
+    "feed-ids": (DEFER, "test_deferred_runs_change_nothing",
                  "shadowcore/engine/driver.py", "for k, r in enumerate(normal, 1):", "for k, r in enumerate(normal):"),
 }
 

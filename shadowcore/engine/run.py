@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import attrs
 
 from shadowcore.config import ShadowConfig
+from shadowcore.engine import _fastpath
 from shadowcore.engine._fastpath import InlineEventLoop
 from shadowcore.engine.cluster import EngineCluster
 from shadowcore.engine.driver import CallOutcome, OnTokens, SessionDriver
@@ -257,17 +258,19 @@ class ScenarioRun:
 
     @property
     def feeds_normal(self) -> bool:
-        """Normal requests go to the cluster up front (:meth:`feed_normal`), unless a subclass changes how one
-        starts (``start_normal``, ``_enqueue``): then one by one through ``start_normal``."""
+        """Normal requests go to the cluster up front (:meth:`feed_normal`) when an instance may be deferred
+        (``EngineCluster.defer_instances``, a hook that plans nothing or none); otherwise, or when a subclass
+        changes how one starts (``start_normal``, ``_enqueue``) or hooks ``_normal_done`` (which hears of every
+        finish in the loop's order: a deferred instance finishes its requests in stretches), one by one
+        through ``start_normal``."""
         cls = type(self)
-        return cls.start_normal is ScenarioRun.start_normal and cls._enqueue is ScenarioRun._enqueue
+        if (cls.start_normal is not ScenarioRun.start_normal or cls._enqueue is not ScenarioRun._enqueue
+                or cls._normal_done is not ScenarioRun._normal_done or not self.cluster.defer_instances):
+            return False
+        return any(i.hook is None or _fastpath.plans_nothing(i.hook) for i in self.cluster.by_id.values())
 
     def feed_normal(self, by_instance: dict[str, list[tuple[str, NormalRequest]]]) -> None:
-        """Each instance takes its own arrivals (``EngineCluster.feed``). A subclass that hooks ``_normal_done``
-        hears of every finish in the loop's order, so its instances are never deferred (a deferred instance
-        finishes its requests in stretches, out of that order)."""
-        if type(self)._normal_done is not ScenarioRun._normal_done:
-            self.cluster.defer_instances = False
+        """Each instance takes its own arrivals (``EngineCluster.feed``)."""
         for instance_id, requests in by_instance.items():
             self.cluster.feed(self.cluster.by_id[instance_id], requests, self._fed_request)
 
