@@ -686,8 +686,9 @@ MUTATIONS: dict[str, tuple] = {
     "pd-one-read": ("tests/vllm/test_pd.py", "test_decode_pulls_an_offer_in_pushes", "backends/shadow_vllm/pd.py",
                     "            elif self.shadow_one_read:", "            elif False:"),
     # deferred instances (EngineCluster.feed): their own arrivals, applied when the router side observes them
-    "defer-estimate-sync": (DEFER, "test_deferred_runs_change_nothing", "shadowcore/engine/cluster.py",
-                            "            self._sync(inst)  # but its own arrivals and admissions do\n", ""),
+    "defer-estimate-sync": (DEFER, "test_reads_of_deferred_instances_are_exact", "shadowcore/engine/cluster.py",
+                            "            self._sync(inst)  # but its own arrivals and admissions do\n",
+                            "            pass\n"),
     "defer-settle": (DEFER, "test_deferred_runs_change_nothing", "shadowcore/engine/cluster.py",
                      "                local.settles.append(self.loop.now_s)\n", "                pass\n"),
     "defer-horizon": (DEFER, "test_deferred_runs_change_nothing", "shadowcore/engine/cluster.py",
@@ -698,6 +699,9 @@ MUTATIONS: dict[str, tuple] = {
                           "        if False:\n            loop.at("),
     "defer-records-order": (DEFER, "test_finishing_order_is_restored", "shadowcore/engine/run.py",
                             "        self._records_in_finishing_order()\n", ""),
+    "defer-normal-done": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                          "shadowcore/engine/run.py", "                or cls._normal_done is not ScenarioRun._normal_done ",
+                          "                "),
     "feed-ids": (DEFER, "test_deferred_runs_change_nothing",
                  "shadowcore/engine/driver.py", "for k, r in enumerate(normal, 1):", "for k, r in enumerate(normal):"),
 }

@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from shadowcore.config import PluginRef, ShadowConfig
+from shadowcore.engine.kinds import CALL
 from shadowcore.engine.scenario import FakeRun, FakeScenario
 
 from .test_speed_equivalence import _same
@@ -116,3 +117,30 @@ def _plain(value):
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def _probed(how: str, times: list[float]) -> list:
+    """Reads of every instance at ``times`` (events of the router's class): the placement estimate alone, then the
+    eviction count, as a port user may ask them."""
+    _, fields, policy = CASES["fake-tight-kv"]
+    run = _placed(FakeRun, how == "global")(FakeScenario.from_dict(fields), ShadowConfig(PluginRef(policy), seed=11))
+    probes = []
+
+    def probe(t: float) -> None:
+        for inst_id, inst in run.cluster.by_id.items():
+            probes.append((t, inst_id, run.cluster.estimated_prefill_completion_s(inst_id, 0),
+                           inst.queued_prefill_tokens, inst.eviction_count(), inst.num_iterations_run))
+
+    for t in times:
+        run.loop.at(t, CALL, probe)
+    run.run()
+    assert (run.cluster.num_deferrals > 0) == (how == "deferred")
+    return probes
+
+
+def test_reads_of_deferred_instances_are_exact() -> None:
+    """Every read of a deferred instance sees what the loop as it was shows at that time."""
+    grid = [k * 0.05 for k in range(1, int(CASES["fake-tight-kv"][1]["duration_s"] / 0.05))]
+    deferred = _probed("deferred", grid)
+    assert len({p[3] for p in deferred}) > 3 and len({p[4] for p in deferred}) > 10  # the reads change
+    assert deferred == _probed("global", grid)
