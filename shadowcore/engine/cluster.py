@@ -152,7 +152,7 @@ class EngineCluster:
 
     def cached_prefix_tokens(self, instance_id: str, history: SessionHistory) -> int:
         inst = self.by_id[instance_id]
-        if inst in self._deferred:
+        if self._deferred and inst in self._deferred:
             self._sync(inst)  # its own arrivals may have named blocks since
         first = history.block_hash_run(inst.kv.block_size, 1)
         if not first or not inst.kv.may_hold_prefix(first[0]):
@@ -161,7 +161,7 @@ class EngineCluster:
 
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
         inst = self.by_id[instance_id]  # no catch-up: plain ticks change none of what this reads
-        if inst in self._deferred:
+        if self._deferred and inst in self._deferred:
             self._sync(inst)  # but its own arrivals and admissions do
         work = inst.queued_prefill_tokens + num_uncached_tokens
         now = self.loop.now_s
