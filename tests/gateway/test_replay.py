@@ -31,7 +31,11 @@ def _trace(tmp_path):
 
 def test_replay_reaches_the_engines_with_the_traces_tokens_and_models(upstreams, gateway, tmp_path, capsys):
     (a,), (b,) = upstreams(1), upstreams(1)
-    gw = gateway(two_model_config([a], [b]))
+    # no fault injected here: timeouts generous for a loaded 2-core machine (the defaults' 0.5 s connect and 2 s
+    # read timed out, and ejected the instance, at load average 13)
+    gw = gateway(two_model_config([a], [b], upstream={"connect_timeout_s": 10.0, "read_timeout_s": 30.0,
+                                                      "retries": 1},
+                                  health={"interval_s": 0.1, "timeout_s": 5.0, "unhealthy_after": 3}))
     trace = _trace(tmp_path)
     report = replay(trace, gw.url, max_sessions=2, time_scale=0.0)
     assert report.failures == ()
@@ -70,7 +74,11 @@ def test_replay_reaches_the_engines_with_the_traces_tokens_and_models(upstreams,
 
 def test_a_failed_call_ends_its_session_and_is_reported(upstreams, gateway, tmp_path, capsys):
     (a,), (b,) = upstreams(1), upstreams(1)
-    gw = gateway(two_model_config([a], [b]))
+    # no fault injected here: timeouts generous for a loaded 2-core machine (the defaults' 0.5 s connect and 2 s
+    # read timed out, and ejected the instance, at load average 13)
+    gw = gateway(two_model_config([a], [b], upstream={"connect_timeout_s": 10.0, "read_timeout_s": 30.0,
+                                                      "retries": 1},
+                                  health={"interval_s": 0.1, "timeout_s": 5.0, "unhealthy_after": 3}))
     trace = _trace(tmp_path)
     report = replay(trace, gw.url, model_map={"b": "no-such-model"}, time_scale=0.0)
     assert len(report.failures) == 3 and all("#1: status 4" in f for f in report.failures)
