@@ -1498,7 +1498,8 @@ class KVClassManager:
             return False
         tail = hashes[k:]
         distinct = isinstance(hashes, range) or len(set(hashes)) == len(hashes)  # a range's are (step 1)
-        if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not self._blocks.keys().isdisjoint(tail)
+        blocks = self._blocks  # (an empty map first: isdisjoint walks a range tail block by block)
+        if (len(tail) > self.num_free_blocks + owner.num_private_blocks or (blocks and not blocks.keys().isdisjoint(tail))
                 or not distinct):
             return False
         host = self._host
