@@ -500,7 +500,8 @@ class EngineInstance:
         """The methods the aggregate path restates are this class's, and the
         hook (if any) has no observer (it sees every batch) and no open plan."""
         cls = type(self)
-        if (cls._schedule is not EngineInstance._schedule or cls._advance is not EngineInstance._advance
+        if cls is not EngineInstance and (
+                cls._schedule is not EngineInstance._schedule or cls._advance is not EngineInstance._advance
                 or cls._reserve is not EngineInstance._reserve or cls._finish is not EngineInstance._finish):
             return False
         hook = self.hook
@@ -840,7 +841,8 @@ class EngineInstance:
         if (not self.steady_runs or self._step is not None or self._agg is not None or not self._cohort or self._eager
                 or self._prefilling or self.waiting or self._due or self._due_lazy or self._due_phase
                 or not self.busy or getattr(self.latency, "predict_decodes_s", None) is None
-                or cls.end_step is not EngineInstance.end_step or cls.start_step is not EngineInstance.start_step):
+                or (cls is not EngineInstance and (cls.end_step is not EngineInstance.end_step
+                                                   or cls.start_step is not EngineInstance.start_step))):
             return False
         return self.hook is None or _fastpath.quiet_until_event(self.hook)
 
