@@ -1041,7 +1041,11 @@ class EngineInstance:
         self._due_phase = self._phase_live[clock % self.kv.block_size]
         if len(due) > 1:
             due.sort(key=_run_seq)
-        self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
+        top = self._longest  # _cohort_max, inline (once per iteration end)
+        while top and top[0][2].finish_s is not None:
+            heapq.heappop(top)
+        longest = clock - top[0][0] if top else 0
+        self._ctx_total, self._ctx_max = total, eager_max if eager_max > longest else longest  # noqa: FURB136 (faster than max)
 
     def _advance_eager(self, done: list, total: int, now_s: float) -> tuple[int, int]:
         """_advance_cohort's merge: the eager requests one by one and the
@@ -1075,7 +1079,11 @@ class EngineInstance:
 
     def _finish_lazy(self, req: EngineRequest, clock: int, now_s: float) -> int:
         """Bring a finishing cohort member up to date and finish it; its context."""
-        _materialise(req, clock)
+        lag = clock - req.lazy_base  # _materialise, inline
+        if lag:
+            req.num_computed_tokens += lag
+            req.num_generated += lag
+            req.history.num_tokens += lag
         req.lazy_base = -1
         if req.pool_from >= 0:  # its pooled blocks, then it leaves its phase
             self._attribute(req)
