@@ -137,3 +137,34 @@ def test_run_records_read_back_exactly_the_tuples_appended():
         tokens.append((1.0, 2**64, 0))
     with pytest.raises(ValueError, match="3 fields"):
         tokens.append((1.0, 2))
+
+
+def test_decode_aggregates_are_the_decoding_requests_at_every_iteration_end() -> None:
+    """While the lazy cohort lives, the instance's decode aggregates (total and longest context) are those of
+    its decoding requests (cohort members by the clock, eager ones one by one) after every iteration end:
+    steady ends, mixed ends with admissions and joins, and ends where members finish."""
+    from shadowcore.engine.instance import EngineLimits, EngineRequest, append_output_to_history
+    from shadowcore.job import SessionHistory
+    from shadowcore.kv import KVClassManager
+    from shadowcore.latency import LinearLatencyModel
+    from shadowcore.types import RequestKind
+
+    inst = EngineInstance("i0", "m", KVClassManager(20_000, 16), LinearLatencyModel(), 0.05, EngineLimits(2048, 64))
+    now, checked = 0.0, 0
+    for k in range(400):
+        history = SessionHistory(f"r{k}")
+        prompt = 32 + (k * 37) % 400
+        history.append(prompt)
+        inst.enqueue(EngineRequest(f"r{k}", RequestKind.NORMAL, history, prompt, 1 + (k * 53) % 90, now, 10.0, 0.05,
+                                   on_token=append_output_to_history))
+        for _ in range(3):
+            end = inst.start_step(now)
+            if end is None:
+                break
+            inst.end_step(end)
+            now = end
+            if inst._cohort:
+                decoding = [inst._context(r) for r in inst.running if r not in inst._prefilling]
+                assert (inst._ctx_total, inst._ctx_max) == (sum(decoding), max(decoding, default=0))
+                checked += bool(decoding)
+    assert checked > 600 and inst.num_lazy_finishes > 200

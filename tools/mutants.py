@@ -684,6 +684,28 @@ MUTATIONS: dict[str, tuple] = {
                 "room = (self.shadow_bridge.shadow_room_blocks(now_s) - 1) * self.block_size"),
     "pd-one-read": ("tests/vllm/test_pd.py", "test_decode_pulls_an_offer_in_pushes", "backends/shadow_vllm/pd.py",
                     "            elif self.shadow_one_read:", "            elif False:"),
+    # per-request costs (issue 17, session 13, branch reqcost): each shortcut on a normal request's path broken
+    "reqcost-extend-one": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing",
+                           "shadowcore/kv.py", "            grown = ((owners[owner_id], total),)",
+                           "            grown = ((owners[owner_id], 0),)"),
+    "reqcost-private-owe": ("tests/sim/test_speed_equivalence.py", "results_identical_to_golden",
+                            "shadowcore/kv.py", "            self._owed += num_new - free\n        else:",
+                            "            pass\n        else:"),
+    "reqcost-hash-base": ("tests/sim/test_speed_equivalence.py", "results_identical_to_golden", "shadowcore/job.py",
+                          "base = self._base if self._base_epoch == self.epoch else self._count_base()",
+                          "base = self._base"),
+    "reqcost-hash-count": ("tests/sim/test_speed_equivalence.py", "results_identical_to_golden", "shadowcore/job.py",
+                           "if num_blocks is not None and num_blocks < n:",
+                           "if num_blocks is not None and num_blocks > n:"),
+    "reqcost-longest": ("tests/test_engine.py", "decode_aggregates_are_the_decoding_requests",
+                        "shadowcore/engine/instance.py", "        longest = clock - top[0][0] if top else 0\n",
+                        "        longest = clock - top[-1][0] if top else 0\n"),
+    "reqcost-lag": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing",
+                    "shadowcore/engine/instance.py", "            req.history.num_tokens += lag\n        req.lazy_base = -1",
+                    "        req.lazy_base = -1"),
+    "reqcost-records": ("tests/test_engine.py", "records", "shadowcore/engine/run.py",
+                        "        for append, value in zip(appends, record):",
+                        "        for append, value in zip(appends[::-1], record):"),
 }
 
 
