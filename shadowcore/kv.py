@@ -1182,7 +1182,10 @@ class KVClassManager:
         the result, and everything a caller can see afterwards, is exactly that
         of the same call without ``private``. Checked where it is cheap: a
         chain whose first block may be cached already (:meth:`may_hold_prefix`)
-        is allocated as without ``private``.
+        is allocated as without ``private``. This check is the one owner of the
+        rule for a re-admitted owner too: a preempted normal request passes
+        ``private`` again, and its released blocks, while any is still cached
+        (its head goes last: an idle run is evicted tail first), make it named.
         """
         if owner_id in self._owners:
             raise ValueError(f"owner {owner_id!r} already holds blocks")

@@ -362,11 +362,11 @@ MUTATIONS: dict[str, tuple] = {
                          "            if head is None:\n                deque(map(blocks.__delitem__, piece), 0)",
                          "            if False:\n                deque(map(blocks.__delitem__, piece), 0)"),
     # a whole run with private normal KV equals it with every block named (preemptions, host tier, shadows)
-    "private-flag": ("tests/sim/test_speed_equivalence_macro.py", "test_private_normal_kv_changes_nothing",
-                     "shadowcore/engine/instance.py",
-                     "        alloc = kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s, private=private)",
-                     ("        alloc = kv.allocate(req.owner_id, hashes, total - len(hashes), KVClass.NORMAL, now_s,\n"
-                      "                            private=req.private_kv)")),
+    # a re-admitted (preempted) private request passes private=True again: allocate's may_hold_prefix check
+    # alone makes it named while its released blocks are cached (one owner of the rule; session 13)
+    "private-readmit": ("tests/sim/test_speed_equivalence_macro.py", "test_private_normal_kv_changes_nothing",
+                        "shadowcore/kv.py", "        if private and not (hashes and self.may_hold_prefix(hashes[0])):",
+                        "        if private:"),
     "private-evict-count": (KV_EQ, "test_private_blocks_equal_named_ones", "shadowcore/kv.py",
                             "                pieces.append((release, True, m))",
                             "                pieces.append((release, True, max(1, m - 1)))"),

@@ -1170,7 +1170,9 @@ class EngineInstance:
             if kv.allocate(owner, req.history.block_hashes(bs, req.num_oracle_tokens // bs), 0,
                            KVClass.NORMAL, now_s) is not None:
                 kv.release(owner, now_s)
-        private = req.private_kv and req.num_admissions == 0
+        # A re-admitted (preempted) private request names its own released blocks: the KV manager alone decides
+        # (allocate's may_hold_prefix check), so the flag is passed as it is.
+        private = req.private_kv
         num_tokens = req.num_prompt_tokens + req.num_generated  # req.num_tokens
         hashes = (req.history.block_hash_run if private else req.history.block_hashes)(bs, num_tokens // bs)
         total = -(-(num_tokens + 1) // bs)
