@@ -675,16 +675,20 @@ class EngineInstance:
         self.num_fast_iterations += 1
         self._advance_cohort(now_s)
         clock = self.num_fast_iterations
-        left = set()  # entries that finished or now decode
+        left = []  # entries that finished or now decode (each in _prefilling once)
         for req, n in entries:
             self._advance(req, n, now_s)
             if req.finish_s is not None:
-                left.add(req)
+                left.append(req)
             elif req.first_token_s is not None and req.num_prompt_tokens + req.num_generated - req.num_computed_tokens == 1:
                 self._join(req, clock)
-                left.add(req)
+                left.append(req)
         if left:
-            self._prefilling = [r for r in self._prefilling if r not in left]
+            if len(left) == 1:  # the usual: one admission's prompt done
+                self._prefilling.remove(left[0])
+            else:
+                gone = set(left)
+                self._prefilling = [r for r in self._prefilling if r not in gone]
             if len(self._due) > 1:
                 self._due.sort(key=_run_seq)
         self._steady = bool(self.running) and not self._prefilling
