@@ -119,9 +119,19 @@ class SessionHistory:
         """The values of :meth:`block_hashes`, as a ``range`` where they are
         consecutive (count-only blocks whose digest does not wrap): no list
         built, nothing cached. Otherwise :meth:`block_hashes`' list."""
+        cls = type(self)
+        if cls is SessionHistory:  # the usual: num_full_blocks and _count_base inlined (a normal request's twice)
+            n = self.num_tokens // block_size
+            if num_blocks is not None and num_blocks < n:
+                n = num_blocks
+            if self.token_ids is None:
+                base = self._base if self._base_epoch == self.epoch else self._count_base()
+                if base + n <= _MASK64:
+                    return range(base + 1, base + n + 1)
+            return self.block_hashes(block_size, n)
         full = self.num_full_blocks(block_size)
         n = full if num_blocks is None else min(num_blocks, full)
-        if self.token_ids is None and type(self)._hashes is SessionHistory._hashes:
+        if self.token_ids is None and cls._hashes is SessionHistory._hashes:
             base = self._count_base()
             if base + n <= _MASK64:
                 return range(base + 1, base + n + 1)

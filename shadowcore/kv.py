@@ -250,6 +250,10 @@ class Allocation:
     num_shadow_blocks_used: int  # shadow blocks a normal owner hit, device or host tier (now promoted)
 
 
+#: A private allocation's result by its number of new blocks (no hit, no reload: a frozen value, shared)
+_PRIVATE_ALLOCATIONS: dict[int, Allocation] = {}
+
+
 # A cached block's state is one tuple ``(shadow, ref_count, idle_since_s, release)``:
 #   shadow        its class (True: KVClass.SHADOW); a bool, so the tuple holds atomic values only and the
 #                 garbage collector stops tracking it at its first collection (no object per block to scan)
@@ -845,6 +849,8 @@ class KVClassManager:
     num_reloaded_blocks: int = attrs.field(init=False, default=0)
     _blocks: dict[int, tuple] = attrs.field(init=False, factory=dict)  # hash -> state (see _HELD)
     _idle: dict[KVClass, _IdleRuns] = attrs.field(init=False)  # hash -> idle since, release order
+    _idle_s: _IdleRuns = attrs.field(init=False, repr=False)  # _idle[SHADOW] and _idle[NORMAL] (the same objects)
+    _idle_n: _IdleRuns = attrs.field(init=False, repr=False)
     _owners: dict[str, _Owner] = attrs.field(init=False, factory=dict)
     _host_tier: _HostTier = attrs.field(init=False, factory=_HostTier)
     _host: dict[int, tuple[KVClass, int]] = attrs.field(init=False)  # _host_tier.blocks: hash -> spill token
@@ -883,6 +889,7 @@ class KVClassManager:
         self._idle = {KVClass.SHADOW: _IdleRuns(self._blocks, True, self._idle_left, self._mixed),
                       KVClass.NORMAL: _IdleRuns(self._blocks, False, self._idle_left, self._mixed,
                                                 self._private_runs)}
+        self._idle_s, self._idle_n = self._idle[KVClass.SHADOW], self._idle[KVClass.NORMAL]  # never replaced
         self._num_evicted_blocks = {KVClass.SHADOW: 0, KVClass.NORMAL: 0}
 
     # -- queries -----------------------------------------------------------------
@@ -909,8 +916,7 @@ class KVClassManager:
     def num_idle_blocks(self) -> int:
         """Cached blocks no owner holds (both classes): what a normal
         allocation may evict."""
-        idle = self._idle
-        return idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count - self._owed
+        return self._idle_s.count + self._idle_n.count - self._owed
 
     @property
     def num_cached_blocks(self) -> int:
@@ -1377,16 +1383,24 @@ class KVClassManager:
         if kv_class is not KVClass.NORMAL:
             raise ValueError("a private allocation is for a normal owner")
         num_new = len(hashes) + num_private_blocks
-        if num_new > self.num_free_blocks and self.num_free_blocks + self.num_idle_blocks < num_new:
-            return None  # _can_take of a normal owner with nothing excluded
-        self._take(num_new, kv_class, now_s, owe=True)
+        free = self.num_free_blocks
+        if num_new > free:
+            if free + self._idle_s.count + self._idle_n.count - self._owed < num_new:
+                return None  # _can_take of a normal owner with nothing excluded
+            self.num_free_blocks = 0  # _take of a normal owner that owes: the free blocks, then owed evictions
+            self._owed += num_new - free
+        else:
+            self.num_free_blocks = free - num_new
         # A range (consecutive hashes) is kept as it is: slices, reversal and comparisons of ranges are O(1).
         kept = hashes if isinstance(hashes, range) else list(hashes)
         self._owners[owner_id] = _Owner(kv_class, kept, num_private_blocks, private=True)
         self._num_private_held += len(hashes)
         if hashes:
             self._private_head(hashes[0], 1)
-        return Allocation(0, 0, num_new, 0.0, 0)
+        alloc = _PRIVATE_ALLOCATIONS.get(num_new)
+        if alloc is None:  # (frozen values: one per size, shared)
+            alloc = _PRIVATE_ALLOCATIONS[num_new] = Allocation(0, 0, num_new, 0.0, 0)
+        return alloc
 
     def extend(self, owner_id: str, hashes: Sequence[int], num_private_blocks: int, now_s: float) -> bool:
         """Grow an owner (decode): new hashed and private blocks; all or nothing."""
@@ -1424,17 +1438,21 @@ class KVClassManager:
         then LRU evictions, as the calls one by one would. A shadow owner is an
         error (its cap rules differ)."""
         owners = self._owners
-        grown = [(owners[owner_id], n) for owner_id, n in needs]  # a few per call: plain Python is the fastest
-        total = 0
-        for owner, n in grown:
-            if owner.kv_class is KVClass.SHADOW:
+        if len(needs) == 1:  # the usual: the decode pool's phase blocks alone
+            ((owner_id, total),) = needs
+            grown = ((owners[owner_id], total),)
+            if grown[0][0].kv_class is KVClass.SHADOW:
                 raise ValueError("extend_private grows normal owners only")
-            total += n
+        else:
+            grown = [(owners[owner_id], n) for owner_id, n in needs]  # a few per call: plain Python is the fastest
+            total = 0
+            for owner, n in grown:
+                if owner.kv_class is KVClass.SHADOW:
+                    raise ValueError("extend_private grows normal owners only")
+                total += n
         free = self.num_free_blocks
-        if total > free:
-            idle = self._idle
-            if total > free + idle[KVClass.SHADOW].count + idle[KVClass.NORMAL].count - self._owed:
-                return False
+        if total > free and total > free + self._idle_s.count + self._idle_n.count - self._owed:
+            return False
         for owner, n in grown:
             owner.num_private_blocks += n
         if total <= free:
@@ -1652,7 +1670,8 @@ class KVClassManager:
             return False
         tail = hashes[k:]
         distinct = isinstance(hashes, range) or len(set(hashes)) == len(hashes)  # a range's are (step 1)
-        if (len(tail) > self.num_free_blocks + owner.num_private_blocks or not self._blocks.keys().isdisjoint(tail)
+        blocks = self._blocks  # (an empty map first: isdisjoint walks a range tail block by block)
+        if (len(tail) > self.num_free_blocks + owner.num_private_blocks or (blocks and not blocks.keys().isdisjoint(tail))
                 or not distinct):
             return False
         host = self._host
@@ -1672,7 +1691,7 @@ class KVClassManager:
             idle_state = (False, 0, now_s, release)
             order = hashes[::-1]
             self._private_runs[release] = hashes[0]
-            self._idle[KVClass.NORMAL].append(idle_state, order)
+            self._idle_n.append(idle_state, order)
             self._new_release(release, len(order), now_s)
         return True
 

@@ -137,3 +137,39 @@ def test_run_records_read_back_exactly_the_tuples_appended():
         tokens.append((1.0, 2**64, 0))
     with pytest.raises(ValueError, match="3 fields"):
         tokens.append((1.0, 2))
+
+
+
+def test_decode_aggregates_are_the_decoding_requests_at_every_iteration_end() -> None:
+    """While the lazy cohort lives, the instance's decode aggregates (total and longest context) are those of
+    its decoding requests (cohort members by the clock, eager ones one by one) after every iteration end:
+    steady ends, mixed ends with admissions and joins, and ends where members finish."""
+    from shadowcore.engine.instance import EngineLimits, EngineRequest, append_output_to_history
+    from shadowcore.job import SessionHistory
+    from shadowcore.kv import KVClassManager
+    from shadowcore.latency import LinearLatencyModel
+    from shadowcore.types import RequestKind
+
+    def request(k: int, now_s: float) -> EngineRequest:  # prompts of 20-519 tokens, outputs of 1-70
+        prompt, history = 20 + (k * 41) % 500, SessionHistory(f"q{k}")
+        history.append(prompt)
+        return EngineRequest(f"q{k}", RequestKind.NORMAL, history, prompt, 1 + (k * 29) % 70, now_s, 10.0, 0.05,
+                             on_token=append_output_to_history)
+
+    inst = EngineInstance("i0", "m", KVClassManager(20_000, 16), LinearLatencyModel(), 0.05, EngineLimits(1024, 48))
+    now, checked, ends, arrivals = 0.0, 0, 0, 0
+    while ends < 1500:
+        if ends >= 4 * arrivals:  # an arrival every fourth iteration end (and at once when idle)
+            inst.enqueue(request(arrivals, now))
+            arrivals += 1
+        end = inst.start_step(now)
+        if end is None:
+            ends = 4 * arrivals
+            continue
+        inst.end_step(end)
+        now, ends = end, ends + 1
+        if inst._cohort:
+            decoding = [inst._context(r) for r in inst.running if r not in inst._prefilling]
+            assert (inst._ctx_total, inst._ctx_max) == (sum(decoding), max(decoding, default=0))
+            checked += bool(decoding)
+    assert checked > 1000 and inst.num_lazy_finishes > 200

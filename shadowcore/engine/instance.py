@@ -505,7 +505,8 @@ class EngineInstance:
         """The methods the aggregate path restates are this class's, and the
         hook (if any) has no observer (it sees every batch) and no open plan."""
         cls = type(self)
-        if (cls._schedule is not EngineInstance._schedule or cls._advance is not EngineInstance._advance
+        if cls is not EngineInstance and (
+                cls._schedule is not EngineInstance._schedule or cls._advance is not EngineInstance._advance
                 or cls._reserve is not EngineInstance._reserve or cls._finish is not EngineInstance._finish):
             return False
         hook = self.hook
@@ -687,16 +688,20 @@ class EngineInstance:
         self.num_fast_iterations += 1
         self._advance_cohort(now_s)
         clock = self.num_fast_iterations
-        left = set()  # entries that finished or now decode
+        left = []  # entries that finished or now decode (each in _prefilling once)
         for req, n in entries:
             self._advance(req, n, now_s)
             if req.finish_s is not None:
-                left.add(req)
+                left.append(req)
             elif req.first_token_s is not None and req.num_prompt_tokens + req.num_generated - req.num_computed_tokens == 1:
                 self._join(req, clock)
-                left.add(req)
+                left.append(req)
         if left:
-            self._prefilling = [r for r in self._prefilling if r not in left]
+            if len(left) == 1:  # the usual: one admission's prompt done
+                self._prefilling.remove(left[0])
+            else:
+                gone = set(left)
+                self._prefilling = [r for r in self._prefilling if r not in gone]
             if len(self._due) > 1:
                 self._due.sort(key=_run_seq)
         self._steady = bool(self.running) and not self._prefilling
@@ -853,7 +858,8 @@ class EngineInstance:
         if (not self.steady_runs or self._step is not None or self._agg is not None or not self._cohort or self._eager
                 or self._prefilling or self.waiting or self._due or self._due_lazy or self._due_phase
                 or not self.busy or getattr(self.latency, "predict_decodes_s", None) is None
-                or cls.end_step is not EngineInstance.end_step or cls.start_step is not EngineInstance.start_step):
+                or (cls is not EngineInstance and (cls.end_step is not EngineInstance.end_step
+                                                   or cls.start_step is not EngineInstance.start_step))):
             return False
         return self.hook is None or _fastpath.quiet_until_event(self.hook)
 
@@ -1052,7 +1058,11 @@ class EngineInstance:
         self._due_phase = self._phase_live[clock % self.kv.block_size]
         if len(due) > 1:
             due.sort(key=_run_seq)
-        self._ctx_total, self._ctx_max = total, max(self._cohort_max(), eager_max)
+        top = self._longest  # _cohort_max, inline (once per iteration end)
+        while top and top[0][2].finish_s is not None:
+            heapq.heappop(top)
+        longest = clock - top[0][0] if top else 0
+        self._ctx_total, self._ctx_max = total, eager_max if eager_max > longest else longest  # noqa: FURB136 (faster than max)
 
     def _advance_eager(self, done: list, total: int, now_s: float) -> tuple[int, int]:
         """_advance_cohort's merge: the eager requests one by one and the
@@ -1086,7 +1096,11 @@ class EngineInstance:
 
     def _finish_lazy(self, req: EngineRequest, clock: int, now_s: float) -> int:
         """Bring a finishing cohort member up to date and finish it; its context."""
-        _materialise(req, clock)
+        lag = clock - req.lazy_base  # _materialise, inline
+        if lag:
+            req.num_computed_tokens += lag
+            req.num_generated += lag
+            req.history.num_tokens += lag
         req.lazy_base = -1
         if req.pool_from >= 0:  # its pooled blocks, then it leaves its phase
             self._attribute(req)

@@ -68,19 +68,21 @@ class Records:
     in order, with the values appended (floats as C doubles: exact; ints within
     64 bits, else ``append`` raises ``OverflowError``)."""
 
-    __slots__ = ("_bools", "_columns")
+    __slots__ = ("_appends", "_bools", "_columns")
 
     def __init__(self, *typecodes: str) -> None:
         if not typecodes:
             raise ValueError("Records needs at least one field")
         self._bools = tuple(i for i, c in enumerate(typecodes) if c == "?")
         self._columns = tuple(array.array("b" if c == "?" else c) for c in typecodes)
+        self._appends = tuple(column.append for column in self._columns)  # (bound once: one a finished request)
 
     def append(self, record: tuple) -> None:
-        if len(record) != len(self._columns):
-            raise ValueError(f"a record of {len(self._columns)} fields, got {record!r}")
-        for column, value in zip(self._columns, record):
-            column.append(value)
+        appends = self._appends
+        if len(record) != len(appends):
+            raise ValueError(f"a record of {len(appends)} fields, got {record!r}")
+        for append, value in zip(appends, record):
+            append(value)
 
     def _row(self, values: tuple) -> tuple:
         if not self._bools:
@@ -286,8 +288,10 @@ class ScenarioRun:
     def _normal_request(self, request_id: str, inst: EngineInstance, num_prompt_tokens: int, num_output_tokens: int,
                         prefix: PromptPrefix | None, arrival_s: float) -> EngineRequest:
         if prefix is None:
-            history = SessionHistory(request_id)
-            history.append(num_prompt_tokens)
+            history = SessionHistory(request_id, num_tokens=num_prompt_tokens)  # = append(num_prompt_tokens) to ()
+            if num_prompt_tokens < 0:
+                history = SessionHistory(request_id)
+                history.append(num_prompt_tokens)  # raises, as it did
         else:  # its leading blocks are named by the trace's hashes: shared with equal prefixes
             history = PrefixHistory.for_prompt(request_id, num_prompt_tokens, prefix)
         req = EngineRequest(request_id, RequestKind.NORMAL, history, num_prompt_tokens, num_output_tokens,
