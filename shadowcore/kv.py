@@ -1355,9 +1355,7 @@ class KVClassManager:
             return None
         used = self._ref_hits(hits, kv_class)
         if kv_class is KVClass.NORMAL and self._host:  # a host-tier shadow block served to a normal owner: used
-            host_used = sum(map(is_, map(_FIRST, map(self._host.__getitem__,
-                                                     hashes[match.num_device_blocks : match.num_blocks])),
-                                repeat(KVClass.SHADOW)))
+            host_used = self._host_shadow(hashes[match.num_device_blocks : match.num_blocks])
             self.num_shadow_blocks_used += host_used
             used += host_used
         self._ref_hits(shared, kv_class)
@@ -1588,6 +1586,8 @@ class KVClassManager:
         self._idle[KVClass.SHADOW].left(num_shadow_left)
         self._idle[KVClass.NORMAL].left(len(left_idle) - num_shadow_left)
         self._leave_idle(map(_RELEASE, left_idle))
+        if match.num_host_blocks:  # allocate's host hits: a shadow block there served to the normal cache owner
+            used += self._host_shadow(hashes[match.num_device_blocks : match.num_blocks])
         self.num_shadow_blocks_used += used
         self.num_reloaded_blocks += match.num_host_blocks
         self._host_tier.take(fresh)
@@ -1621,7 +1621,9 @@ class KVClassManager:
         self.num_free_blocks += owner.num_private_blocks - len(tail)
         host = self._host
         if host and not host.keys().isdisjoint(tail):
-            self.num_reloaded_blocks += _run_length(host, tail)  # match_prefix's host part: the tail's run there
+            num_host = _run_length(host, tail)  # match_prefix's host part: the tail's run there
+            self.num_shadow_blocks_used += self._host_shadow(tail[:num_host])  # as allocate counts host hits
+            self.num_reloaded_blocks += num_host
             self._host_tier.take(tail)
         release = self._num_releases + 1
         idle_state = (False, 0, now_s, release)
@@ -1694,6 +1696,11 @@ class KVClassManager:
             self._idle_n.append(idle_state, order)
             self._new_release(release, len(order), now_s)
         return True
+
+    def _host_shadow(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes`` (all in the host tier) are shadow blocks
+        there: host hits of a normal owner, each one a shadow block used."""
+        return sum(map(is_, map(_FIRST, map(self._host.__getitem__, hashes)), repeat(KVClass.SHADOW)))
 
     def reload_seconds(self, num_blocks: int) -> float:
         host = self.policy.host

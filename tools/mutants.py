@@ -671,6 +671,12 @@ MUTATIONS: dict[str, tuple] = {
     # shadow tokens used: a host-tier hit on a shadow block counts (one definition, issue 14 item 7)
     "used-host": ("tests/sim/test_session_replay.py", "test_a_host_tier_hit_on_a_shadow_block_counts_as_used",
                   "shadowcore/kv.py", "            self.num_shadow_blocks_used += host_used\n", ""),
+    # release_and_cache counts host-tier shadow hits as allocate does (issue 17, session 13: the short way, the chain)
+    "used-host-finish": (KV_EQ, "test_composites_equal_the_calls_they_replace", "shadowcore/kv.py",
+                         "            used += self._host_shadow(hashes[match.num_device_blocks : match.num_blocks])",
+                         "            pass"),
+    "used-host-chain": (KV_EQ, "test_composites_equal_the_calls_they_replace", "shadowcore/kv.py",
+                        "            self.num_shadow_blocks_used += self._host_shadow(tail[:num_host])", "            pass"),
     # session traces: a prompt that disagrees with context + input is an error
     "trace-prompt": ("tests/test_session_trace.py", "test_cross_line_rules", "shadow_traces/session_trace.py",
                      "    if given is not None and given != prompt:", "    if False:"),

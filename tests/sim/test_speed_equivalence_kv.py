@@ -53,6 +53,14 @@ _OP = st.one_of(
 # A finished owner whose head another owner also holds: only its own blocks go idle (pinned: the chain's
 # all-at-once path must not take a shared head).
 @example(ops=[(("alloc", 0, 5, 0, False), 0.0), (("alloc", 1, 4, 0, False), 0.0), (("finish", 0, 1), 0.5)])
+# (host=True) A finish whose new blocks hit shadow blocks in the host tier counts them used, as allocate does:
+# the general short way (idle shadow hits on the device, then one in the host tier; Hypothesis found it) and
+# the chain's all-at-once path (the whole tail in the host tier). Pins mutants used-host-finish, used-host-chain.
+@example(ops=[(("alloc", 0, 7, 0, False), 0.0), (("alloc", 3, 6, 0, True), 0.0), (("release", 0), 0.0),
+              (("release", 0), 0.0), (("room",), 0.0), (("release", 0), 0.0), (("alloc", 3, 3, 2, False), 0.0),
+              (("alloc", 0, 0, 1, False), 0.0), (("alloc", 0, 0, 1, False), 0.0), (("finish", 0, 3), 0.0)])
+@example(ops=[(("alloc", 3, 6, 0, True), 0.0), (("release", 0), 0.0), (("alloc", 4, 8, 5, False), 0.0),
+              (("release", 0), 0.0), (("alloc", 3, 3, 3, False), 0.0), (("finish", 0, 3), 0.0)])
 def test_composites_equal_the_calls_they_replace(host: bool, ops: list) -> None:
     policy = KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=2.0,
                            host=HostTierParams(capacity_bytes=6 * 16 * 131072.0) if host else None)
