@@ -45,9 +45,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from shadow_vllm.virtual.testbed import SAME_TTFT_BOUND  # item 7's bound, one owner (no vLLM import)
+
 from shadowcore.config import PluginRef, parse_ref
 
-SAME_TTFT_BOUND = 1.05  # the testbed's own (shadow_vllm.virtual.testbed.SAME_TTFT_BOUND; a test checks they agree)
 MODELS = ("Qwen2.5-7B", "Llama-3.1-8B")
 
 
@@ -75,7 +76,7 @@ def testbed_verdict(paths: Sequence[str]) -> int:
     merge (the first file's arm where two have it)."""
     import json
 
-    from shadow_vllm.virtual.testbed import item7_checks, with_same_ttft_sum
+    from shadow_vllm.virtual.testbed import item7_checks, same_ttft_ratio, with_same_ttft_sum
 
     by_point: dict[tuple, dict[str, Mapping[str, float]]] = {}
     for path in paths:
@@ -92,7 +93,7 @@ def testbed_verdict(paths: Sequence[str]) -> int:
         for arm, m in arms.items():
             r = rows[arm][key] = {k: m[k] for k in keep}
             print(f"{f'{key[0]} rho {key[1]} seed {key[2]}':24s} {arm[:58]:58s} {r['switch_ttft_red']:11.3f} "
-                  f"{r['same_ttft_sum'] / arms['no-shadow']['same_ttft_sum']:9.3f} {r['call_latency_red']:12.3f} "
+                  f"{same_ttft_ratio(r, arms['no-shadow']):9.3f} {r['call_latency_red']:12.3f} "
                   f"{r['switch_latency_red']:10.3f} {100 * r['normal_slo_pp']:13.2f}")
 
     def mean(arm: str, keys: Sequence[tuple]) -> dict[str, float]:
@@ -103,11 +104,11 @@ def testbed_verdict(paths: Sequence[str]) -> int:
         keys = sorted(rows[arm])
         m, rl, base = mean(arm, keys), mean("request-level", keys), mean("no-shadow", keys)
         met = item7_checks(m, rl, base)
-        ratio = lambda x, base=base: x["same_ttft_sum"] / base["same_ttft_sum"]
         lines = {
             f"switch TTFT reduction {m['switch_ttft_red']:.3f} >= request-level's {rl['switch_ttft_red']:.3f}":
                 met["switch TTFT"],
-            f"same-model TTFT ratio {ratio(m):.3f} <= {SAME_TTFT_BOUND} (request-level {ratio(rl):.3f})":
+            f"same-model TTFT ratio {same_ttft_ratio(m, base):.3f} <= {SAME_TTFT_BOUND} "
+            f"(request-level {same_ttft_ratio(rl, base):.3f})":
                 met["same-model TTFT"],
             f"normal SLO change {100 * m['normal_slo_pp']:+.2f} pp >= 0": met["normal SLO"],
         }
