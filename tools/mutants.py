@@ -33,6 +33,7 @@ KV_EQ = "tests/sim/test_speed_equivalence_kv.py"
 KV_PRIV = "tests/sim/test_kv_private_review.py"
 KV_OWED = "tests/sim/test_kv_owed_reads.py"
 KIT_IMM = "tests/test_kit_imminent_first.py"
+DEFER = "tests/sim/test_deferred_instances.py"
 EVICT_CLASSES = "_SHADOW_FIRST = (KVClass.SHADOW, KVClass.NORMAL)"
 
 MUTATIONS: dict[str, tuple] = {
@@ -719,6 +720,25 @@ MUTATIONS: dict[str, tuple] = {
                 "room = (self.shadow_bridge.shadow_room_blocks(now_s) - 1) * self.block_size"),
     "pd-one-read": ("tests/vllm/test_pd.py", "test_decode_pulls_an_offer_in_pushes", "backends/shadow_vllm/pd.py",
                     "            elif self.shadow_one_read:", "            elif False:"),
+    # deferred instances (EngineCluster.feed): their own arrivals, applied when the router side observes them
+    "defer-estimate-sync": (DEFER, "test_reads_of_deferred_instances_are_exact", "shadowcore/engine/cluster.py",
+                            "            self._sync(inst)  # but its own arrivals and admissions do\n",
+                            "            pass\n"),
+    "defer-settle": (DEFER, "test_deferred_runs_change_nothing", "shadowcore/engine/cluster.py",
+                     "                local.settles.append(self.loop.now_s)\n", "                pass\n"),
+    "defer-horizon": (DEFER, "test_deferred_runs_change_nothing", "shadowcore/engine/cluster.py",
+                      "self._local_end(inst, local, min(s, a, w, math.nextafter(t, math.inf)))",
+                      "self._local_end(inst, local, min(s, w, math.nextafter(t, math.inf)))"),
+    "defer-undefer-end": (DEFER, "test_deferred_runs_change_nothing", "shadowcore/engine/cluster.py",
+                          "        if local.end_s != math.inf:\n            loop.at(",
+                          "        if False:\n            loop.at("),
+    "defer-records-order": (DEFER, "test_finishing_order_is_restored", "shadowcore/engine/run.py",
+                            "        self._records_in_finishing_order()\n", ""),
+    "defer-normal-done": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",
+                          "shadowcore/engine/run.py", "                or cls._normal_done is not ScenarioRun._normal_done ",
+                          "                "),
+    "feed-ids": (DEFER, "test_deferred_runs_change_nothing",
+                 "shadowcore/engine/driver.py", "for k, r in enumerate(normal, 1):", "for k, r in enumerate(normal):"),
     # per-request costs (issue 17, session 13, branch reqcost): each shortcut on a normal request's path broken
     "reqcost-extend-one": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing",
                            "shadowcore/kv.py", "            grown = ((owners[owner_id], total),)",

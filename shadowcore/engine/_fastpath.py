@@ -243,11 +243,18 @@ class InlineEventLoop(EventLoop):
     comes first and ``run`` has neither a bound nor a stop condition."""
 
     _free_running: bool = False  # inside run() with no until_s and no stop
+    #: Called once when a free run has popped every event (the cluster's deferred instances run to their end
+    #: there); it queues nothing.
+    on_empty: Callable[[], None] | None = None
 
     def run(self, until_s: float | None = None, stop: Callable[[], bool] | None = None) -> None:
         self._free_running = until_s is None and stop is None
         try:
             super().run(until_s, stop)
+            if self._free_running and self.on_empty is not None:
+                self.on_empty()
+                if self._heap:
+                    raise AssertionError("on_empty queued an event")
         finally:
             self._free_running = False
 

@@ -30,6 +30,20 @@ every pending end at ``t`` (iteration ends come first at equal times); two
 instances' iteration ends at the same instant keep no order between them
 beyond that.
 
+Deferred instances (``feed``, ``defer_instances``): an instance that takes its own normal arrivals, holds no
+routed call and whose hook plans nothing (or that has none) changes nothing but itself until the router side
+observes it, so it puts no event on the heap: its iteration ends, arrivals, the router's settles (``kick_all``)
+and wake-ups wait in its ``_Local`` and are applied, in the loop's order for one instance (time; at one instant
+ends, settles, arrivals, wake-ups: the kinds' order), whenever something observes it (its ``touched``, the
+placement reads, a settle's or a wake-up's own ``kick``) and, at the end of the run, by the loop's ``on_empty``.
+**Its state is exact at every observation**: a read at ``t`` first applies its ends and settles at or before
+``t`` and its arrivals and wake-ups before ``t`` (those at ``t`` come after the router's event at ``t``). A change
+(a routed call enqueued, a job activated) makes it eager again: its iteration in flight, due wake-ups and next
+arrival go on the heap; its next iteration end with no routed call in it defers it again. Only the records of its
+finishes leave it (``ScenarioRun`` puts them back in finishing order) and the loop's clock at the end (the last
+event of all, as the loop's would be). Ties: as with lazy ticks, two instances' events at one instant keep no
+order between them beyond the kinds' order.
+
 Placement is linear in the instances of a model per routed call, at a small
 constant: an instance that holds none of the session's prefix answers from
 one membership test, and the placement estimates of one instant are computed
@@ -40,13 +54,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from shadowcore.engine import _fastpath
 from shadowcore.engine._fastpath import InlineEventLoop
 from shadowcore.engine.instance import EngineInstance
-from shadowcore.engine.kinds import STEP_END, WAKE
+from shadowcore.engine.kinds import NORMAL, STEP_END, WAKE
 from shadowcore.job import SessionHistory
 from shadowcore.latency import windowed_prefill_s
 
@@ -62,6 +78,37 @@ class _LazyRun:
 
     def __init__(self, pending_s: float, stop_s: float) -> None:
         self.pending_s, self.stop_s = pending_s, stop_s
+
+
+class _Feed:
+    """An instance's own normal arrivals: ``requests[next]`` on is still to come; ``start(instance, request id,
+    request, arrival time)`` builds the engine request. ``token`` names the one queued arrival event that is live
+    (a deferred instance takes its arrivals itself: its queued event goes stale)."""
+
+    __slots__ = ("next", "next_s", "requests", "start", "token")
+
+    def __init__(self, requests: Sequence[tuple], start: Callable) -> None:
+        self.requests, self.start, self.next, self.token = requests, start, 0, 0
+        self.next_s = requests[0][1].arrival_s if requests else math.inf  # the arrival of requests[next]
+
+    def take(self) -> tuple:
+        """The next ``(request id, request)``; ``next_s`` moves on."""
+        out = self.requests[self.next]
+        self.next += 1
+        self.next_s = self.requests[self.next][1].arrival_s if self.next < len(self.requests) else math.inf
+        return out
+
+
+class _Local:
+    """A deferred instance's own events not yet applied: the end of its iteration in flight (``end_s``; inf:
+    idle), the router's settles (``kick_all``) and wake-ups at it, by time; ``last_s``: its last event applied."""
+
+    __slots__ = ("end_s", "feed", "last_s", "settles", "wakes")
+
+    def __init__(self, end_s: float, feed: _Feed) -> None:
+        self.end_s, self.feed, self.last_s = end_s, feed, end_s
+        self.settles: deque = deque()
+        self.wakes: deque = deque()
 
 
 @attrs.define(eq=False)
@@ -91,6 +138,11 @@ class EngineCluster:
     #: ``_estimates_at`` only (a latency model is pure; its instances outlive the instant)
     _estimates: dict = attrs.field(init=False, factory=dict)
     _estimates_at: float = attrs.field(init=False, default=math.nan)
+    #: Instances that take their own normal arrivals (:meth:`feed`) may be deferred (see the module docstring).
+    defer_instances: bool = True
+    num_deferrals: int = 0  # instances deferred (a diagnostic)
+    _feeds: dict = attrs.field(init=False, factory=dict)  # instance -> _Feed
+    _deferred: dict = attrs.field(init=False, factory=dict)  # instance -> _Local
 
     def instances(self, model: str) -> list[str]:
         return [i.instance_id for i in self.by_model[model]]
@@ -100,6 +152,8 @@ class EngineCluster:
 
     def cached_prefix_tokens(self, instance_id: str, history: SessionHistory) -> int:
         inst = self.by_id[instance_id]
+        if self._deferred and inst in self._deferred:
+            self._sync(inst)  # its own arrivals may have named blocks since
         first = history.block_hash_run(inst.kv.block_size, 1)
         if not first or not inst.kv.may_hold_prefix(first[0]):
             return 0  # exact without a catch-up: plain ticks and owed evictions never add a named block
@@ -107,6 +161,8 @@ class EngineCluster:
 
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
         inst = self.by_id[instance_id]  # no catch-up: plain ticks change none of what this reads
+        if self._deferred and inst in self._deferred:
+            self._sync(inst)  # but its own arrivals and admissions do
         work = inst.queued_prefill_tokens + num_uncached_tokens
         now = self.loop.now_s
         if now != self._estimates_at:  # the memo holds one instant's estimates (a placement's)
@@ -133,6 +189,11 @@ class EngineCluster:
 
     def kick(self, inst: EngineInstance) -> None:
         """Start an iteration on an idle instance now (no-op when busy)."""
+        local = self._deferred.get(inst)
+        if local is not None:  # a wake-up among its own events, after its arrivals now
+            self._sync(inst)
+            local.wakes.append(self.loop.now_s)
+            return
         if inst.busy:  # a lazy run's instance is busy throughout
             return
         end = inst.start_step(self.loop.now_s)
@@ -140,8 +201,12 @@ class EngineCluster:
             self.loop.at(end, STEP_END, lambda t, i=inst: self._on_step_end(i))
 
     def kick_all(self) -> None:
+        deferred = self._deferred
         for inst in self.by_id.values():
-            if not inst.busy:
+            local = deferred.get(inst) if deferred else None
+            if local is not None:  # is it idle now? asked in order among its own events
+                local.settles.append(self.loop.now_s)
+            elif not inst.busy:
                 self.loop.at(self.loop.now_s, WAKE, lambda t, i=inst: self.kick(i))
 
     def _on_step_end(self, inst: EngineInstance) -> None:
@@ -151,6 +216,9 @@ class EngineCluster:
         iterations with nothing to do at their ends go lazy (:meth:`_go_lazy`)
         or, where they cannot, through ``EngineInstance.run_steady`` in one call."""
         loop = self.loop
+        if inst in self._feeds and self._may_defer(inst):
+            self._defer(inst)  # this end, not yet applied, is its first deferred event
+            return
         ticks = True  # False right after run_steady stopped at an end that is not a plain tick
         while True:
             if ticks and inst.can_run_steady():
@@ -229,3 +297,147 @@ class EngineCluster:
     def _end_lazy(self, inst: EngineInstance) -> None:
         del self._lazy[inst]
         inst.touched = None
+
+    # -- deferred instances ------------------------------------------------------------
+    def feed(self, inst: EngineInstance, requests: Sequence[tuple], start: Callable) -> None:
+        """``inst`` takes its own normal arrivals: ``requests`` are ``(request id, request)`` pairs in arrival
+        order (``request.arrival_s``); ``start(inst, request id, request, arrival_s)`` builds each one's
+        :class:`EngineRequest`, which the cluster enqueues at its arrival. Before the run."""
+        feed = self._feeds[inst] = _Feed(requests, start)
+        self.loop.on_empty = self._drain
+        self._queue_arrival(inst, feed)
+
+    def _queue_arrival(self, inst: EngineInstance, feed: _Feed) -> None:
+        if feed.next < len(feed.requests):
+            token = feed.token
+            self.loop.at(feed.next_s, NORMAL, lambda t, i=inst, f=feed, k=token: self._on_arrival(i, f, k))
+
+    def _on_arrival(self, inst: EngineInstance, feed: _Feed, token: int) -> None:
+        """An eager instance's next arrival (its event queues the one after, then starts it)."""
+        if token != feed.token:
+            return  # stale: the instance was deferred and took this arrival itself
+        rid, r = feed.take()
+        self._queue_arrival(inst, feed)
+        inst.enqueue(feed.start(inst, rid, r, self.loop.now_s))
+        self.kick(inst)
+
+    def _may_defer(self, inst: EngineInstance) -> bool:
+        """Nothing but its own arrivals and iterations changes ``inst`` until the router side observes it: no
+        routed call in it, a hook that plans nothing (or none), the engine's own iteration methods, and a loop
+        that will pop every queued event."""
+        hook = inst.hook
+        return (self.defer_instances and self.loop.free_running and inst not in self._lazy
+                and (hook is None or _fastpath.plans_nothing(hook)) and not inst.holds_routed
+                and type(inst).start_step is EngineInstance.start_step
+                and type(inst).end_step is EngineInstance.end_step)
+
+    def _defer(self, inst: EngineInstance) -> None:
+        """The iteration of ``inst`` ending now is its first deferred event (not yet applied)."""
+        feed = self._feeds[inst]
+        feed.token += 1  # its queued arrival event goes stale: it takes that arrival itself
+        local = self._deferred[inst] = _Local(self.loop.now_s, feed)
+        inst.touched = functools.partial(self._observed, inst, local)
+        self.num_deferrals += 1
+
+    def _observed(self, inst: EngineInstance, local: _Local, change: bool) -> None:
+        """``inst``'s ``touched`` while deferred: its events up to now first; a change (a routed call enqueued,
+        a job activated) makes it eager again."""
+        self._sync(inst)
+        if change:
+            self._undefer(inst, local)
+
+    def _undefer(self, inst: EngineInstance, local: _Local) -> None:
+        """Back to the loop: the iteration in flight, the wake-ups due now, the next arrival as events."""
+        del self._deferred[inst]
+        inst.touched = None
+        loop = self.loop
+        if local.end_s != math.inf:
+            loop.at(local.end_s, STEP_END, lambda t, i=inst: self._on_step_end(i))
+        for w in local.wakes:  # all at now: the earlier ones were applied
+            loop.at(w, WAKE, lambda t, i=inst: self.kick(i))
+        local.feed.token += 1
+        self._queue_arrival(inst, local.feed)
+
+    def _sync(self, inst: EngineInstance, until_s: float | None = None) -> None:
+        """Apply the deferred events of ``inst`` at or before now (``until_s``): its iteration ends and the
+        settles (in that order at one instant), not its arrivals or wake-ups at that instant, which come after
+        an event now."""
+        local = self._deferred[inst]
+        touched, inst.touched = inst.touched, None
+        try:
+            self._advance(inst, local, self.loop.now_s if until_s is None else until_s)
+        finally:
+            inst.touched = touched
+
+    def _advance(self, inst: EngineInstance, local: _Local, t: float) -> None:
+        """The instance's own events in the loop's order (time, then: end, settle, arrival, wake-up), up to
+        ``t`` (ends and settles at ``t`` included, arrivals and wake-ups at ``t`` not)."""
+        feed, settles, wakes = local.feed, local.settles, local.wakes
+        while True:
+            e, a = local.end_s, feed.next_s
+            s = settles[0] if settles else math.inf
+            w = wakes[0] if wakes else math.inf
+            if e <= s and e <= a and e <= w:
+                if e > t or e == math.inf:
+                    return
+                self._local_end(inst, local, min(s, a, w, math.nextafter(t, math.inf)))
+            elif s <= a and s <= w:
+                if s > t:
+                    return
+                settles.popleft()
+                if not inst.busy:
+                    wakes.append(s)  # kick_all's wake-up, after the arrivals at s
+            elif a <= w:
+                if a >= t:
+                    return
+                rid, r = feed.take()
+                inst.enqueue(feed.start(inst, rid, r, a))
+                self._local_kick(inst, local, a)
+            else:
+                if w >= t:
+                    return
+                wakes.popleft()
+                self._local_kick(inst, local, w)
+
+    def _local_kick(self, inst: EngineInstance, local: _Local, now_s: float) -> None:
+        local.last_s = now_s
+        if not inst.busy:
+            end = inst.start_step(now_s)
+            if end is not None:
+                local.end_s = end
+
+    def _local_end(self, inst: EngineInstance, local: _Local, horizon_s: float) -> None:
+        """:meth:`_on_step_end` for a deferred instance: its iteration in flight ends at ``local.end_s``; its
+        next iterations run here while they end before ``horizon_s`` (its next other event, or the bound)."""
+        now = local.end_s
+        ticks = True
+        while True:
+            if ticks and inst.can_run_steady() and horizon_s > now:
+                last, num, end = inst.run_steady(now, horizon_s)
+                if num:
+                    local.last_s, local.end_s, now = last, end, end
+                    if end >= horizon_s:
+                        return
+                    ticks = False
+                    continue
+            ticks = True
+            inst.end_step(now)
+            local.last_s = now
+            if inst.busy:
+                raise AssertionError(f"{inst.instance_id}: an iteration started inside a deferred end")
+            end = inst.start_step(now)
+            local.end_s = math.inf if end is None else end
+            if end is None or end >= horizon_s:
+                return
+            now = end
+
+    def _drain(self) -> None:
+        """The loop has no event left: every deferred instance runs to its end; the clock stops at the last
+        event of all, as the loop's would."""
+        end = self.loop.now_s
+        for inst, local in list(self._deferred.items()):
+            self._sync(inst, math.inf)
+            end = max(end, local.last_s)
+            inst.touched = None
+        self._deferred.clear()
+        self.loop.now_s = end

@@ -32,7 +32,9 @@ Invariants:
   started), in arrival order and at equal arrivals in the workload's order:
   exactly the order the heap gave them when all were queued up front (no other
   event is of their class), at a heap of the cluster's size rather than the
-  workload's.
+  workload's. A port that ``feeds_normal`` gets them all up front, with these
+  ids, per instance in this order, and starts each at its arrival itself (the
+  simulator's cluster: an instance's arrivals touch no other instance).
 """
 
 from __future__ import annotations
@@ -98,6 +100,10 @@ class ServingPort(Protocol):
     def settle(self) -> None:
         """After a router-side event: wake idle engines (and feed shadow work)."""
 
+    # Optional: a port whose ``feeds_normal`` is true takes every normal request up front instead of through
+    # start_normal, ``feed_normal({instance id: [(request id, NormalRequest), ...] in arrival order})``, and
+    # starts each at its arrival itself (the request ids and the order are the ones start_normal would see).
+
 
 @attrs.define(eq=False)
 class SessionDriver:
@@ -129,7 +135,15 @@ class SessionDriver:
                                       f"is not a model of this cluster ({', '.join(models)})")
         for s in workload.sessions:
             self.loop.at(s.arrival_s, CALL, lambda t, s=s: self._call(s, 0))
-        self._feed(sorted(workload.normal, key=_arrival_s))  # stable: equal arrivals in the workload's order
+        normal = sorted(workload.normal, key=_arrival_s)  # stable: equal arrivals in the workload's order
+        if not getattr(self.port, "feeds_normal", False):
+            self._feed(normal)
+            return
+        by_instance: dict[str, list[tuple[str, NormalRequest]]] = {}
+        for k, r in enumerate(normal, 1):  # the ids _normal gives, in the same arrival order
+            by_instance.setdefault(r.instance_id, []).append((f"n{k}:{r.instance_id}", r))
+        self._num_normal = len(normal)
+        self.port.feed_normal(by_instance)
 
     def _feed(self, normal: list[NormalRequest]) -> None:
         """Queue ``normal``'s requests one by one: each event queues the next, then starts its own."""

@@ -263,6 +263,11 @@ class EngineInstance:
             self.touched(False)
         return self.kv.eviction_count
 
+    @property
+    def holds_routed(self) -> bool:
+        """A routed call is waiting or running here (its tokens and finish are the router side's events)."""
+        return self._num_routed > 0 or any(r.kind is _ROUTED for r in self.waiting)
+
     # -- queue --------------------------------------------------------------------
     def enqueue(self, req: EngineRequest) -> None:
         if self.touched is not None:

@@ -24,12 +24,15 @@ from __future__ import annotations
 import array
 import contextlib
 import gc
+import itertools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import attrs
 
 from shadowcore.config import ShadowConfig
+from shadowcore.engine import _fastpath
 from shadowcore.engine._fastpath import InlineEventLoop
 from shadowcore.engine.cluster import EngineCluster
 from shadowcore.engine.driver import CallOutcome, OnTokens, SessionDriver
@@ -105,6 +108,12 @@ class Records:
     def __repr__(self) -> str:
         return f"Records({list(self)!r})"
 
+    def reorder(self, order: Sequence[int]) -> None:
+        """Keep the records in ``order`` (a permutation of their indices): record ``order[k]`` becomes the k-th."""
+        if sorted(order) != list(range(len(self))):
+            raise ValueError("Records.reorder needs a permutation of the record indices")
+        self._columns = tuple(array.array(c.typecode, map(c.__getitem__, order)) for c in self._columns)
+
     def __reduce__(self):
         return _records, (tuple("?" if i in self._bools else c.typecode for i, c in enumerate(self._columns)),
                           list(self))
@@ -140,6 +149,10 @@ class ScenarioRun:
     #: (arrival, prompt tokens, cached prompt tokens) of every finished normal request (0 cached if rejected)
     normal_tokens: Records = attrs.field(init=False, factory=lambda: Records("d", "q", "q"))
     rejected_normal: list[str] = attrs.field(init=False, factory=list)  # longer than a whole KV pool
+    #: When each record of ``normal`` and of ``rejected_normal`` was made: the cluster's deferred instances
+    #: finish their requests out of the loop's order, and :meth:`run` puts the records back in finishing order.
+    _normal_finish_s: array.array = attrs.field(init=False, factory=lambda: array.array("d"))
+    _rejected_finish_s: array.array = attrs.field(init=False, factory=lambda: array.array("d"))
     _dedicated: set[str] = attrs.field(init=False, factory=set)
     #: (id of the instance's latency model, token budget, prompt tokens) -> its isolated prefill time (pure in
     #: all three: computed once; the instances of one model share one latency model and budget)
@@ -225,6 +238,7 @@ class ScenarioRun:
         self.driver.schedule(self.workload, self.serving_instances())
         with _young_gc_relaxed():
             self.loop.run()
+        self._records_in_finishing_order()
         return ScenarioResult(self.runtime.policy.name, tuple(self.calls), self.summary(), tuple(self.runtime.notices),
                               self.scenario.warmup_s)
 
@@ -244,9 +258,35 @@ class ScenarioRun:
         )
         self._enqueue(inst, req)
 
+    @property
+    def feeds_normal(self) -> bool:
+        """Normal requests go to the cluster up front (:meth:`feed_normal`) when an instance may be deferred
+        (``EngineCluster.defer_instances``, a hook that plans nothing or none); otherwise, or when a subclass
+        changes how one starts (``start_normal``, ``_enqueue``) or hooks ``_normal_done`` (which hears of every
+        finish in the loop's order: a deferred instance finishes its requests in stretches), one by one
+        through ``start_normal``."""
+        cls = type(self)
+        if (cls.start_normal is not ScenarioRun.start_normal or cls._enqueue is not ScenarioRun._enqueue
+                or cls._normal_done is not ScenarioRun._normal_done or not self.cluster.defer_instances):
+            return False
+        return any(i.hook is None or _fastpath.plans_nothing(i.hook) for i in self.cluster.by_id.values())
+
+    def feed_normal(self, by_instance: dict[str, list[tuple[str, NormalRequest]]]) -> None:
+        """Each instance takes its own arrivals (``EngineCluster.feed``)."""
+        for instance_id, requests in by_instance.items():
+            self.cluster.feed(self.cluster.by_id[instance_id], requests, self._fed_request)
+
+    def _fed_request(self, inst: EngineInstance, request_id: str, r: NormalRequest, arrival_s: float) -> EngineRequest:
+        return self._normal_request(request_id, inst, r.num_prompt_tokens, r.num_output_tokens, r.prefix, arrival_s)
+
     def start_normal(self, request_id: str, instance_id: str, num_prompt_tokens: int,
                      num_output_tokens: int, prefix: PromptPrefix | None = None) -> None:
         inst = self.cluster.by_id[instance_id]
+        self._enqueue(inst, self._normal_request(request_id, inst, num_prompt_tokens, num_output_tokens, prefix,
+                                                 self.loop.now_s))
+
+    def _normal_request(self, request_id: str, inst: EngineInstance, num_prompt_tokens: int, num_output_tokens: int,
+                        prefix: PromptPrefix | None, arrival_s: float) -> EngineRequest:
         if prefix is None:
             history = SessionHistory(request_id, num_tokens=num_prompt_tokens)  # = append(num_prompt_tokens) to ()
             if num_prompt_tokens < 0:
@@ -255,7 +295,7 @@ class ScenarioRun:
         else:  # its leading blocks are named by the trace's hashes: shared with equal prefixes
             history = PrefixHistory.for_prompt(request_id, num_prompt_tokens, prefix)
         req = EngineRequest(request_id, RequestKind.NORMAL, history, num_prompt_tokens, num_output_tokens,
-                            self.loop.now_s, inst.tpot_slo_s * 40, inst.tpot_slo_s,
+                            arrival_s, inst.tpot_slo_s * 40, inst.tpot_slo_s,
                             on_token=append_output_to_history, on_finish=self._normal_done,
                             private_kv=prefix is None and self.private_normal_kv)
         key = (id(inst.latency), inst.limits.token_budget, num_prompt_tokens)
@@ -264,7 +304,7 @@ class ScenarioRun:
             isolated = self._isolated_s[key] = chunked_prefill_s(inst.latency, num_prompt_tokens,
                                                                  inst.limits.token_budget)
         req.ttft_slo_s = max(self.scenario.slo.ttft_s, 5 * isolated)
-        self._enqueue(inst, req)
+        return req
 
     def settle(self) -> None:
         self.cluster.kick_all()
@@ -274,14 +314,31 @@ class ScenarioRun:
         self.cluster.kick(inst)
 
     def _normal_done(self, req: EngineRequest, now_s: float) -> None:
+        self._normal_finish_s.append(now_s)
         self.normal_tokens.append((req.arrival_s, req.num_prompt_tokens, req.num_cached_tokens or 0))
         if req.rejected:  # counted, and a miss: nothing is dropped silently
+            self._rejected_finish_s.append(now_s)
             self.rejected_normal.append(req.request_id)
             self.normal.append((req.arrival_s, False))
             return
         ttft = req.first_token_s - req.arrival_s
         tpot = (now_s - req.first_token_s) / max(1, req.num_output_tokens - 1)
         self.normal.append((req.arrival_s, ttft <= req.ttft_slo_s and tpot <= req.tpot_slo_s))
+
+    def _records_in_finishing_order(self) -> None:
+        """The normal records by finishing time, stably: one instance's requests in the order it finished them
+        (the loop's order), two instances' requests finishing at the same instant in no order beyond that."""
+        for times, lists in ((self._normal_finish_s, (self.normal, self.normal_tokens)),
+                             (self._rejected_finish_s, (self.rejected_normal,))):
+            if all(map(operator.le, times, itertools.islice(times, 1, None))):
+                continue  # in the loop's order already (no instance was deferred)
+            order = sorted(range(len(times)), key=times.__getitem__)
+            for records in lists:
+                if isinstance(records, Records):
+                    records.reorder(order)
+                else:
+                    records[:] = [records[i] for i in order]
+            times[:] = array.array("d", sorted(times))
 
     # -- metrics ---------------------------------------------------------------------
     def summary(self) -> dict[str, float]:
