@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"EXTRAPOLATED (every task at the measured mean, one core per worker): full grid {n * mean / 3600:.1f} "
           "CPU-hours")
     for w in (int(x) for x in a.workers.split(",")):
-        print(f"  {w:>3} workers: ~{math.ceil(n / w) * mean / 3600:.1f} h wall ({math.ceil(n / w)} tasks each)")
+        wall_s = math.ceil(n / w) * mean
+        wall = f"{wall_s / 3600:.1f} h" if wall_s >= 3600 else f"{wall_s / 60:.1f} min"
+        print(f"  {w:>3} workers: ~{wall} wall ({math.ceil(n / w)} tasks each)")
     return 0
 
 

@@ -154,7 +154,7 @@ class SimRequestLevelRun(SimEffectRun):
         if self.shadower is None:
             from shadow_gateway.request_level import RequestLevelShadower
 
-            self.shadower = RequestLevelShadower(self._submit, lambda i: len(self.cluster.by_id[i].waiting))
+            self.shadower = RequestLevelShadower(self._submit, self.cluster.num_waiting)
         return self.shadower
 
     def start_call(self, request_id: str, placement: Any, history: Any, num_output_tokens: int,

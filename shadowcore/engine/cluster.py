@@ -53,6 +53,7 @@ once per (latency model, token budget, work) (:meth:`EngineCluster.estimated_pre
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -61,7 +62,7 @@ import attrs
 
 from shadowcore.engine import _fastpath
 from shadowcore.engine._fastpath import InlineEventLoop
-from shadowcore.engine.instance import EngineInstance
+from shadowcore.engine.instance import EngineInstance, EngineRequest
 from shadowcore.engine.kinds import NORMAL, STEP_END, WAKE
 from shadowcore.job import SessionHistory
 from shadowcore.latency import windowed_prefill_s
@@ -85,11 +86,31 @@ class _Feed:
     request, arrival time)`` builds the engine request. ``token`` names the one queued arrival event that is live
     (a deferred instance takes its arrivals itself: its queued event goes stale)."""
 
-    __slots__ = ("next", "next_s", "requests", "start", "token")
+    __slots__ = ("callbacks", "next", "next_s", "requests", "start", "token")
 
     def __init__(self, requests: Sequence[tuple], start: Callable) -> None:
         self.requests, self.start, self.next, self.token = requests, start, 0, 0
         self.next_s = requests[0][1].arrival_s if requests else math.inf  # the arrival of requests[next]
+        self.callbacks: tuple | None = None  # (on_token, on_finish) of the requests ``start`` builds
+
+    def begin(self, inst: EngineInstance, request_id: str, request, arrival_s: float) -> EngineRequest:
+        """``start``'s engine request for one arrival; the first one's callbacks name the feed's own."""
+        req = self.start(inst, request_id, request, arrival_s)
+        if self.callbacks is None:
+            self.callbacks = (req.on_token, req.on_finish)
+        return req
+
+    def owns_all(self, inst: EngineInstance) -> bool:
+        """Every request waiting or running on ``inst`` came from this feed (its callbacks are the feed's):
+        a request of the router side's, or of a harness around the run, reports its tokens and finish to
+        callbacks that may queue events or read other instances, which a deferred instance must not run."""
+        if not inst.waiting and not inst.running:
+            return True
+        if self.callbacks is None:
+            return False
+        on_token, on_finish = self.callbacks
+        return all(r.on_finish == on_finish and r.on_token == on_token
+                   for r in itertools.chain(inst.waiting, inst.running))
 
     def take(self) -> tuple:
         """The next ``(request id, request)``; ``next_s`` moves on."""
@@ -146,6 +167,13 @@ class EngineCluster:
 
     def instances(self, model: str) -> list[str]:
         return [i.instance_id for i in self.by_model[model]]
+
+    def num_waiting(self, instance_id: str) -> int:
+        """Requests waiting on ``instance_id`` now (a deferred instance's own events up to now applied first)."""
+        inst = self.by_id[instance_id]
+        if self._deferred and inst in self._deferred:
+            self._sync(inst)
+        return len(inst.waiting)
 
     def block_size(self, instance_id: str) -> int:
         return self.by_id[instance_id].block_size
@@ -318,18 +346,18 @@ class EngineCluster:
             return  # stale: the instance was deferred and took this arrival itself
         rid, r = feed.take()
         self._queue_arrival(inst, feed)
-        inst.enqueue(feed.start(inst, rid, r, self.loop.now_s))
+        inst.enqueue(feed.begin(inst, rid, r, self.loop.now_s))
         self.kick(inst)
 
     def _may_defer(self, inst: EngineInstance) -> bool:
         """Nothing but its own arrivals and iterations changes ``inst`` until the router side observes it: no
-        routed call in it, a hook that plans nothing (or none), the engine's own iteration methods, and a loop
-        that will pop every queued event."""
+        routed call in it, a hook that plans nothing (or none), the engine's own iteration methods, a loop
+        that will pop every queued event, and no request in it but its feed's (:meth:`_Feed.owns_all`)."""
         hook = inst.hook
         return (self.defer_instances and self.loop.free_running and inst not in self._lazy
                 and (hook is None or _fastpath.plans_nothing(hook)) and not inst.holds_routed
                 and type(inst).start_step is EngineInstance.start_step
-                and type(inst).end_step is EngineInstance.end_step)
+                and type(inst).end_step is EngineInstance.end_step and self._feeds[inst].owns_all(inst))
 
     def _defer(self, inst: EngineInstance) -> None:
         """The iteration of ``inst`` ending now is its first deferred event (not yet applied)."""
@@ -391,7 +419,7 @@ class EngineCluster:
                 if a >= t:
                     return
                 rid, r = feed.take()
-                inst.enqueue(feed.start(inst, rid, r, a))
+                inst.enqueue(feed.begin(inst, rid, r, a))
                 self._local_kick(inst, local, a)
             else:
                 if w >= t:

@@ -144,3 +144,39 @@ def test_reads_of_deferred_instances_are_exact() -> None:
     deferred = _probed("deferred", grid)
     assert len({p[3] for p in deferred}) > 3 and len({p[4] for p in deferred}) > 10  # the reads change
     assert deferred == _probed("global", grid)
+
+
+def _foreign(how: str) -> tuple[list, object]:
+    """``fake-no-shadow`` with requests of a harness's own (as the effect harness's request-level shadows) put
+    on fed instances now and then: callbacks not the feed's, which record the loop's clock when they run."""
+    from shadowcore.engine.instance import EngineRequest, RequestKind
+    from shadowcore.job import SessionHistory
+
+    _, fields, policy = CASES["fake-no-shadow"]
+    run = _placed(FakeRun, how == "global")(FakeScenario.from_dict(fields), ShadowConfig(PluginRef(policy), seed=11))
+    seen = []
+
+    def submit(t: float, k: int) -> None:
+        inst = run.cluster.by_id[sorted(run.cluster.by_id)[k % len(run.cluster.by_id)]]
+        req = EngineRequest(f"harness-{k}", RequestKind.NORMAL, SessionHistory(f"harness-{k}", num_tokens=300),
+                            300, 20, t, 10.0, 1.0,
+                            on_token=lambda r, now, k=k: seen.append(("token", k, now, run.loop.now_s)),
+                            on_finish=lambda r, now, k=k: seen.append(("finish", k, now, run.loop.now_s)))
+        inst.enqueue(req)
+        run.cluster.kick(inst)
+
+    for k in range(12):
+        run.loop.at(2.0 + 3.0 * k, CALL, lambda t, k=k: submit(t, k))
+    run.run()
+    return seen, run
+
+
+def test_requests_of_a_harness_keep_an_instance_eager() -> None:
+    """A request whose callbacks are not the feed's (a harness's, the router side's) keeps its instance off the
+    deferred path until it finishes: its callbacks run at their own times, in the loop's order, as before."""
+    deferred, run = _foreign("deferred")
+    plain, plain_run = _foreign("global")
+    assert run.cluster.num_deferrals > 0 and plain_run.cluster.num_deferrals == 0
+    assert sum(1 for s in deferred if s[0] == "finish") == 12
+    assert all(now == clock for _, _, now, clock in deferred)  # each callback ran at its own event
+    assert deferred == plain
