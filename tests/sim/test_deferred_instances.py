@@ -119,15 +119,18 @@ def _plain(value):
     return value
 
 
-def _probed(how: str, times: list[float]) -> list:
+def _probed(how: str, times: list[float], waiting_first: bool = False) -> list:
     """Reads of every instance at ``times`` (events of the router's class): the placement estimate alone, then the
-    eviction count, as a port user may ask them."""
+    eviction count, as a port user may ask them; with ``waiting_first``, ``EngineCluster.num_waiting`` before
+    them (as the request-level shadower reads it)."""
     _, fields, policy = CASES["fake-tight-kv"]
     run = _placed(FakeRun, how == "global")(FakeScenario.from_dict(fields), ShadowConfig(PluginRef(policy), seed=11))
     probes = []
 
     def probe(t: float) -> None:
         for inst_id, inst in run.cluster.by_id.items():
+            if waiting_first:
+                probes.append((t, inst_id, run.cluster.num_waiting(inst_id), len(inst.waiting)))
             probes.append((t, inst_id, run.cluster.estimated_prefill_completion_s(inst_id, 0),
                            inst.queued_prefill_tokens, inst.eviction_count(), inst.num_iterations_run))
 
@@ -180,3 +183,11 @@ def test_requests_of_a_harness_keep_an_instance_eager() -> None:
     assert sum(1 for s in deferred if s[0] == "finish") == 12
     assert all(now == clock for _, _, now, clock in deferred)  # each callback ran at its own event
     assert deferred == plain
+
+
+def test_waiting_counts_of_deferred_instances_are_exact() -> None:
+    """``EngineCluster.num_waiting`` (the request-level shadower's read) brings a deferred instance up to now."""
+    grid = [k * 0.05 for k in range(1, int(CASES["fake-tight-kv"][1]["duration_s"] / 0.05))]
+    deferred = _probed("deferred", grid, waiting_first=True)
+    assert len({p[2] for p in deferred if len(p) == 4}) > 2  # the counts change
+    assert deferred == _probed("global", grid, waiting_first=True)
