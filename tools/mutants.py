@@ -722,8 +722,8 @@ MUTATIONS: dict[str, tuple] = {
                     "            elif self.shadow_one_read:", "            elif False:"),
     # deferred instances (EngineCluster.feed): their own arrivals, applied when the router side observes them
     "defer-estimate-sync": (DEFER, "test_reads_of_deferred_instances_are_exact", "shadowcore/engine/cluster.py",
-                            "            self._sync(inst)  # but its own arrivals and admissions do\n",
-                            "            pass\n"),
+                            "        inst = self._up_to_now(instance_id)\n        work =",
+                            "        inst = self.by_id[instance_id]\n        work ="),
     "defer-settle": (DEFER, "test_deferred_runs_change_nothing", "shadowcore/engine/cluster.py",
                      "                local.settles.append(self.loop.now_s)\n", "                pass\n"),
     "defer-horizon": (DEFER, "test_deferred_runs_change_nothing", "shadowcore/engine/cluster.py",
@@ -742,8 +742,8 @@ MUTATIONS: dict[str, tuple] = {
                          " and self._feeds[inst].owns_all(inst))", ")"),
     "linear3-num-waiting": (DEFER, "test_waiting_counts_of_deferred_instances_are_exact",
                             "shadowcore/engine/cluster.py",
-                            "            self._sync(inst)\n        return len(inst.waiting)",
-                            "            pass\n        return len(inst.waiting)"),
+                            "return len(self._up_to_now(instance_id).waiting)",
+                            "return len(self.by_id[instance_id].waiting)"),
     "feed-ids": (DEFER, "test_deferred_runs_change_nothing",
                  "shadowcore/engine/driver.py", "for k, r in enumerate(normal, 1):", "for k, r in enumerate(normal):"),
     # per-request costs (issue 17, session 13, branch reqcost): each shortcut on a normal request's path broken

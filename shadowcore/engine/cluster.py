@@ -168,29 +168,31 @@ class EngineCluster:
     def instances(self, model: str) -> list[str]:
         return [i.instance_id for i in self.by_model[model]]
 
-    def num_waiting(self, instance_id: str) -> int:
-        """Requests waiting on ``instance_id`` now (a deferred instance's own events up to now applied first)."""
+    def _up_to_now(self, instance_id: str) -> EngineInstance:
+        """The instance, a deferred one with its own events up to now applied (the port's reads of what its
+        own arrivals and admissions change)."""
         inst = self.by_id[instance_id]
         if self._deferred and inst in self._deferred:
             self._sync(inst)
-        return len(inst.waiting)
+        return inst
+
+    def num_waiting(self, instance_id: str) -> int:
+        """Requests waiting on ``instance_id`` now."""
+        return len(self._up_to_now(instance_id).waiting)
 
     def block_size(self, instance_id: str) -> int:
         return self.by_id[instance_id].block_size
 
     def cached_prefix_tokens(self, instance_id: str, history: SessionHistory) -> int:
-        inst = self.by_id[instance_id]
-        if self._deferred and inst in self._deferred:
-            self._sync(inst)  # its own arrivals may have named blocks since
+        inst = self._up_to_now(instance_id)  # its own arrivals may have named blocks since
         first = history.block_hash_run(inst.kv.block_size, 1)
         if not first or not inst.kv.may_hold_prefix(first[0]):
             return 0  # exact without a catch-up: plain ticks and owed evictions never add a named block
         return inst.cached_prefix_tokens(history)  # brings a lazy run up to date itself
 
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
-        inst = self.by_id[instance_id]  # no catch-up: plain ticks change none of what this reads
-        if self._deferred and inst in self._deferred:
-            self._sync(inst)  # but its own arrivals and admissions do
+        # no lazy catch-up: plain ticks change none of what this reads; a deferred instance's arrivals do
+        inst = self._up_to_now(instance_id)
         work = inst.queued_prefill_tokens + num_uncached_tokens
         now = self.loop.now_s
         if now != self._estimates_at:  # the memo holds one instant's estimates (a placement's)
