@@ -141,7 +141,7 @@ class SessionDriver:
             return
         by_instance: dict[str, list[tuple[str, NormalRequest]]] = {}
         for k, r in enumerate(normal, 1):  # the ids _normal gives, in the same arrival order
-            by_instance.setdefault(r.instance_id, []).append((f"n{k}:{r.instance_id}", r))
+            by_instance.setdefault(r.instance_id, []).append((_normal_id(k, r), r))
         self._num_normal = len(normal)
         self.port.feed_normal(by_instance)
 
@@ -162,7 +162,7 @@ class SessionDriver:
 
     def _normal(self, r: NormalRequest) -> None:
         self._num_normal += 1
-        rid = f"n{self._num_normal}:{r.instance_id}"
+        rid = _normal_id(self._num_normal, r)
         if r.prefix is None:
             self.port.start_normal(rid, r.instance_id, r.num_prompt_tokens, r.num_output_tokens)
         else:
@@ -206,3 +206,8 @@ class SessionDriver:
 
 def _arrival_s(r: NormalRequest) -> float:
     return r.arrival_s
+
+
+def _normal_id(k: int, r: NormalRequest) -> str:
+    """The request id of the ``k``-th normal request in arrival order (from 1), both ways of feeding them."""
+    return f"n{k}:{r.instance_id}"
