@@ -72,6 +72,18 @@ class ClusterPort(Protocol):
         ...
 
 
+class PlacementFloorPort(Protocol):
+    """What a :class:`ClusterPort` may add so that placement reads fewer estimates (the simulator's
+    cluster does: an exact estimate there may have to bring an instance up to date first)."""
+
+    def prefill_completion_floor_s(self, instance_id: str, num_uncached_tokens: int) -> float:
+        """A value that :meth:`ClusterPort.estimated_prefill_completion_s` with these arguments is not below
+        now, whatever work is queued on the instance (``-inf`` when nothing better is known). Placement
+        skips an instance whose floor is not below the best estimate so far, so a floor above the estimate
+        would place calls elsewhere: an implementer must guarantee the bound."""
+        ...
+
+
 @attrs.define(eq=False)
 class SessionState:
     session_id: str
@@ -293,8 +305,11 @@ class ShadowManager:
         if not candidates:
             raise ValueError(f"no instance serves model {model!r}")
         best, best_s = None, float("inf")
+        floor = getattr(self.cluster, "prefill_completion_floor_s", None)  # PlacementFloorPort
         for inst in ([sticky] if sticky in candidates else []) + [c for c in candidates if c != sticky]:
             uncached = history.num_tokens - self.cluster.cached_prefix_tokens(inst, history)
+            if floor is not None and best is not None and floor(inst, uncached) >= best_s:
+                continue  # its estimate is at least the floor: it would not win (nor a tie)
             t = self.cluster.estimated_prefill_completion_s(inst, uncached)
             if t < best_s:  # strict: the sticky instance (first) wins ties
                 best, best_s = inst, t

@@ -65,7 +65,7 @@ from shadowcore.engine._fastpath import InlineEventLoop
 from shadowcore.engine.instance import EngineInstance, EngineRequest
 from shadowcore.engine.kinds import NORMAL, STEP_END, WAKE
 from shadowcore.job import SessionHistory
-from shadowcore.latency import windowed_prefill_s
+from shadowcore.latency import chunked_prefill_s, windowed_prefill_s
 
 #: Plain ends one lazy run may hold back (its end times are computed up front: a cut wastes the rest).
 MAX_LAZY_ENDS = 256
@@ -159,6 +159,8 @@ class EngineCluster:
     #: ``_estimates_at`` only (a latency model is pure; its instances outlive the instant)
     _estimates: dict = attrs.field(init=False, factory=dict)
     _estimates_at: float = attrs.field(init=False, default=math.nan)
+    #: (id of a latency model, token budget) -> (the model, whether its one-chunk prefill time never falls: :meth:`_monotone`)
+    _monotone_models: dict = attrs.field(init=False, factory=dict)
     #: Instances that take their own normal arrivals (:meth:`feed`) may be deferred (see the module docstring).
     defer_instances: bool = True
     num_deferrals: int = 0  # instances deferred (a diagnostic)
@@ -184,16 +186,40 @@ class EngineCluster:
         return self.by_id[instance_id].block_size
 
     def cached_prefix_tokens(self, instance_id: str, history: SessionHistory) -> int:
-        inst = self._up_to_now(instance_id)  # its own arrivals may have named blocks since
+        inst = self.by_id[instance_id]
         first = history.block_hash_run(inst.kv.block_size, 1)
         if not first or not inst.kv.may_hold_prefix(first[0]):
-            return 0  # exact without a catch-up: plain ticks and owed evictions never add a named block
-        return inst.cached_prefix_tokens(history)  # brings a lazy run up to date itself
+            # exact with no catch-up: plain ticks, owed evictions and a deferred instance's own events (its feed's
+            # normal requests, whose blocks no session names: ``KVClassManager.allocate``'s private promise) never
+            # add a block a history's prefix starts with; they only take blocks away
+            return 0
+        return inst.cached_prefix_tokens(history)  # brings a lazy run or a deferred instance up to now itself
 
     def estimated_prefill_completion_s(self, instance_id: str, num_uncached_tokens: int) -> float:
         # no lazy catch-up: plain ticks change none of what this reads; a deferred instance's arrivals do
         inst = self._up_to_now(instance_id)
-        work = inst.queued_prefill_tokens + num_uncached_tokens
+        return self.loop.now_s + self._prefill_s(inst, inst.queued_prefill_tokens + num_uncached_tokens)
+
+    def prefill_completion_floor_s(self, instance_id: str, num_uncached_tokens: int) -> float:
+        """A value :meth:`estimated_prefill_completion_s` is not below now, whatever the instance's queued
+        work, read with no catch-up of a deferred instance: the estimate with no work queued, where the
+        instance's one-chunk prefill time never falls with its tokens (:meth:`_monotone`); ``-inf`` elsewhere.
+
+        Why it is a bound, in floats: up to one window (or with none) ``windowed_prefill_s`` is one sum of
+        chunk times in order, each not negative, the last one's growing with its tokens and a new chunk
+        starting after a full one, and a rounded sum never falls when a term grows; past one window it is at
+        least one whole window's time. Past one window for ``num_uncached_tokens`` too, the product of whole
+        windows may round either way, so the floor is lowered by a relative 1e-9 there."""
+        inst = self.by_id[instance_id]
+        if not self._monotone(inst):
+            return -math.inf
+        t = self.loop.now_s + self._prefill_s(inst, num_uncached_tokens)
+        if 0 < self.window_tokens < num_uncached_tokens:
+            t -= 1e-9 * abs(t)
+        return t
+
+    def _prefill_s(self, inst: EngineInstance, work: int) -> float:
+        """``windowed_prefill_s`` of ``work`` on ``inst``, memoised for the instant (a placement's reads)."""
         now = self.loop.now_s
         if now != self._estimates_at:  # the memo holds one instant's estimates (a placement's)
             self._estimates.clear()
@@ -203,7 +229,22 @@ class EngineCluster:
         if prefill_s is None:
             prefill_s = self._estimates[key] = windowed_prefill_s(inst.latency, work, inst.limits.token_budget,
                                                                   self.window_tokens)
-        return now + prefill_s
+        return prefill_s
+
+    def _monotone(self, inst: EngineInstance) -> bool:
+        """One prefill chunk of ``n`` tokens from an empty context (``chunked_prefill_s``) takes a time that is
+        not negative and never falls as ``n`` grows to the token budget: checked once per (latency model, token
+        budget), by computing every one. Then ``windowed_prefill_s`` never falls as its work grows (full chunks
+        are summed, the last one's tokens grow, and a new chunk starts from 0 s after a full one's time; the
+        same for whole windows; each sum adds a time that is not negative)."""
+        budget = inst.limits.token_budget
+        key = (id(inst.latency), budget)
+        seen = self._monotone_models.get(key)
+        if seen is None or seen[0] is not inst.latency:  # (the model is kept: its id is never another's)
+            times = [chunked_prefill_s(inst.latency, n, budget) for n in range(budget + 1)]
+            seen = self._monotone_models[key] = (
+                inst.latency, times[0] >= 0 and all(a <= b for a, b in itertools.pairwise(times)))
+        return seen[1]
 
     def watch_jobs(self, manager) -> None:
         """Let ``manager`` (a :class:`~shadowcore.manager.ShadowManager`) cut an instance's lazy run whenever

@@ -119,18 +119,23 @@ def _plain(value):
     return value
 
 
-def _probed(how: str, times: list[float], waiting_first: bool = False) -> list:
+def _probed(how: str, times: list[float], waiting_first: bool = False, cached_first: bool = False) -> list:
     """Reads of every instance at ``times`` (events of the router's class): the placement estimate alone, then the
     eviction count, as a port user may ask them; with ``waiting_first``, ``EngineCluster.num_waiting`` before
-    them (as the request-level shadower reads it)."""
+    them (as the request-level shadower reads it); with ``cached_first``, before them the cached prefix of every
+    session the manager knows (as a placement reads it, before the estimate)."""
     _, fields, policy = CASES["fake-tight-kv"]
     run = _placed(FakeRun, how == "global")(FakeScenario.from_dict(fields), ShadowConfig(PluginRef(policy), seed=11))
     probes = []
+    manager = run.runtime.manager
 
     def probe(t: float) -> None:
         for inst_id, inst in run.cluster.by_id.items():
             if waiting_first:
                 probes.append((t, inst_id, run.cluster.num_waiting(inst_id), len(inst.waiting)))
+            if cached_first:
+                probes.append((t, inst_id, [run.cluster.cached_prefix_tokens(inst_id, manager.history(sid))
+                                            for sid in sorted(manager.session_ids())]))
             probes.append((t, inst_id, run.cluster.estimated_prefill_completion_s(inst_id, 0),
                            inst.queued_prefill_tokens, inst.eviction_count(), inst.num_iterations_run))
 
@@ -147,6 +152,17 @@ def test_reads_of_deferred_instances_are_exact() -> None:
     deferred = _probed("deferred", grid)
     assert len({p[3] for p in deferred}) > 3 and len({p[4] for p in deferred}) > 10  # the reads change
     assert deferred == _probed("global", grid)
+
+
+def test_cached_prefix_reads_of_deferred_instances_are_exact() -> None:
+    """A deferred instance's cached prefix of a session, read before anything else brings it up to now (as a
+    placement reads it), is what the loop as it was shows: its own normal requests since may have evicted the
+    session's blocks (the tight pool), never added one."""
+    grid = [k * 0.05 for k in range(1, int(CASES["fake-tight-kv"][1]["duration_s"] / 0.05))]
+    deferred = _probed("deferred", grid, cached_first=True)
+    reads = [p[2] for p in deferred if len(p) == 3]
+    assert sum(1 for r in reads for n in r if n) > 100 and len({n for r in reads for n in r}) > 10  # prefixes held
+    assert deferred == _probed("global", grid, cached_first=True)
 
 
 def _foreign(how: str) -> tuple[list, object]:

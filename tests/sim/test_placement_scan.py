@@ -14,6 +14,8 @@ the full reads (the code before the shortcut).
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from shadowcore.config import PluginRef, ShadowConfig
@@ -42,6 +44,9 @@ class _FullReads(EngineCluster):
         work = inst.queued_prefill_tokens + num_uncached_tokens
         return self.loop.now_s + windowed_prefill_s(inst.latency, work, inst.limits.token_budget, self.window_tokens)
 
+    def prefill_completion_floor_s(self, instance_id, num_uncached_tokens):
+        return -math.inf  # no floor: the manager reads every instance's estimate
+
 
 SEEN: dict[str, int] = {}
 
@@ -62,6 +67,14 @@ class _Checked(EngineCluster):
         want = _FullReads.estimated_prefill_completion_s(self, instance_id, num_uncached_tokens)
         assert got == want, f"{instance_id} at {self.loop.now_s}: estimate {got}, computed {want}"
         SEEN["estimates"] += 1
+        return got
+
+    def prefill_completion_floor_s(self, instance_id, num_uncached_tokens):
+        got = super().prefill_completion_floor_s(instance_id, num_uncached_tokens)
+        self._up_to_now(instance_id)  # (the check only: the floor itself reads no queued work)
+        want = _FullReads.estimated_prefill_completion_s(self, instance_id, num_uncached_tokens)
+        assert got <= want, f"{instance_id} at {self.loop.now_s}: floor {got} above the estimate {want}"
+        SEEN["floors"] += 1
         return got
 
 
@@ -91,10 +104,12 @@ def _run(policy: str, cluster_cls: type[EngineCluster]) -> dict:
 
 
 def test_placement_reads_equal_the_full_reads_and_the_run_does_not_move() -> None:
-    SEEN.update(cached=0, none=0, estimates=0)
+    SEEN.update(cached=0, none=0, estimates=0, floors=0)
     checked = _run("harvest-slo-host", _Checked)
-    # not vacuous: instances that hold a prefix and instances that hold none were both asked
+    # not vacuous: instances that hold a prefix and instances that hold none were both asked, and the floor
+    # let placement skip some instances' estimates (fewer estimates than instances asked)
     assert SEEN["cached"] > 20 and SEEN["none"] > 100 and SEEN["estimates"] > 100, SEEN
+    assert SEEN["floors"] > 100 and SEEN["estimates"] < SEEN["cached"] + SEEN["none"] - 50, SEEN
     shortcut = _run("harvest-slo-host", EngineCluster)
     full = _run("harvest-slo-host", _FullReads)
     for key in full:
@@ -121,3 +136,48 @@ def test_one_instants_estimates_equal_fresh_ones_for_every_queue_and_window() ->
                 for iid in run.cluster.by_id:
                     got = cluster.estimated_prefill_completion_s(iid, uncached)
                     assert got == full.estimated_prefill_completion_s(iid, uncached), (window, now, iid, uncached)
+
+
+@attrs.frozen
+class _Dip:
+    """A latency model whose one-chunk prefill is slower for ``dip`` tokens than for more: not monotone."""
+
+    inner: object
+    dip: int = 300
+
+    def predict_s(self, shape):
+        t = self.inner.predict_s(shape)
+        if len(shape.prefills) == 1 and shape.prefills[0].num_new_tokens == self.dip and not shape.decode_context_tokens:
+            return t + 10.0
+        return t
+
+
+def test_the_floor_is_below_every_estimate_and_absent_for_a_latency_that_dips() -> None:
+    """:meth:`EngineCluster.prefill_completion_floor_s` with no work queued is never above the estimate with
+    any queued work (windows 0 and 3000, uncached work within and past a window), at least one floor is
+    the estimate itself (work queued 0), and a latency model whose chunk time falls somewhere has none."""
+    run = FakeRun(FakeScenario.from_dict(_FIELDS), ShadowConfig(PluginRef("no-shadow"), seed=2))
+    insts = list(run.cluster.by_id.values())
+    dipped = insts[-1]
+    dipped.latency = _Dip(dipped.latency)
+    run.loop.now_s = 2.25
+    exact = 0
+    for window in (0, 3000):
+        cluster = EngineCluster(run.loop, run.cluster.by_model, run.cluster.by_id, window)
+        for uncached in (0, 1, 299, 300, 2048, 2049, 2999, 3000, 3001, 6001, 9100):
+            for inst in insts:
+                floor = cluster.prefill_completion_floor_s(inst.instance_id, uncached)
+                if inst is dipped:
+                    assert floor == -math.inf
+                    continue
+                for queued in (0, 1, 300, 2047, 2048, 2999, 3000, 5000, 12345):
+                    inst.queued_prefill_tokens = queued
+                    t = cluster.estimated_prefill_completion_s(inst.instance_id, uncached)
+                    assert floor <= t, (window, inst.instance_id, uncached, queued, floor, t)
+                    exact += floor == t
+    assert exact > 20
+    # the dip is real: one more token queued gives an earlier estimate there
+    cluster = _FullReads(run.loop, run.cluster.by_model, run.cluster.by_id, 0)
+    dipped.queued_prefill_tokens = 0
+    assert (cluster.estimated_prefill_completion_s(dipped.instance_id, 301)
+            < cluster.estimated_prefill_completion_s(dipped.instance_id, 300))
