@@ -739,9 +739,9 @@ MUTATIONS: dict[str, tuple] = {
                             "        inst = self.by_id[instance_id]\n        return self.loop.now_s + self._prefill_s("),
     "defer-cached-order": (DEFER, "test_cached_prefix_reads_of_deferred_instances_are_exact", "shadowcore/engine/cluster.py",
                            "            return 0\n        return inst.cached_prefix_tokens(history)",
-                           "            return 0\n        return inst.kv.cached_prefix_blocks(history, "
-                           "(history.epoch, history.num_tokens // inst.kv.block_size), history.block_hashes) "
-                           "* inst.kv.block_size"),
+                           ("            return 0\n        return inst.kv.cached_prefix_blocks(history, "
+                            "(history.epoch, history.num_tokens // inst.kv.block_size), history.block_hashes) "
+                            "* inst.kv.block_size")),
     "defer-settle": (DEFER, "test_deferred_runs_change_nothing", "shadowcore/engine/cluster.py",
                      "                local.settles.append(self.loop.now_s)\n", "                pass\n"),
     "defer-horizon": (DEFER, "test_deferred_runs_change_nothing", "shadowcore/engine/cluster.py",
