@@ -234,9 +234,7 @@ class EngineCluster:
     def _monotone(self, inst: EngineInstance) -> bool:
         """One prefill chunk of ``n`` tokens from an empty context (``chunked_prefill_s``) takes a time that is
         not negative and never falls as ``n`` grows to the token budget: checked once per (latency model, token
-        budget), by computing every one. Then ``windowed_prefill_s`` never falls as its work grows (full chunks
-        are summed, the last one's tokens grow, and a new chunk starts from 0 s after a full one's time; the
-        same for whole windows; each sum adds a time that is not negative)."""
+        budget), by computing every one (what :meth:`prefill_completion_floor_s`'s bound rests on)."""
         budget = inst.limits.token_budget
         key = (id(inst.latency), budget)
         seen = self._monotone_models.get(key)
