@@ -18,8 +18,15 @@ The sessions are one draw per seed, and a draw varies: at seed 0 the
 8-instance cluster gets 12 sessions with 93 routed calls (18 sessions are
 expected), the 32-instance one 70 with 841, so one seed's "32 instances cost
 6x" is partly a 9x larger routed workload. ``--seeds 0,1,2`` runs each point
-once per seed and the growth lines pool the seeds (sums of CPU time and
-workload); each growth line prints the workload's growth beside the cost's.
+once per seed and the growth lines compare the seeds' means (per seed: CPU
+time and workload); each growth line prints the workload's growth beside the
+cost's. The smallest cluster, the reference of every growth line, draws the
+least work, so its draw varies the most: it runs ``--ref-seeds`` seeds (by
+default the largest count over the smallest, 16 for 8 and 128: as many
+instances simulated in all as the largest point has), ``--seeds`` first and
+then the next integers. The largest point's expected workload is then
+exactly the reference's summed one, and "128 instances at most 16x" compares
+equal expected work, not one small draw against one large one.
 
 Printed per run: wall and CPU seconds of the run loop (setup excluded, shown
 apart), engine iterations, iterations per CPU-second, simulated seconds per
@@ -52,6 +59,7 @@ Azure conversation trace, ``--vidur-trace``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -137,11 +145,19 @@ def pooled(rows: list[dict]) -> list[dict]:
         p = out[key]
         batch = (p["mean_batch"] * p["iterations"] + r["mean_batch"] * r["iterations"]) / max(
             1, p["iterations"] + r["iterations"])
-        for k in ("setup_s", "wall_s", "cpu_s", "iterations", "simulated_s", "sessions", "routed_calls",
-                  "normal_requests"):
+        for k in POOLED:
             p[k] += r[k]
         p["mean_batch"], p["seeds"] = batch, p["seeds"] + 1
     return list(out.values())
+
+
+#: The figures :func:`pooled` sums over seeds (a per-seed mean is the sum over ``seeds``).
+POOLED = ("setup_s", "wall_s", "cpu_s", "iterations", "simulated_s", "sessions", "routed_calls", "normal_requests")
+
+
+def _per_seed(r: dict, k: str) -> float:
+    """``r[k]`` of a :func:`pooled` row as the mean over its seeds."""
+    return r[k] / r.get("seeds", 1)
 
 
 def growth(rows: list[dict], first: int) -> list[str]:
@@ -154,23 +170,28 @@ def growth(rows: list[dict], first: int) -> list[str]:
             continue
         hour = ref["cpu_s"] * HOUR_S / ref["simulated_s"]
         scaled = f" (from {ref['simulated_s']:.0f} simulated s incl. warm-up and drain, scaled linearly)"
-        seeds = f" ({ref['seeds']} seeds pooled)" if ref["seeds"] > 1 else ""
+        seeds = f" ({ref['seeds']} seeds pooled)" if ref.get("seeds", 1) > 1 else ""
         out.append(f"{policy}{seeds}: one simulated hour of {first} instances at rho 0.7: {hour:.0f} CPU-s{scaled} "
                    f"[target <= 30: {'MET' if hour <= 30 else 'NOT MET'}]")
         for r in mine:
             if r is ref:
                 continue
+            def x_of(k: str, r: dict = r, ref: dict = ref) -> float:  # the growth of a figure: per-seed means
+                return _per_seed(r, k) / _per_seed(ref, k)
+
             if r["rho"] == 0.7:
                 k = r["instances"] / first
-                x = r["cpu_s"] / ref["cpu_s"]
+                x = x_of("cpu_s")
                 verdict = f" [target <= 16x: {'MET' if x <= 16 else 'NOT MET'}]" if r["instances"] == 16 * first else ""
-                work = (f"; the workload: {r['routed_calls'] / ref['routed_calls']:.1f}x the routed calls, "
-                        f"{r['normal_requests'] / ref['normal_requests']:.1f}x the normal requests, "
-                        f"{r['iterations'] / ref['iterations']:.1f}x the iterations")
+                means = (f" (means: {r.get('seeds', 1)} seed(s) against {ref.get('seeds', 1)})"
+                         if r.get("seeds", 1) != ref.get("seeds", 1) else "")
+                work = (f"; the workload: {x_of('routed_calls'):.1f}x the routed calls, "
+                        f"{x_of('normal_requests'):.1f}x the normal requests, "
+                        f"{x_of('iterations'):.1f}x the iterations")
                 out.append(f"  {r['instances']} instances ({k:.0f}x): {x:.1f}x the CPU time, "
-                           f"{x / k:.2f}x per instance{verdict}{work}")
+                           f"{x / k:.2f}x per instance{verdict}{work}{means}")
             elif r["instances"] == first:
-                out.append(f"  rho {r['rho']:.1f}: {r['cpu_s'] / ref['cpu_s']:.2f}x the CPU time, "
+                out.append(f"  rho {r['rho']:.1f}: {x_of('cpu_s'):.2f}x the CPU time, "
                            f"{r['iterations'] / r['cpu_s'] / (ref['iterations'] / ref['cpu_s']):.2f}x the "
                            "iterations per CPU-second")
         out.extend(batch_lines([r for r in mine if r["instances"] == first]))
@@ -245,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=HOUR_S, help="seconds of arrivals after the warm-up")
     ap.add_argument("--seeds", default="0", help="seeds (comma-separated): each point runs once per seed and "
                                                    "the growth lines pool them")
+    ap.add_argument("--ref-seeds", type=int, default=None,
+                    help="seeds of the reference point (the first instance count at rho 0.7): --seeds, then the "
+                         "next integers (default: the largest instance count over the first, at least "
+                         "len(--seeds))")
     ap.add_argument("--vidur", action="store_true",
                     help="also run benchmarks/sim_vs_vidur.py (metrics off, rho 0.7) and print its target lines")
     ap.add_argument("--vidur-trace", default=None, help="the Azure conversation trace for --vidur "
@@ -260,12 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(x) for x in a.seeds.split(",")]
     grid = [(p, n, 0.7) for p in policies for n in counts]
     grid += [(p, counts[0], r) for p in policies for r in rhos if r != 0.7]
+    num_ref = max(len(seeds), max(counts) // counts[0] if a.ref_seeds is None else a.ref_seeds)
+    ref_seeds = seeds + list(itertools.islice((s for s in itertools.count(max(seeds) + 1) if s not in seeds),
+                                              num_ref - len(seeds)))
+    runs = [(p, n, r, seed) for seed in seeds for p, n, r in grid]
+    runs += [(p, counts[0], 0.7, seed) for seed in ref_seeds[len(seeds):] for p in policies]
     rows = []
-    for seed in seeds:
-        for p, n, r in grid:
-            rows.append(in_child(p, n, r, a.duration, seed))
-            print(f"done: {p} x {n} instances at rho {r}, seed {seed} in {rows[-1]['wall_s']:.1f} s",
-                  file=sys.stderr, flush=True)
+    for p, n, r, seed in runs:
+        rows.append(in_child(p, n, r, a.duration, seed))
+        print(f"done: {p} x {n} instances at rho {r}, seed {seed} in {rows[-1]['wall_s']:.1f} s",
+              file=sys.stderr, flush=True)
     rows.sort(key=lambda r: (policies.index(r["policy"]), r["rho"] != 0.7, r["instances"], r["rho"], r["seed"]))
     print(table(rows))
     print("\n".join(growth(pooled(rows), counts[0])))
