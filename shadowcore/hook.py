@@ -158,14 +158,17 @@ class EngineHook:
         """Pending jobs in the grant order (:func:`grant_order`), each checked
         against the cache; the source is asked again only when a refresh may
         have changed which jobs are pending (a job whose prefix got fully
-        cached drops out)."""
+        cached drops out): when a refresh moved a job's epoch or held
+        prefix. A refresh that leaves both as they were changes no job's
+        missing tokens, so the source's answer would be the same list."""
         evictions = self.port.eviction_count()
         jobs = self.manager.pending_jobs(self.instance_id)
         refreshed = False
         for job in jobs:
             if job.validated_at != evictions or job.epoch != job.history.epoch:
+                before = (job.epoch, job.num_held_tokens)
                 job.refresh(self.port.cached_prefix_tokens(job.history), evictions)
-                refreshed = True
+                refreshed = refreshed or (job.epoch, job.num_held_tokens) != before
         if refreshed:
             jobs = self.manager.pending_jobs(self.instance_id)
         return grant_order(jobs) if self.slack.imminent_first else jobs

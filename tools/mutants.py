@@ -578,6 +578,12 @@ MUTATIONS: dict[str, tuple] = {
     "decode-run-limit": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
                          "backends/shadow_sim/vidur_latency.py",
                          "num = min(num_steps, kv_limit - max_context)", "num = num_steps"),
+    # the hook asks its job source again only after a refresh that moved a job's epoch or held prefix: a job a
+    # refresh completes or lowers must be seen (never asking again leaves a complete job first in the order)
+    "refresh-requery": ("tests/test_core_units.py", "test_a_refresh_that_completes_a_job_leaves_no_job",
+                        "shadowcore/hook.py",
+                        "refreshed = refreshed or (job.epoch, job.num_held_tokens) != before",
+                        "refreshed = False and before"),
     "agg-no-jobs": ("tests/sim/test_speed_equivalence.py", "lazy_cohort_runs_and_changes_nothing and fake-harvest-slo",
                     "shadowcore/engine/_fastpath.py", '        return "no_jobs"\n', '        return "no_room"\n'),
     # a steady iteration whose pending jobs need a refresh: proven empty in place (the reason counted as
