@@ -137,11 +137,11 @@ def test_a_refresh_that_completes_a_job_leaves_no_job():
     asks its source again after a refresh that moved a held prefix, so the step counts ``no_jobs``, not a
     job with nothing missing (which would count ``below_n_min``). A refresh that moves nothing asks again
     for nothing: the grant of an unchanged job starts where it did."""
-    hook, source = make_hook(EagerController(), (0.9, 4096))
+    hook, _ = make_hook(EagerController(), (0.9, 4096))
     hook.port.cached["s0"] = (0, 4096)
     assert run(hook, snap()).grants == ()
     assert hook.step_counts == {"no_jobs": 1}
-    hook, source = make_hook(EagerController(), (0.9, 4096))
+    hook, _ = make_hook(EagerController(), (0.9, 4096))
     hook.port.cached["s0"] = (0, 1024)
     hook.port.evictions += 1  # a refresh that finds the same 1024 tokens each time
     assert [(g.start_token, g.num_tokens) for g in run(hook, snap()).grants] == [(1024, 3072)]

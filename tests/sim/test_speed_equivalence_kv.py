@@ -16,7 +16,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from shadowcore.kv import HostTierParams, KVClass, KVClassManager, KVClassPolicy
+from shadowcore.kv import HostTierParams, KVClass, KVClassManager, KVClassPolicy, PrefixMatch
 
 
 def _chain(c: int, n: int) -> list[int]:
@@ -320,7 +320,12 @@ def test_remembered_prefix_lookups_equal_fresh_ones(capacity: int, ops: list, le
     block enters or leaves the device or the host tier) answers what
     ``match_prefix`` answers now, after every kind of change: named and
     shadow allocations, private ones, releases, finishes, decode growth and
-    the evictions, spills, trims and reloads they make."""
+    the evictions, spills, trims and reloads they make; for hashes given as
+    lists and as ranges (``SessionHistory.block_hash_run``'s)."""
+    _remembered_lookups(capacity, ops, lengths)
+
+
+def _remembered_lookups(capacity: int, ops: list, lengths: list) -> None:
     policy = KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=2.0,
                            host=HostTierParams(capacity_bytes=capacity * 16 * 131072.0) if capacity else None)
     kv = KVClassManager(16, 16, policy)
@@ -349,6 +354,75 @@ def test_remembered_prefix_lookups_equal_fresh_ones(capacity: int, ops: list, le
                 kv.extend_private([(owner, op[2])], now)
         elif op[0] == "history":
             lengths[op[1]] = op[2]
-        for chain, (key, length) in enumerate(zip(keys, lengths)):
-            got = kv.cached_prefix_blocks(key, length, lambda _, c=chain, k=length: _chain(c, k))
+        for chain, (key, length) in enumerate(zip(keys, lengths)):  # chains 3-5 as ranges: checked past removals
+            got = kv.cached_prefix_blocks(key, length, lambda _, c=chain, k=length: _lookup(c, k))
             assert got == kv.match_prefix(_chain(chain, length)).num_blocks, (n, op, chain, length)
+
+
+def _lookup(c: int, n: int) -> list[int] | range:
+    """``_chain(c, n)``, as a range where its hashes are consecutive (chains 3 on: what
+    ``SessionHistory.block_hash_run`` gives a count-only history)."""
+    return range(c * 1000, c * 1000 + n) if c >= 3 else _chain(c, n)
+
+
+def _host_kv(num_blocks: int, host_blocks: int) -> KVClassManager:
+    return KVClassManager(num_blocks, 16, KVClassPolicy(host=HostTierParams(capacity_bytes=host_blocks * 16 * 131072.0)))
+
+
+def _lookup_both(kv: KVClassManager, key: object, hashes: range) -> int:
+    """The remembered lookup of ``hashes``, asserted equal to a fresh ``match_prefix``."""
+    got = kv.cached_prefix_blocks(key, len(hashes), lambda _: hashes)
+    assert got == kv.match_prefix(list(hashes)).num_blocks
+    return got
+
+
+def test_a_remembered_lookup_sees_a_trim_of_its_host_blocks():
+    """A's tail is in the host tier, its head held on the device; B's eviction spills B into the host tier,
+    whose trim takes A's least recent host block (B's own eviction names no block of A's prefix): the
+    remembered lookup sees the trim."""
+    kv, a, key = _host_kv(6, 3), range(3000, 3004), _Key()
+    kv.allocate("a", a, 0, KVClass.NORMAL, 0.0)
+    kv.allocate("b", range(4000, 4002), 0, KVClass.NORMAL, 0.0)
+    kv.release("a", 1.0)
+    kv.allocate("c1", range(5000, 5002), 0, KVClass.NORMAL, 2.0)  # A's tail (3002, 3003) to the host tier
+    kv.allocate("a2", a[:2], 0, KVClass.NORMAL, 3.0)  # A's head held: not a victim
+    assert _lookup_both(kv, key, a) == 4
+    kv.release("b", 4.0)
+    kv.allocate("c2", range(6000, 6002), 0, KVClass.NORMAL, 5.0)  # B to the host tier: 3003 trimmed
+    assert _lookup_both(kv, key, a) == 3
+
+
+def test_a_remembered_lookup_sees_a_reload_and_what_follows_it():
+    """A's host blocks reloaded (the host tier's take) and its next block cached on the device: the prefix
+    is then all on the device and goes on there."""
+    kv, a, key = _host_kv(8, 5), range(3000, 3006), _Key()
+    kv.allocate("a", a[:4], 0, KVClass.NORMAL, 0.0)
+    kv.allocate("b", range(4000, 4003), 0, KVClass.NORMAL, 0.0)
+    kv.release("a", 1.0)
+    kv.allocate("c1", range(5000, 5003), 0, KVClass.NORMAL, 2.0)  # A's tail (3002, 3003) to the host tier
+    kv.allocate("a2", a[:2], 0, KVClass.NORMAL, 3.0)
+    assert _lookup_both(kv, key, a) == 4
+    assert kv.match_prefix(list(a)) == PrefixMatch(2, 2)
+    kv.release("c1", 4.0)
+    kv.release("a2", 4.0)
+    assert kv.allocate("a3", a[:5], 0, KVClass.NORMAL, 5.0) is not None  # reloads 3002-3003, caches 3004
+    assert kv.match_prefix(list(a)) == PrefixMatch(5, 0)
+    assert _lookup_both(kv, key, a) == 5
+
+
+def test_a_remembered_lookup_scans_on_in_the_host_tier():
+    """The block after A's remembered host run is spilled there later, by an eviction that names no block of
+    A's prefix: the host run goes on past its remembered end."""
+    kv, a, key = _host_kv(6, 16), range(3000, 3006), _Key()
+    kv.allocate("a", a[:4], 0, KVClass.NORMAL, 0.0)
+    kv.release("a", 1.0)
+    kv.allocate("a2", a[:2], 0, KVClass.NORMAL, 2.0)  # A's head held
+    kv.allocate("x", range(7000, 7004), 0, KVClass.NORMAL, 3.0)  # 3003, 3002 to the host tier
+    assert kv.match_prefix(list(a)) == PrefixMatch(2, 2)
+    assert _lookup_both(kv, key, a) == 4
+    kv.release("x", 4.0)
+    kv.allocate("z", a[4:5], 0, KVClass.NORMAL, 5.0)  # 3004 cached on its own (one of x's blocks evicted)
+    kv.release("z", 6.0)
+    kv.allocate("w", range(9000, 9004), 0, KVClass.NORMAL, 7.0)  # x's other blocks and 3004 to the host tier
+    assert kv.match_prefix(list(a)) == PrefixMatch(2, 3)
+    assert _lookup_both(kv, key, a) == 5
