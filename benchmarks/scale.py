@@ -160,6 +160,11 @@ def _per_seed(r: dict, k: str) -> float:
     return r[k] / r.get("seeds", 1)
 
 
+def _grown(r: dict, ref: dict, k: str) -> float:
+    """How much figure ``k`` grew from ``ref`` to ``r`` (:func:`pooled` rows): the ratio of per-seed means."""
+    return _per_seed(r, k) / _per_seed(ref, k)
+
+
 def growth(rows: list[dict], first: int) -> list[str]:
     """The growth lines, from :func:`pooled` rows."""
     out = []
@@ -176,22 +181,19 @@ def growth(rows: list[dict], first: int) -> list[str]:
         for r in mine:
             if r is ref:
                 continue
-            def x_of(k: str, r: dict = r, ref: dict = ref) -> float:  # the growth of a figure: per-seed means
-                return _per_seed(r, k) / _per_seed(ref, k)
-
             if r["rho"] == 0.7:
                 k = r["instances"] / first
-                x = x_of("cpu_s")
+                x = _grown(r, ref, "cpu_s")
                 verdict = f" [target <= 16x: {'MET' if x <= 16 else 'NOT MET'}]" if r["instances"] == 16 * first else ""
                 means = (f" (means: {r.get('seeds', 1)} seed(s) against {ref.get('seeds', 1)})"
                          if r.get("seeds", 1) != ref.get("seeds", 1) else "")
-                work = (f"; the workload: {x_of('routed_calls'):.1f}x the routed calls, "
-                        f"{x_of('normal_requests'):.1f}x the normal requests, "
-                        f"{x_of('iterations'):.1f}x the iterations")
+                work = (f"; the workload: {_grown(r, ref, 'routed_calls'):.1f}x the routed calls, "
+                        f"{_grown(r, ref, 'normal_requests'):.1f}x the normal requests, "
+                        f"{_grown(r, ref, 'iterations'):.1f}x the iterations")
                 out.append(f"  {r['instances']} instances ({k:.0f}x): {x:.1f}x the CPU time, "
                            f"{x / k:.2f}x per instance{verdict}{work}{means}")
             elif r["instances"] == first:
-                out.append(f"  rho {r['rho']:.1f}: {x_of('cpu_s'):.2f}x the CPU time, "
+                out.append(f"  rho {r['rho']:.1f}: {_grown(r, ref, 'cpu_s'):.2f}x the CPU time, "
                            f"{r['iterations'] / r['cpu_s'] / (ref['iterations'] / ref['cpu_s']):.2f}x the "
                            "iterations per CPU-second")
         out.extend(batch_lines([r for r in mine if r["instances"] == first]))

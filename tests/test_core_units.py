@@ -135,8 +135,8 @@ def test_line1_waiting_queue_gets_nothing():
 def test_a_refresh_that_completes_a_job_leaves_no_job():
     """A pending job whose prefix the engine turns out to hold whole (a refresh) is no longer pending: the hook
     asks its source again after a refresh that moved a held prefix, so the step counts ``no_jobs``, not a
-    job with nothing missing (which would count ``below_n_min``). A refresh that moves nothing asks again
-    for nothing: the grant of an unchanged job starts where it did."""
+    job with nothing missing (which would count ``below_n_min``). A refresh that moves nothing leaves the
+    job pending as it was: its grant starts where its held prefix ends."""
     hook, _ = make_hook(EagerController(), (0.9, 4096))
     hook.port.cached["s0"] = (0, 4096)
     assert run(hook, snap()).grants == ()

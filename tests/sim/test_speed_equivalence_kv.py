@@ -322,10 +322,6 @@ def test_remembered_prefix_lookups_equal_fresh_ones(capacity: int, ops: list, le
     shadow allocations, private ones, releases, finishes, decode growth and
     the evictions, spills, trims and reloads they make; for hashes given as
     lists and as ranges (``SessionHistory.block_hash_run``'s)."""
-    _remembered_lookups(capacity, ops, lengths)
-
-
-def _remembered_lookups(capacity: int, ops: list, lengths: list) -> None:
     policy = KVClassPolicy(shadow_cap_fraction=0.5, cold_age_s=2.0,
                            host=HostTierParams(capacity_bytes=capacity * 16 * 131072.0) if capacity else None)
     kv = KVClassManager(16, 16, policy)
@@ -354,7 +350,7 @@ def _remembered_lookups(capacity: int, ops: list, lengths: list) -> None:
                 kv.extend_private([(owner, op[2])], now)
         elif op[0] == "history":
             lengths[op[1]] = op[2]
-        for chain, (key, length) in enumerate(zip(keys, lengths)):  # chains 3-5 as ranges: checked past removals
+        for chain, (key, length) in enumerate(zip(keys, lengths)):  # chains 3-5 looked up as ranges
             got = kv.cached_prefix_blocks(key, length, lambda _, c=chain, k=length: _lookup(c, k))
             assert got == kv.match_prefix(_chain(chain, length)).num_blocks, (n, op, chain, length)
 
