@@ -51,9 +51,9 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     ("switch_hit_rate", "sw hit", "{:.1%}", "cached prompt tokens / prompt tokens, measured switch calls"),
     ("normal_slo_attainment", "normal SLO", "{:.1%}", "share of normal requests that met both SLOs"),
     ("shadow_tokens", "shadow tok", "{:.0f}", "shadow tokens computed"),
-    ("steps_granted", "granted", "{:.0f}", "planned steps with shadow chunks"),
+    ("steps_granted", "granted", "{:.0f}", "steps with shadow chunks"),
     ("steps_below_n_min", "< n_min", "{:.0f}",
-     "planned steps with a budget, jobs and room, but nothing from n_min up fit the budget"),
+     "steps with a budget, jobs and room, but nothing from n_min up fit the budget"),
 )
 #: The default columns (``--wide``: all of :data:`COLUMNS`).
 KEY_COLUMNS = ("switch_ttft_s", "call_latency_red", "switch_latency_red", "switch_ttft_red", "switch_hit_rate",

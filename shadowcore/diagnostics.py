@@ -5,9 +5,14 @@
   fit any budget the controller gives under that engine's latency model. If
   it never can, no shadow chunk is ever planned there, and the message says
   why with the numbers (``n_min 256 predicted 9.4 ms > idle budget 6.25 ms``).
-* :data:`STEP_REASONS`: what decided each planned iteration's shadow work;
+* :data:`STEP_REASONS`: what decided each iteration's shadow work;
   :class:`~shadowcore.hook.EngineHook` counts its iterations by these
-  (``EngineHook.step_counts``) and results report the sums.
+  (``EngineHook.step_counts``) and results report the sums. Every iteration
+  of a hook whose controller may grant is counted once, planned or skipped by
+  an engine's fast path, with the reason ``begin_step`` gives it, so the
+  counts sum to the hook's iterations and do not depend on which path ran
+  them (``tests/test_diagnostics.py``); a controller that never grants is
+  not counted.
 
 Invariants: :func:`unreachable_grant` never changes the controller it is
 given (it asks a deep copy); it returns a message only when every budget it
@@ -34,16 +39,17 @@ from shadowcore.types import (
     StepSnapshot,
 )
 
-#: Why a planned iteration got the shadow work it got:
-#: ``waiting`` / ``blocked``: the gate (Algorithm 1 line 1); ``zero_budget``:
-#: the controller gave no time for another reason (no credit, no slack,
-#: disabled); ``no_jobs``: a budget but no job with missing tokens here;
-#: ``no_room``: a budget and jobs but less token budget or shadow KV room than
-#: the smallest grant (``n_min`` tokens, at least one block; shadow chunks
-#: take only free blocks and blocks idle longer than ``cold_age_s``);
-#: ``below_n_min``: a budget, jobs and room, but nothing from the smallest
-#: grant up fits the budget (or the jobs miss fewer tokens than it);
-#: ``granted``: shadow chunks planned.
+#: Why an iteration got the shadow work it got, in the order they are decided:
+#: ``no_jobs``: the jobs here take no grant whatever the budget (none is
+#: pending, or together they miss fewer whole-block tokens than the smallest
+#: grant, ``n_min`` tokens and at least one block: tails the switch call
+#: computes); then, with jobs that could take one, ``waiting`` / ``blocked``:
+#: the gate (Algorithm 1 line 1); ``zero_budget``: the controller gave no time
+#: for another reason (no credit, no slack, disabled); ``no_room``: a budget
+#: but less token budget or shadow KV room than the smallest grant (shadow
+#: chunks take only free blocks and blocks idle longer than ``cold_age_s``);
+#: ``below_n_min``: a budget and room, but nothing from the smallest grant up
+#: fits the budget; ``granted``: shadow chunks planned.
 STEP_REASONS = ("waiting", "blocked", "zero_budget", "no_jobs", "no_room", "below_n_min", "granted")
 
 _CONTEXT_TOKENS = 1500  # the probe's decodes: a typical agentic context

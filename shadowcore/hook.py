@@ -87,8 +87,9 @@ class EngineHook:
     latency: LatencyModel
     port: EnginePort
     observers: ObserverSet = attrs.Factory(ObserverSet)
-    #: Planned iterations by what decided their shadow work (``shadowcore.diagnostics.STEP_REASONS``);
-    #: iterations the engine skipped as provably empty (``skip_step``) are not counted.
+    #: Iterations by what decided their shadow work (``shadowcore.diagnostics.STEP_REASONS``): each
+    #: ``begin_step`` counts one; an engine that skips an iteration as provably empty counts it with the
+    #: reason ``begin_step`` would have given (the engines' fast paths: ``count_empty_plan``, ``count_skipped``).
     step_counts: dict[str, int] = attrs.field(init=False, factory=dict)
     _pending: tuple[StepSnapshot, StepPlan] | None = attrs.field(init=False, default=None)
 
@@ -108,14 +109,16 @@ class EngineHook:
         base = snapshot.batch_shape
         base_s = self.latency.predict_s(base)
         budget, jobs = self.budget(snapshot)
+        jobs = self._refreshed_jobs() if jobs is None else jobs  # the reason is the jobs' first (STEP_REASONS)
         grants: tuple[ShadowGrant, ...] = ()
         predicted = base_s
-        if budget.budget_s > 0:
-            jobs = self._refreshed_jobs() if jobs is None else jobs
+        if self._takes_no_grant(jobs):
+            why = "no_jobs"
+        elif budget.budget_s > 0:
             limit = min(snapshot.num_free_token_budget, snapshot.num_shadow_room_tokens)
             grants, predicted = self._size(jobs, lambda chunks: self.latency.predict_s(base.with_prefills(chunks)),
                                            base_s, budget, limit)
-            why = "granted" if grants else "no_jobs" if not jobs else self._empty_reason(limit)
+            why = "granted" if grants else self._empty_reason(limit)
         else:
             why = _ZERO_BUDGET.get(budget.reason, "zero_budget")
         self.step_counts[why] = self.step_counts.get(why, 0) + 1
@@ -172,6 +175,16 @@ class EngineHook:
         if refreshed:
             jobs = self.manager.pending_jobs(self.instance_id)
         return grant_order(jobs) if self.slack.imminent_first else jobs
+
+    def _takes_no_grant(self, jobs: Sequence[ShadowJob]) -> bool:
+        """True when ``jobs`` (refreshed) together miss fewer whole-block tokens
+        than the smallest grant (``n_min`` tokens, at least one block): then no
+        budget, token budget or room makes :meth:`_size` grant anything (its
+        ``upper`` is below its ``smallest``, or zero). The one owner of that
+        rule: ``begin_step`` counts such a step as ``no_jobs`` before it asks
+        the budget, and the engines' fast paths skip on it."""
+        block = self.port.block_size
+        return sum(j.num_missing_tokens for j in jobs) // block < max(1, -(-self.slack.n_min // block))
 
     def _size(
         self, jobs: Sequence[ShadowJob], predict_with: Callable[[tuple[PrefillChunk, ...]], float], base_s: float,

@@ -598,6 +598,30 @@ MUTATIONS: dict[str, tuple] = {
                             "shadowcore/engine/instance.py",
                             "            if why is None:\n                self._steady = False\n",
                             "            if why is None:\n                why = 'granted'\n            if False:\n"),
+    # the step counts (issue 17, session 19): every iteration of a granting hook counted once with the reason
+    # begin_step gives it, whichever path ran it: jobs that take no grant first, skipped iterations included
+    "count-skipped-steady": ("tests/sim/test_speed_equivalence.py", "test_step_counts_partition_the_iterations",
+                             "shadowcore/engine/instance.py",
+                             "        elif _fastpath.can_skip(hook):  # after the reservations, as begin_step is\n"
+                             "            _fastpath.count_skipped(hook)\n",
+                             "        elif _fastpath.can_skip(hook):  # after the reservations, as begin_step is\n"
+                             "            pass\n"),
+    "count-skipped-run": ("tests/sim/test_speed_equivalence.py", "test_step_counts_partition_the_iterations",
+                          "shadowcore/engine/instance.py", "                    _fastpath.count_skipped(self.hook, num)\n",
+                          "                    pass\n"),
+    "count-skipped-never": ("tests/sim/test_speed_equivalence.py", "test_results_identical_to_golden and no-shadow",
+                            "shadowcore/engine/_fastpath.py",
+                            "    if num and not _SKIPPABLE[type(hook.slack)].never_grants:", "    if num:"),
+    "jobs-first-plan": ("tests/test_diagnostics.py", "test_step_counts_cover_every_iteration_whichever_path_ran_it",
+                        "shadowcore/hook.py", "        if self._takes_no_grant(jobs):\n            why = \"no_jobs\"\n        elif",
+                        "        if False:\n            why = \"no_jobs\"\n        elif"),
+    "jobs-first-fast": ("tests/sim/test_speed_equivalence.py", "test_results_identical_to_golden and harvest",
+                        "shadowcore/engine/_fastpath.py",
+                        "    if hook._takes_no_grant(hook._refreshed_jobs()):\n        return \"no_jobs\"\n",
+                        "    if not hook._refreshed_jobs():\n        return \"no_jobs\"\n"),
+    "no-grant-rule": ("tests/sim/test_speed_equivalence.py", "test_results_identical_to_golden and sim-harvest",
+                      "shadowcore/hook.py", "return sum(j.num_missing_tokens for j in jobs) // block < max(1, -(-self.slack.n_min // block))",
+                      "return sum(j.num_missing_tokens for j in jobs) // block < 1"),
     # lazy ticks (issue 17): every touch of a lazily running instance first applies its pending ends, and a
     # change (a request enqueued, a job that may become pending there) cuts the run
     "lazy-enqueue": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",

@@ -365,6 +365,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
                 self._shadow_close_skipped(measured=False)
             out = super().schedule(*args, **kwargs)
             self._shadow_iteration += 1
+            _fastpath.count_skipped(self.shadow_hook)
             predicted_s, skipped = self._shadow_skip_shape(out)
             self._shadow_skipped = (out, self.shadow_clock(), predicted_s, skipped)
             return out
@@ -409,6 +410,7 @@ class ShadowSchedulerMixin(SnapshotTranslation, ConnectorLoads):
         iteration = self._shadow_iteration
         self._shadow_iteration = iteration + 1
         if not self._shadow_by_request and _fastpath.can_skip(self.shadow_hook):
+            _fastpath.count_skipped(self.shadow_hook)
             predicted_s, skipped = self._shadow_skip_shape(out)
             self._shadow_step = _OpenStep(out, iteration, self.shadow_clock(), predicted_s, (), skipped)
             return out

@@ -108,14 +108,10 @@ def can_skip(hook: EngineHook) -> bool:
     if not jobs:
         return True
     evictions = hook.port.eviction_count()
-    missing = 0
     for pending in jobs:
         if pending.validated_at != evictions or pending.epoch != pending.history.epoch:
             return False  # begin_step would refresh it
-        missing += pending.num_missing_tokens
-    block = hook.port.block_size
-    n = missing // block * block
-    return n == 0 or n < hook.slack.n_min
+    return hook._takes_no_grant(jobs)
 
 
 def quiet_until_event(hook: EngineHook) -> bool:
@@ -172,21 +168,26 @@ def skip_step(hook: EngineHook, duration_s: float, decode_only: bool, routed: bo
 _BUDGET_ON_AGGREGATE = (SloSlackController, HarvestController, EagerController, PrefillInstanceController)
 
 
-def empty_plan_reason(hook: EngineHook, snapshot: StepSnapshot,
+def empty_plan_reason(hook: EngineHook, snapshot_of: Callable[[], StepSnapshot],
                       room_tokens: Callable[[], int] | None = None) -> str | None:
-    """The reason ``hook.begin_step`` would count for the iteration
-    ``snapshot`` stands for (its decode aggregate in place of those views),
-    when it would plan no grant and change no state but that count, the job
-    refresh it does first, and what :func:`skip_step` does (``commit``/``observe``
-    of an empty plan); None when it might grant, or the controller is not of a
-    type in ``_BUDGET_ON_AGGREGATE`` (then build the full snapshot and plan:
-    its refresh then finds nothing to do). The same steps as ``begin_step``, on
-    the controller's own ``budget``: a zero budget counts its reason; a positive
-    one refreshes the jobs (``EngineHook._refreshed_jobs``), with none pending
-    counts ``no_jobs``; pending jobs for which the hook's own ``_size`` grants
-    nothing (timed from the aggregates by ``predict_batch_s``, bit-identical;
-    without it only when ``EngineHook._grant_range`` leaves no range, which
-    needs no latency lookup) count ``EngineHook._empty_reason``.
+    """The reason ``hook.begin_step`` would count for the iteration the
+    snapshot ``snapshot_of()`` stands for (its decode aggregate in place of
+    those views), when it would plan no grant and change no state but that
+    count, the job refresh it does first, and what :func:`skip_step` does
+    (``commit``/``observe`` of an empty plan); None when it might grant, or the
+    controller is not of a type in ``_BUDGET_ON_AGGREGATE`` (then build the
+    full snapshot and plan: its refresh then finds nothing to do). The same
+    steps as ``begin_step``, on the controller's own ``budget``: the jobs
+    refreshed first (``EngineHook._refreshed_jobs``; ``budget`` of a
+    controller that ``reads_imminence`` then finds nothing left to refresh), and
+    jobs that take no grant (``EngineHook._takes_no_grant``: none pending, or
+    tails below the smallest grant) count ``no_jobs`` with no snapshot built
+    and no budget asked (``budget`` is pure for these types); else a zero
+    budget counts its reason; under a positive one, jobs for which the hook's
+    own ``_size`` grants nothing (timed from the aggregates by
+    ``predict_batch_s``, bit-identical; without it only when
+    ``EngineHook._grant_range`` leaves no range, which needs no latency
+    lookup) count ``EngineHook._empty_reason``.
 
     ``room_tokens``: the snapshot's ``num_shadow_room_tokens`` on demand
     (then that field is not read): only the sizing of pending jobs under a
@@ -194,13 +195,14 @@ def empty_plan_reason(hook: EngineHook, snapshot: StepSnapshot,
     (``shadow_room_blocks``) leaves that out for the other iterations."""
     if _may_skip(hook) is None or type(hook.slack) not in _BUDGET_ON_AGGREGATE:
         return None
+    if hook._takes_no_grant(hook._refreshed_jobs()):
+        return "no_jobs"
+    snapshot = snapshot_of()
     budget, jobs = hook.budget(snapshot)
+    if jobs is None:
+        jobs = hook._refreshed_jobs()  # as begin_step does (nothing left to refresh: the source's list)
     if not budget.budget_s > 0:
         return _ZERO_BUDGET.get(budget.reason, "zero_budget")
-    if jobs is None:
-        jobs = hook._refreshed_jobs()  # as begin_step does next (then, with nothing left to refresh, again)
-    if not jobs:
-        return "no_jobs"
     room = snapshot.num_shadow_room_tokens if room_tokens is None else room_tokens()
     limit = min(snapshot.num_free_token_budget, room)
     upper, smallest = hook._grant_range(jobs, limit)
@@ -234,6 +236,16 @@ def _aggregate_predictor(snapshot: StepSnapshot, latency: LatencyModel) -> Calla
 def count_empty_plan(hook: EngineHook, why: str) -> None:
     """``begin_step``'s count of a plan :func:`empty_plan_reason` answered for."""
     hook.step_counts[why] = hook.step_counts.get(why, 0) + 1
+
+
+def count_skipped(hook: EngineHook, num: int = 1) -> None:
+    """``begin_step``'s count of ``num`` iterations skipped on :func:`can_skip`
+    or :func:`quiet_until_event` (no job takes a grant: ``no_jobs``), so that
+    the counts cover every iteration, skipped or planned, with the reason
+    ``begin_step`` would have counted; nothing for a controller that never
+    grants (its steps are not counted: it has no shadow work to explain)."""
+    if num and not _SKIPPABLE[type(hook.slack)].never_grants:
+        hook.step_counts["no_jobs"] = hook.step_counts.get("no_jobs", 0) + num
 
 
 @attrs.define(eq=False)

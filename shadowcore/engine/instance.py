@@ -609,7 +609,7 @@ class EngineInstance:
         the controller's budget, the sizing's chunks) validated as every
         other snapshot's are (``validate_values``)."""
         with _validation(self.validate_values):
-            return _fastpath.empty_plan_reason(self.hook, self._summary(now_s, entries, blocked, used), room)
+            return _fastpath.empty_plan_reason(self.hook, lambda: self._summary(now_s, entries, blocked, used), room)
 
     def _summary(self, now_s: float, entries: list, blocked: bool, used: int) -> StepSnapshot:
         """The snapshot with the cohort as a DecodeAggregate: views of the
@@ -747,7 +747,11 @@ class EngineInstance:
             return None
         nd = len(self.running)
         hook = self.hook
-        if hook is not None and not _fastpath.can_skip(hook):  # after the reservations, as begin_step is
+        if hook is None:
+            pass
+        elif _fastpath.can_skip(hook):  # after the reservations, as begin_step is
+            _fastpath.count_skipped(hook)
+        else:
             if not self._cohort or not self._agg_allowed():
                 return None  # the slow path finds the blocks reserved and does the rest
             # What _start_agg would do with no entry (nothing prefills or waits, the blocks are reserved):
@@ -930,6 +934,8 @@ class EngineInstance:
                 self.num_iterations_run += num
                 self.num_fast_iterations = clock
                 self.num_steady_ticks += num
+                if self.hook is not None:
+                    _fastpath.count_skipped(self.hook, num)
                 self.iteration += num
                 self._ctx_total, self._ctx_max, self._steady_s = total + num * nd, longest + num, d
         return last, num, t

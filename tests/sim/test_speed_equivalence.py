@@ -26,6 +26,13 @@ delta guarantee; ``shadowcore.slack.CreditAccrual``). The three
 harvest-slo-host cases moved (``fake-``, ``sim-``, ``experiment-``); every
 other case is unchanged.
 
+Regenerated again, deliberately (issue 17, session 19): the step counts
+(``steps_*``, a diagnostic) decide ``no_jobs`` first (jobs that take no grant
+whatever the budget) and count the iterations the fast paths skip, so they sum
+to the iterations whichever path ran them. Only ``steps_*`` moved, in the
+cases whose policy can shadow; calls, normal requests, instances, credit and
+end times are unchanged (the eager loop's ``num_events`` kept as they were).
+
 Regenerate (only for a deliberate semantic change, stated in the commit)::
 
     python tests/sim/test_speed_equivalence.py --regenerate
@@ -295,6 +302,29 @@ def test_kv_reservations_identical_every_iteration() -> None:
     eager, none = _kv_trace("fake-harvest-tight-kv", False)
     assert agg > 1000 and none == 0
     assert lazy == eager
+
+
+@pytest.mark.parametrize("name", ["fake-harvest-tight-kv", "sim-harvest-slo-host", "sim-pd-harvest-slo"])
+def test_step_counts_partition_the_iterations(name: str) -> None:
+    """Every iteration of a hook whose controller may grant is counted once (planned, proven empty, skipped
+    one by one or in a run of steady ticks), on the fast paths as on the slow one, with the same reasons."""
+    counts = {}
+    for lazy in (True, False):
+        backend, fields, policy, args = CASES[name]
+        shadow = ShadowConfig(PluginRef(policy, args), seed=11)
+        if backend == "fake":
+            run = FakeRun(FakeScenario.from_dict(fields), shadow)
+        else:
+            run = (PDRun if backend == "pd" else SimRun)(SimScenario.from_dict(fields), shadow)
+        for inst in run.cluster.by_id.values():
+            inst.lazy_decodes = lazy
+        run.run()
+        counts[lazy] = {i: dict(h.step_counts) for i, h in run.runtime.hooks.items()}
+        for inst_id, hook in run.runtime.hooks.items():
+            assert sum(hook.step_counts.values()) == run.cluster.by_id[inst_id].iteration, inst_id
+        if lazy:
+            assert sum(i.num_steady_ticks for i in run.cluster.by_id.values()) > 0 or backend == "pd"
+    assert counts[True] == counts[False]
 
 
 def test_same_seed_same_result() -> None:

@@ -137,7 +137,7 @@ def baseline_and_oracle(names: Sequence[str]) -> tuple[str, str | None]:
 class Comparison:
     """Per run and aggregated metrics of one grid label.
 
-    ``steps``: per policy, its planned steps by reason summed over runs
+    ``steps``: per policy, its steps by reason summed over runs
     (``steps_*`` of the runs' summaries); ``silent``: the policies that can
     shadow (their controller is not ``never_grants``) but planned no shadow
     token in any run; ``notices``: the runs' warnings, each once."""
