@@ -50,7 +50,7 @@ from shadowcore.types import (
 #: chunks take only free blocks and blocks idle longer than ``cold_age_s``);
 #: ``below_n_min``: a budget and room, but nothing from the smallest grant up
 #: fits the budget; ``granted``: shadow chunks planned.
-STEP_REASONS = ("waiting", "blocked", "zero_budget", "no_jobs", "no_room", "below_n_min", "granted")
+STEP_REASONS = ("no_jobs", "waiting", "blocked", "zero_budget", "no_room", "below_n_min", "granted")
 
 _CONTEXT_TOKENS = 1500  # the probe's decodes: a typical agentic context
 _NUM_DECODES = 4

@@ -90,7 +90,7 @@ class ShadowRuntime:
             logger.warning("%s", message)
 
     def step_counts(self) -> dict[str, int]:
-        """Planned iterations of every hook by reason (every reason listed, zeros included)."""
+        """Iterations of every hook by reason (every reason listed, zeros included; see ``STEP_REASONS``)."""
         out = dict.fromkeys(STEP_REASONS, 0)
         for hook in self.hooks.values():
             for why, n in hook.step_counts.items():

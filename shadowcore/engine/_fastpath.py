@@ -15,7 +15,11 @@ vLLM backend's scheduler), as SimPy keeps its scheduling internals off ``Environ
   a :class:`~shadowcore.types.DecodeAggregate` (views only for the requests outside the
   engine's decode aggregate), when ``begin_step`` would plan no grant and which reason it
   would count; the engine then counts it (:func:`count_empty_plan`), builds no full
-  snapshot, and reports the iteration through :func:`skip_step`.
+  snapshot, and reports the iteration through :func:`skip_step`. Jobs that take no
+  grant decide first (``no_jobs``), before any snapshot is built.
+* Counting what was skipped: :func:`count_skipped` counts the iterations skipped on
+  :func:`can_skip` (one by one or in runs) as ``begin_step`` would have
+  (``no_jobs``), so a hook's step counts sum to its iterations on every path.
 * Running an event's follow-ups inline: :class:`InlineEventLoop`.
 
 Invariants (``tests/sim/test_speed_equivalence*.py`` pin them: the results with the fast
