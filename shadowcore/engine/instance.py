@@ -747,11 +747,9 @@ class EngineInstance:
             return None
         nd = len(self.running)
         hook = self.hook
-        if hook is None:
-            pass
-        elif _fastpath.can_skip(hook):  # after the reservations, as begin_step is
-            _fastpath.count_skipped(hook)
-        else:
+        if hook is not None and _fastpath.can_skip(hook):  # after the reservations, as begin_step is
+            _fastpath.count_skipped(hook)  # counted as begin_step would (no_jobs)
+        elif hook is not None:
             if not self._cohort or not self._agg_allowed():
                 return None  # the slow path finds the blocks reserved and does the rest
             # What _start_agg would do with no entry (nothing prefills or waits, the blocks are reserved):
