@@ -290,10 +290,12 @@ class ShadowManager:
             self._activate(job)
 
     def _activate(self, job: ShadowJob) -> None:
-        """The job may miss tokens: ``pending_jobs`` of its instance looks at it (the one writer of ``_active``)."""
-        self._active.setdefault(job.instance_id, {})[job.sequence] = job
+        """The job may miss tokens: ``pending_jobs`` of its instance looks at it (the one writer of ``_active``).
+        ``on_job_active`` hears of it first, while ``pending_jobs`` still answers as before: an engine that
+        defers work until observed applies what came before with the jobs as they were then."""
         if self.on_job_active is not None:
             self.on_job_active(job.instance_id)
+        self._active.setdefault(job.instance_id, {})[job.sequence] = job
 
     def _place(self, s: SessionState, model: str) -> str:
         s.sticky[model] = self._best_instance(s.sticky.get(model), s.history, model)

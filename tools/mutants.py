@@ -620,6 +620,15 @@ MUTATIONS: dict[str, tuple] = {
     "no-grant-rule": ("tests/sim/test_speed_equivalence.py", "test_results_identical_to_golden and sim-harvest",
                       "shadowcore/hook.py", "return sum(j.num_missing_tokens for j in jobs) // block < max(1, -(-self.slack.n_min // block))",
                       "return sum(j.num_missing_tokens for j in jobs) // block < 1"),
+    # deferred instances with a hook that may grant (session 19): deferred only while no job is pending there,
+    # and told of a job before pending_jobs shows it (the ends before it are applied with the jobs as they were)
+    "defer-pending": (DEFER, "test_deferred_runs_change_nothing and harvest", "shadowcore/engine/cluster.py",
+                      "(self.jobs_watched and _fastpath.quiet_until_event(hook))",
+                      "(self.jobs_watched and _fastpath.skippable(hook.slack) is not None)"),
+    "activate-order": (DEFER, "test_deferred_runs_change_nothing and harvest", "shadowcore/manager.py",
+                       "            self.on_job_active(job.instance_id)\n        self._active.setdefault(job.instance_id, {})[job.sequence] = job",
+                       ("            pass\n        self._active.setdefault(job.instance_id, {})[job.sequence] = job\n"
+                        "        if self.on_job_active is not None:\n            self.on_job_active(job.instance_id)")),
     # lazy ticks (issue 17): every touch of a lazily running instance first applies its pending ends, and a
     # change (a request enqueued, a job that may become pending there) cuts the run
     "lazy-enqueue": ("tests/sim/test_speed_equivalence_macro.py", "test_steady_runs_change_nothing",

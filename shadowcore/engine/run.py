@@ -261,7 +261,8 @@ class ScenarioRun:
     @property
     def feeds_normal(self) -> bool:
         """Normal requests go to the cluster up front (:meth:`feed_normal`) when an instance may be deferred
-        (``EngineCluster.defer_instances``, a hook that plans nothing or none); otherwise, or when a subclass
+        (``EngineCluster.defer_instances``: a hook that plans nothing or none, or a skippable controller's while
+        the cluster watches the jobs, deferred while no job is pending on it); otherwise, or when a subclass
         changes how one starts (``start_normal``, ``_enqueue``) or hooks ``_normal_done`` (which hears of every
         finish in the loop's order: a deferred instance finishes its requests in stretches), one by one
         through ``start_normal``."""
@@ -269,7 +270,9 @@ class ScenarioRun:
         if (cls.start_normal is not ScenarioRun.start_normal or cls._enqueue is not ScenarioRun._enqueue
                 or cls._normal_done is not ScenarioRun._normal_done or not self.cluster.defer_instances):
             return False
-        return any(i.hook is None or _fastpath.plans_nothing(i.hook) for i in self.cluster.by_id.values())
+        watched = self.cluster.jobs_watched  # then a hook with no pending job plans nothing until one activates
+        return any(i.hook is None or _fastpath.plans_nothing(i.hook) or (watched and _fastpath.skippable(i.hook.slack) is not None)
+                   for i in self.cluster.by_id.values())
 
     def feed_normal(self, by_instance: dict[str, list[tuple[str, NormalRequest]]]) -> None:
         """Each instance takes its own arrivals (``EngineCluster.feed``)."""
