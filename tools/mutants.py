@@ -623,8 +623,8 @@ MUTATIONS: dict[str, tuple] = {
     # deferred instances with a hook that may grant (session 19): deferred only while no job is pending there,
     # and told of a job before pending_jobs shows it (the ends before it are applied with the jobs as they were)
     "defer-pending": (DEFER, "test_deferred_runs_change_nothing and harvest", "shadowcore/engine/cluster.py",
-                      "(self.jobs_watched and _fastpath.quiet_until_event(hook))",
-                      "(self.jobs_watched and _fastpath.skippable(hook.slack) is not None)"),
+                      "or (self.jobs_watched and _fastpath.quiet_until_event(hook)))",
+                      "or (self.jobs_watched and _fastpath.skippable(hook.slack) is not None))"),
     "activate-order": (DEFER, "test_deferred_runs_change_nothing and harvest", "shadowcore/manager.py",
                        "            self.on_job_active(job.instance_id)\n        self._active.setdefault(job.instance_id, {})[job.sequence] = job",
                        ("            pass\n        self._active.setdefault(job.instance_id, {})[job.sequence] = job\n"

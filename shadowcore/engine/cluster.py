@@ -33,9 +33,10 @@ beyond that.
 Deferred instances (``feed``, ``defer_instances``): an instance that takes its own normal arrivals, holds no
 routed call and whose hook plans nothing (or that has none; or, with the jobs watched, whose hook has no job
 pending there: then it plans nothing until one activates, and the manager says so before ``pending_jobs``
-shows the job) changes nothing but itself until the router side observes it, so it puts no event on the heap: its iteration ends, arrivals, the router's settles (``kick_all``)
-and wake-ups wait in its ``_Local`` and are applied, in the loop's order for one instance (time; at one instant
-ends, settles, arrivals, wake-ups: the kinds' order), whenever something observes it (its ``touched``, the
+shows the job) changes nothing but itself until the router side observes it, so it puts no event on the heap:
+its iteration ends, arrivals, the router's settles (``kick_all``) and wake-ups wait in its ``_Local`` and are
+applied, in the loop's order for one instance (time; at one instant ends, settles, arrivals, wake-ups: the
+kinds' order), whenever something observes it (its ``touched``, the
 placement reads, a settle's or a wake-up's own ``kick``) and, at the end of the run, by the loop's ``on_empty``.
 **Its state is exact at every observation**: a read at ``t`` first applies its ends and settles at or before
 ``t`` and its arrivals and wake-ups before ``t`` (those at ``t`` come after the router's event at ``t``). A change
@@ -398,8 +399,9 @@ class EngineCluster:
         controller's skipped steps are its own iterations'), the engine's own iteration methods, a loop
         that will pop every queued event, and no request in it but its feed's (:meth:`_Feed.owns_all`)."""
         hook = inst.hook
-        return (self.defer_instances and self.loop.free_running and inst not in self._lazy
-                and (hook is None or _fastpath.plans_nothing(hook) or (self.jobs_watched and _fastpath.quiet_until_event(hook)))
+        quiet = (hook is None or _fastpath.plans_nothing(hook)
+                 or (self.jobs_watched and _fastpath.quiet_until_event(hook)))
+        return (self.defer_instances and self.loop.free_running and inst not in self._lazy and quiet
                 and not inst.holds_routed
                 and type(inst).start_step is EngineInstance.start_step
                 and type(inst).end_step is EngineInstance.end_step and self._feeds[inst].owns_all(inst))
