@@ -34,18 +34,25 @@ _FIELDS = {"instances_per_model": 4, "duration_s": 30.0, "warmup_s": 5.0, "sessi
 @attrs.define(eq=False)
 class _FullReads(EngineCluster):
     """The cluster's reads as they were before the shortcuts: a full lookup (with its catch-up) and a fresh
-    estimate on every instance."""
+    estimate on every instance (a deferred one brought up to now first: its queued work is its own)."""
 
     def cached_prefix_tokens(self, instance_id, history):
         return self.by_id[instance_id].cached_prefix_tokens(history)
 
     def estimated_prefill_completion_s(self, instance_id, num_uncached_tokens):
-        inst = self.by_id[instance_id]
+        inst = self._up_to_now(instance_id)
         work = inst.queued_prefill_tokens + num_uncached_tokens
         return self.loop.now_s + windowed_prefill_s(inst.latency, work, inst.limits.token_budget, self.window_tokens)
 
     def prefill_completion_floor_s(self, instance_id, num_uncached_tokens):
         return -math.inf  # no floor: the manager reads every instance's estimate
+
+
+@attrs.define(eq=False)
+class _Eager(EngineCluster):
+    """No instance deferred: every instance's events on the loop (what the shortcuts and deferral must equal)."""
+
+    defer_instances: bool = False
 
 
 SEEN: dict[str, int] = {}
@@ -112,9 +119,11 @@ def test_placement_reads_equal_the_full_reads_and_the_run_does_not_move() -> Non
     assert SEEN["floors"] > 100 and SEEN["estimates"] < SEEN["cached"] + SEEN["none"] - 50, SEEN
     shortcut = _run("harvest-slo-host", EngineCluster)
     full = _run("harvest-slo-host", _FullReads)
+    eager = _run("harvest-slo-host", _Eager)
     for key in full:
         assert _same(shortcut[key], full[key]), f"{key} differs from the run with full reads"
         assert _same(checked[key], full[key]), f"{key} differs (checked run)"
+        assert _same(shortcut[key], eager[key]), f"{key} differs from the run with no instance deferred"
 
 
 def test_one_instants_estimates_equal_fresh_ones_for_every_queue_and_window() -> None:
