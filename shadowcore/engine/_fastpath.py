@@ -199,12 +199,12 @@ def empty_plan_reason(hook: EngineHook, snapshot_of: Callable[[], StepSnapshot],
     (``shadow_room_blocks``) leaves that out for the other iterations."""
     if _may_skip(hook) is None or type(hook.slack) not in _BUDGET_ON_AGGREGATE:
         return None
-    if hook._takes_no_grant(hook._refreshed_jobs()):
+    jobs = hook._refreshed_jobs()
+    if hook._takes_no_grant(jobs):
         return "no_jobs"
     snapshot = snapshot_of()
-    budget, jobs = hook.budget(snapshot)
-    if jobs is None:
-        jobs = hook._refreshed_jobs()  # as begin_step does (nothing left to refresh: the source's list)
+    budget, read = hook.budget(snapshot)  # (a controller that reads imminence refreshes again: nothing left)
+    jobs = jobs if read is None else read
     if not budget.budget_s > 0:
         return _ZERO_BUDGET.get(budget.reason, "zero_budget")
     room = snapshot.num_shadow_room_tokens if room_tokens is None else room_tokens()

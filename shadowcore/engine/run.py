@@ -271,8 +271,8 @@ class ScenarioRun:
                 or cls._normal_done is not ScenarioRun._normal_done or not self.cluster.defer_instances):
             return False
         watched = self.cluster.jobs_watched  # then a hook with no pending job plans nothing until one activates
-        return any(i.hook is None or _fastpath.plans_nothing(i.hook) or (watched and _fastpath.skippable(i.hook.slack) is not None)
-                   for i in self.cluster.by_id.values())
+        return any(i.hook is None or _fastpath.plans_nothing(i.hook)
+                   or (watched and _fastpath.skippable(i.hook.slack) is not None) for i in self.cluster.by_id.values())
 
     def feed_normal(self, by_instance: dict[str, list[tuple[str, NormalRequest]]]) -> None:
         """Each instance takes its own arrivals (``EngineCluster.feed``)."""
