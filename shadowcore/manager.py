@@ -46,6 +46,10 @@ from shadowcore.switch import SwitchPredictor, Targeting, rank_targets
 from shadowcore.types import CallArrival, CallPlacement, JobKey
 
 
+def _no_tokens(instance_id: str) -> int:
+    return 0
+
+
 def _priority(job: ShadowJob) -> tuple[float, int]:
     """``pending_jobs``' order: highest switch probability first, then creation order."""
     return -job.switch_probability, job.sequence
@@ -303,17 +307,23 @@ class ShadowManager:
 
     def _best_instance(self, sticky: str | None, history: SessionHistory, model: str) -> str:
         """Sticky instance unless another finishes the uncached prefill sooner."""
-        candidates = list(self.cluster.instances(model))
-        if not candidates:
-            raise ValueError(f"no instance serves model {model!r}")
+        candidates = self._candidates(model)
+        order = ([sticky] if sticky in candidates else []) + [c for c in candidates if c != sticky]
+        return self._fastest(order, lambda inst: history.num_tokens - self.cluster.cached_prefix_tokens(inst, history))
+
+    def _fastest(self, order: list[str], uncached_of: Callable[[str], int]) -> str:
+        """The first instance in ``order`` whose estimate for its uncached tokens (``uncached_of``) is the
+        smallest (strictly smaller than every earlier one's). A candidate whose
+        ``prefill_completion_floor_s`` (:class:`PlacementFloorPort`, where the cluster has it) is not below
+        the best estimate so far is not read: it could neither win nor tie, so the answer is the full scan's."""
         best, best_s = None, float("inf")
         floor = getattr(self.cluster, "prefill_completion_floor_s", None)  # PlacementFloorPort
-        for inst in ([sticky] if sticky in candidates else []) + [c for c in candidates if c != sticky]:
-            uncached = history.num_tokens - self.cluster.cached_prefix_tokens(inst, history)
+        for inst in order:
+            uncached = uncached_of(inst)
             if floor is not None and best is not None and floor(inst, uncached) >= best_s:
                 continue  # its estimate is at least the floor: it would not win (nor a tie)
             t = self.cluster.estimated_prefill_completion_s(inst, uncached)
-            if t < best_s:  # strict: the sticky instance (first) wins ties
+            if t < best_s:  # strict: the earlier instance (the sticky one first) wins ties
                 best, best_s = inst, t
         assert best is not None
         return best
@@ -327,10 +337,17 @@ class ShadowManager:
         return s.sticky[model]
 
     def _least_loaded(self, model: str) -> str:
-        """The instance of ``model`` whose queued prefill work finishes first (ties: the earlier in cluster order).
-        One estimate per instance: linear in the instance count."""
-        estimate = self.cluster.estimated_prefill_completion_s
-        return min(enumerate(self.cluster.instances(model)), key=lambda ki: (estimate(ki[1], 0), ki[0]))[1]
+        """The instance of ``model`` whose queued prefill work finishes first (ties: the earlier in cluster
+        order). An instance whose floor (its estimate with no work queued) is not below the best estimate so
+        far is not read (:meth:`_fastest`): once one with nothing queued is found, the instances after it
+        that share its latency model are not read (a deferred one is not brought up to now)."""
+        return self._fastest(self._candidates(model), _no_tokens)
+
+    def _candidates(self, model: str) -> list[str]:
+        candidates = list(self.cluster.instances(model))
+        if not candidates:
+            raise ValueError(f"no instance serves model {model!r}")
+        return candidates
 
     def _retarget(self, s: SessionState) -> None:
         assert s.current_model is not None

@@ -74,3 +74,37 @@ def test_a_shadow_job_opens_on_the_least_loaded_instance_first_in_order_on_ties(
     assert job is not None  # TopK(1) targets the other model
     best = min(cluster.load.get(i, 0.0) for i in cluster.instances("B"))
     assert job.instance_id == next(i for i in cluster.instances("B") if cluster.load.get(i, 0.0) == best)
+
+
+@attrs.define
+class _FloorCluster(_Cluster):
+    """Six instances per model, a placement floor (the estimate with no load), and every estimate counted."""
+
+    read: list = attrs.Factory(list)
+
+    def instances(self, model):
+        return tuple(f"{model}-{i}" for i in range(6))
+
+    def estimated_prefill_completion_s(self, instance_id, num_uncached_tokens):
+        self.read.append(instance_id)
+        return super().estimated_prefill_completion_s(instance_id, num_uncached_tokens)
+
+    def prefill_completion_floor_s(self, instance_id, num_uncached_tokens):
+        return num_uncached_tokens * 1e-4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.01, 0.02]), min_size=6, max_size=6))
+def test_the_least_loaded_scan_stops_reading_at_an_instance_with_nothing_queued(loads):
+    """With a floor port, the shadow job's instance is still the full scan's (least loaded, first on ties),
+    and no instance after the first one with nothing queued has its estimate read."""
+    cluster = _FloorCluster({f"B-{i}": x for i, x in enumerate(loads)})
+    manager = ShadowManager(cluster, MODELS, EmpiricalSwitchPredictor(0.5), TopK(1))
+    manager.on_call_arrival(CallArrival("s", "A", 100, 0.0))
+    job = manager.job(JobKey("s", "B"))
+    assert job is not None
+    assert job.instance_id == f"B-{loads.index(min(loads))}"
+    read = [i for i in cluster.read if i.startswith("B-")]
+    last = loads.index(0.0) if 0.0 in loads else len(loads) - 1  # the floor (no load) is below any load
+    want = [f"B-{i}" for i in range(last + 1)]
+    assert read == want, (loads, read)
