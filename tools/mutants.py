@@ -8,6 +8,7 @@ test and reports whether it failed. Exit status 1 if any mutant survives.
     python tools/mutants.py            # all
     python tools/mutants.py cap topk   # some
     python tools/mutants.py --list     # names, source files, tests
+    python tools/mutants.py --check    # every anchor still applies (no test run; tests/test_mutants_apply.py)
 
 Anchors are exact source text: when a refactor moves them the script says
 which mutation no longer applies.
@@ -195,8 +196,8 @@ MUTATIONS: dict[str, tuple] = {
     # a session's first job on a model goes to its least loaded instance, the first in cluster order on ties
     "least-loaded-tie": ("tests/test_manager_placement.py",
                          "test_a_shadow_job_opens_on_the_least_loaded_instance_first_in_order_on_ties",
-                         "shadowcore/manager.py", "key=lambda ki: (estimate(ki[1], 0), ki[0]))[1]",
-                         "key=lambda ki: (estimate(ki[1], 0), -ki[0]))[1]"),
+                         "shadowcore/manager.py", "            if t < best_s:  # strict:",
+                         "            if t <= best_s:  # strict:"),
     "order-manager": (UNIT, "test_jobs_served_in_nonincreasing_switch_probability", "shadowcore/manager.py",
                       "    return -job.switch_probability, job.sequence\n",
                       "    return job.switch_probability, job.sequence\n"),
@@ -526,10 +527,6 @@ MUTATIONS: dict[str, tuple] = {
                                 "shadowcore/manager.py",
                                 "if floor is not None and best is not None and floor(inst, uncached) >= best_s:",
                                 "if floor is not None and best is not None and floor(inst, uncached) > best_s:"),
-    "least-loaded-last-tie": ("tests/test_manager_placement.py",
-                              "test_the_least_loaded_scan_stops_reading_at_an_instance_with_nothing_queued",
-                              "shadowcore/manager.py", "            if t < best_s:  # strict:",
-                              "            if t <= best_s:  # strict:"),
     "private-mapping": (KV_PRIV, "test_idle_order_with_private_runs_is_a_mapping", "shadowcore/kv.py",
                         "            if block_hash in hashes[len(hashes) - releases[state[3]] :]:",
                         "            if block_hash in hashes:"),
@@ -840,7 +837,10 @@ MUTATIONS: dict[str, tuple] = {
 
 def _apply(root: Path, path: str, edits: tuple) -> None:
     f = root / path
-    text = f.read_text()
+    f.write_text(_mutated(f.read_text(), path, edits))
+
+
+def _mutated(text: str, path: str, edits: tuple) -> str:
     pairs = [(edits[i], edits[i + 1]) for i in range(0, len(edits) - 1, 2)]
     count = edits[-1] if len(edits) % 2 else 1
     for old, new in pairs:
@@ -848,7 +848,25 @@ def _apply(root: Path, path: str, edits: tuple) -> None:
         if n != count:
             raise SystemExit(f"{path}: expected {count} match(es) of {old!r}, found {n}: update tools/mutants.py")
         text = text.replace(old, new)
-    f.write_text(text)
+    return text
+
+
+def stale(root: Path = ROOT) -> list[str]:
+    """Mutants that no longer apply to the tree at ``root``, one line each (name and why): a test file or a
+    source file that is gone, or an anchor whose count is not the expected one. Reads files only."""
+    out = []
+    for name, (test_file, _test, path, *edits) in MUTATIONS.items():
+        if not (root / test_file).is_file():
+            out.append(f"{name}: its test file {test_file} is gone")
+            continue
+        if not (root / path).is_file():
+            out.append(f"{name}: its source file {path} is gone")
+            continue
+        try:
+            _mutated((root / path).read_text(), path, tuple(edits))
+        except SystemExit as e:
+            out.append(f"{name}: {e}")
+    return out
 
 
 def run(name: str, timeout_s: int = 600, mutate: bool = True) -> tuple[bool, float]:
@@ -875,7 +893,12 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python tools/mutants.py", description=__doc__.split("\n\n")[0])
     p.add_argument("names", nargs="*", metavar="NAME", help="mutants to run (default: all)")
     p.add_argument("--list", action="store_true", help="print each mutant's name and test, run nothing")
+    p.add_argument("--check", action="store_true", help="only check that every mutant still applies (no test run)")
     args = p.parse_args(argv)
+    if args.check:
+        problems = stale()
+        print("\n".join(problems) or f"all {len(MUTATIONS)} mutants apply")
+        return 1 if problems else 0
     unknown = [n for n in args.names if n not in MUTATIONS]
     if unknown:
         p.error(f"unknown mutant(s): {', '.join(unknown)} (--list shows the {len(MUTATIONS)} there are)")
