@@ -82,9 +82,10 @@ class PlacementFloorPort(Protocol):
 
     def prefill_completion_floor_s(self, instance_id: str, num_uncached_tokens: int) -> float:
         """A value that :meth:`ClusterPort.estimated_prefill_completion_s` with these arguments is not below
-        now, whatever work is queued on the instance (``-inf`` when nothing better is known). Placement
-        skips an instance whose floor is not below the best estimate so far, so a floor above the estimate
-        would place calls elsewhere: an implementer must guarantee the bound."""
+        now, whatever work is queued on the instance (``-inf`` when nothing better is known). Placement (a
+        call's, and a new shadow job's least-loaded choice with ``num_uncached_tokens`` 0) skips an instance
+        whose floor is not below the best estimate so far, so a floor above the estimate would place calls
+        and jobs elsewhere: an implementer must guarantee the bound."""
         ...
 
 
