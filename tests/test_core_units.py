@@ -148,6 +148,18 @@ def test_a_refresh_that_completes_a_job_leaves_no_job():
     assert hook.step_counts == {"granted": 1}
 
 
+def test_a_refresh_that_completes_the_first_job_tells_the_controller_of_the_next():
+    """A controller that reads imminence is told about the first job still pending after the refresh: when the
+    refresh finds the first (imminent) job's prefix held whole, the source is asked again and the next job
+    (not imminent) decides the budget, and the grant goes to it."""
+    routed = decode("r", now=1.0, since_first=0.015, kind=RequestKind.ROUTED)
+    hook = imminent_hook(imm(0.2), True, False)
+    hook.port.cached["s0"] = (0, 4096)  # s0's whole prefix is held: it is pending no more
+    plan = run(hook, snap([routed]))
+    assert plan.budget.budget_s == pytest.approx(0.005)  # routed_decode_margin 0.5 (not imminent_margin 0.2)
+    assert [g.job.session_id for g in plan.grants] == ["s1"]
+
+
 def test_line1_blocked_admission_gets_nothing():
     hook, _ = make_hook(slo(), (0.9, 4096))
     plan = run(hook, snap(blocked=True))

@@ -586,7 +586,7 @@ MUTATIONS: dict[str, tuple] = {
                          "num = min(num_steps, kv_limit - max_context)", "num = num_steps"),
     # the hook asks its job source again only after a refresh that moved a job's epoch or held prefix: a job a
     # refresh completes or lowers must be seen (never asking again leaves a complete job first in the order)
-    "refresh-requery": ("tests/test_core_units.py", "test_a_refresh_that_completes_a_job_leaves_no_job",
+    "refresh-requery": ("tests/test_core_units.py", "test_a_refresh_that_completes",
                         "shadowcore/hook.py",
                         "refreshed = refreshed or (job.epoch, job.num_held_tokens) != before",
                         "refreshed = False and before"),
