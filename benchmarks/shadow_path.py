@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import importlib
 import time
 
 from scale import one_run
 
-#: (owner, method, label, split by pending jobs): the entry points first, then the shadow path's steps.
+#: The engine's entry points, each timed apart by whether a job was pending on the instance.
 _ENTRIES = ("start_step", "end_step", "run_steady")
+#: The shadow path's steps: (module, class, method, label), each timed as a whole.
 _STEPS = (
     ("shadowcore.engine.instance", "EngineInstance", "_start_agg_planned", "planned iteration (the hook may grant)"),
     ("shadowcore.hook", "EngineHook", "begin_step", "  of which: the hook's plan"),
@@ -40,15 +42,13 @@ _STEPS = (
 
 
 def _instrument(times: collections.Counter, calls: collections.Counter) -> None:
-    import importlib
-
     from shadowcore.engine.instance import EngineInstance
 
     clock = time.process_time_ns
 
     def pending(inst) -> str:
         hook = inst.hook
-        if hook is None or not hasattr(hook.manager, "pending_jobs"):
+        if hook is None:
             return "no hook"
         return "job pending" if hook.manager.pending_jobs(inst.instance_id) else "no job pending"
 
