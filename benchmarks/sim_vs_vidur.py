@@ -191,13 +191,23 @@ def _our_classes() -> tuple[type, type]:
     class TraceRun(SimRun):
         """A :class:`SimRun` whose normal traffic is ``trace`` on its one serving
         instance (no sessions: pass ``sessions=()``), keeping each request's
-        TTFT and end-to-end latency. ``latency_model``, when given, replaces
-        the instance's own latency model (the ``vidur-model-time`` check)."""
+        TTFT and end-to-end latency (:attr:`records`, read after the run from
+        the requests it built: a hook on ``_normal_done`` would turn off the
+        per-instance feed, ``ScenarioRun.feeds_normal``, and so the deferred
+        instance every other run's normal traffic gets). ``latency_model``,
+        when given, replaces the instance's own latency model (the
+        ``vidur-model-time`` check)."""
 
         trace: tuple = ()
         latency_model: Any = None
-        records: list = attrs.field(init=False, factory=list)
+        _built: list = attrs.field(init=False, factory=list)
         loop: InlineEventLoop = attrs.field(init=False, factory=TimedLoop)
+
+        @property
+        def records(self) -> list[tuple[float, float]]:
+            """(TTFT, end-to-end) of each finished request, in arrival order."""
+            return [(r.first_token_s - r.arrival_s, r.finish_s - r.arrival_s) for r in self._built
+                    if not r.rejected and r.finish_s is not None]
 
         def build_instance(self, instance_id: str, model: str, kv_policy: Any, *args: Any, **kwargs: Any) -> Any:
             import shadow_sim.simulator as simmod
@@ -227,10 +237,10 @@ def _our_classes() -> tuple[type, type]:
             (inst,) = self.cluster.by_id.values()
             return [(inst, list(self.trace))]
 
-        def _normal_done(self, req: Any, now_s: float) -> None:
-            super()._normal_done(req, now_s)
-            if not req.rejected:
-                self.records.append((req.first_token_s - req.arrival_s, req.finish_s - req.arrival_s))
+        def _normal_request(self, *args: Any, **kwargs: Any) -> Any:
+            req = super()._normal_request(*args, **kwargs)
+            self._built.append(req)
+            return req
 
     return OneModelScenario, TraceRun
 
