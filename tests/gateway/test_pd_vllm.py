@@ -117,20 +117,49 @@ def start_pd_servers(root: Path, engine_level: bool = False, colocated: tuple[st
     return procs, urls
 
 
+class PortTaken(RuntimeError):
+    """A server lost a port race: another process on the machine bound one of its ports (``_free_port``'s,
+    or one vLLM or NIXL picked) before it did."""
+
+
 def wait_healthy(procs, urls, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     for (proc, _, log_path), url in zip(procs, [u for m in urls.values() for u in m.values()], strict=True):
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited: {Path(log_path).read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            exited = proc.poll() is not None
+            if not exited:
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+            text = Path(log_path).read_text()
+            if "address already in use" in text.lower():  # a ZMQ or HTTP bind failed: it never comes up
+                raise PortTaken(f"vLLM lost a port: {text[-3000:]}")
+            if exited:
+                raise RuntimeError(f"vLLM exited: {text[-3000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM did not become healthy: {Path(log_path).read_text()[-3000:]}")
+                raise RuntimeError(f"vLLM did not become healthy: {text[-3000:]}")
             time.sleep(0.5)
+
+
+def start_healthy(root: Path, engine_level: bool = False, colocated: tuple[str, ...] = (), attempts: int = 3):
+    """:func:`start_pd_servers`, then :func:`wait_healthy`; a start that lost a port race (:class:`PortTaken`:
+    another test run on the machine took a port between the pick and the bind) is stopped and retried with
+    fresh ports. Returns (processes, urls); the caller stops them."""
+    for attempt in range(attempts):
+        procs, urls = start_pd_servers(root, engine_level, colocated)
+        try:
+            wait_healthy(procs, urls)
+            return procs, urls
+        except PortTaken:
+            stop_servers(procs)
+            if attempt == attempts - 1:
+                raise
+        except BaseException:
+            stop_servers(procs)
+            raise
+    raise AssertionError("unreachable")
 
 
 def stop_servers(procs) -> None:
@@ -149,9 +178,8 @@ def stop_servers(procs) -> None:
 @pytest.fixture(scope="module")
 def pd_servers(tmp_path_factory) -> Iterator[dict[str, dict[str, str]]]:
     """{model: {"prefill": url, "decode": url}}, four vLLM servers, always torn down."""
-    procs, urls = start_pd_servers(tmp_path_factory.mktemp("pd_e2e"))
+    procs, urls = start_healthy(tmp_path_factory.mktemp("pd_e2e"))
     try:
-        wait_healthy(procs, urls)
         yield urls
     finally:
         stop_servers(procs)

@@ -38,9 +38,8 @@ from .test_pd_vllm import (
     _hits,
     _ids,
     pd_gateway_config,
-    start_pd_servers,
+    start_healthy,
     stop_servers,
-    wait_healthy,
 )
 
 _HAVE_NIXL = subprocess.run([VLLM_PYTHON, "-c", "import nixl._api"], capture_output=True, timeout=120,
@@ -80,10 +79,8 @@ def warm_nixl(urls: dict[str, dict[str, str]], attempts: int = 4) -> None:
 
 @pytest.fixture(scope="module")
 def engine_servers(tmp_path_factory) -> Iterator[dict[str, dict[str, str]]]:
-    procs, urls = start_pd_servers(tmp_path_factory.mktemp("pd_engine_e2e"), engine_level=True,
-                                   colocated=("tiny-a",))
+    procs, urls = start_healthy(tmp_path_factory.mktemp("pd_engine_e2e"), engine_level=True, colocated=("tiny-a",))
     try:
-        wait_healthy(procs, urls)
         warm_nixl(urls)
         yield urls
     finally:
