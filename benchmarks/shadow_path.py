@@ -6,7 +6,10 @@ was pending on the instance when the iteration started (``start_step``/``end_ste
 runs of steady iterations in one call, and only where none is pending), and the shadow steps are timed
 inside them: the planned iterations (``_start_agg_planned``, of which the hook's ``begin_step`` and the chunk's
 KV work ``_run_shadow``), the proven-empty ones (``_empty_plan_reason``, of which the job refresh
-``_refreshed_jobs`` and its prefix lookups ``cached_prefix_blocks``), and the owed evictions' settle.
+``_refreshed_jobs`` and its prefix lookups ``cached_prefix_blocks``), the owed evictions' settle and the
+prefix scans (``match_prefix``). Steady starts (``_start_steady``) are also split by the dearest of those
+steps run inside each: one that plans, one whose refresh settles owed evictions, one whose refresh scans, one
+answered from memory, and one with no lookup at all.
 
 Timers nest (a step's time is inside its iteration's), so the rows do not add up, and they add their own cost
 (the instrumented run is slower than ``scale.py --child``'s): read the shares and the per-call times against
@@ -38,6 +41,14 @@ _STEPS = (
     ("shadowcore.hook", "EngineHook", "_refreshed_jobs", "  of which: the job refresh"),
     ("shadowcore.kv", "KVClassManager", "cached_prefix_blocks", "prefix lookups (refresh and placement)"),
     ("shadowcore.kv", "KVClassManager", "_settle", "owed evictions settled"),
+    ("shadowcore.kv", "KVClassManager", "match_prefix", "prefix scans (lookups not remembered, chunks)"),
+)
+#: Steady starts (``_start_steady``) split by what their shadow path did, from the steps seen inside each.
+_STEADY_KINDS = (
+    ("planned iteration (the hook may grant)", "steady start that plans (may grant)"),
+    ("owed evictions settled", "steady start whose refresh settles (and scans)"),
+    ("prefix scans (lookups not remembered, chunks)", "steady start whose refresh scans"),
+    ("prefix lookups (refresh and placement)", "steady start answered from memory"),
 )
 
 
@@ -65,12 +76,14 @@ def _instrument(times: collections.Counter, calls: collections.Counter) -> None:
             return out
 
         setattr(EngineInstance, name, entry)
+    seen: set[str] = set()  # the steps run inside the steady start being timed
     for module, cls_name, name, label in _STEPS:
         cls = getattr(importlib.import_module(module), cls_name)
         orig = getattr(cls, name)
 
         @functools.wraps(orig)
         def step(*args, _orig=orig, _label=label, **kwargs):
+            seen.add(_label)
             t0 = clock()
             out = _orig(*args, **kwargs)
             times[(_label, "")] += clock() - t0
@@ -78,6 +91,20 @@ def _instrument(times: collections.Counter, calls: collections.Counter) -> None:
             return out
 
         setattr(cls, name, step)
+    steady = EngineInstance._start_steady
+
+    @functools.wraps(steady)
+    def start_steady(self, *args, **kwargs):
+        seen.clear()
+        t0 = clock()
+        out = steady(self, *args, **kwargs)
+        dt = clock() - t0
+        kind = next((k for label, k in _STEADY_KINDS if label in seen), "steady start with no lookup")
+        times[(kind, pending(self))] += dt
+        calls[(kind, pending(self))] += 1
+        return out
+
+    EngineInstance._start_steady = start_steady
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,15 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.policy}, {args.instances} instances, rho {args.rho}, {args.duration:g} s of arrivals, seed "
           f"{args.seed}: {r['iterations']:,} iterations, {routed:,} routed calls, instrumented run "
           f"{r['cpu_s']:.2f} CPU-s")
-    print(f"{'path':<42} {'pending':<15} {'iterations/calls':>16} {'CPU s':>8} {'share':>6} {'us each':>9} "
+    print(f"{'path':<48} {'pending':<15} {'iterations/calls':>16} {'CPU s':>8} {'share':>6} {'us each':>9} "
           f"{'ms/routed call':>14}")
-    order = [(n, p) for n in _ENTRIES for p in ("job pending", "no job pending", "no hook")] + \
+    kinds = [k for _, k in _STEADY_KINDS] + ["steady start with no lookup"]
+    order = [(n, p) for n in (*_ENTRIES, *kinds) for p in ("job pending", "no job pending", "no hook")] + \
         [(label, "") for *_x, label in _STEPS]
     for key in order:
         if not calls[key]:
             continue
         s = times[key] / 1e9
-        print(f"{key[0]:<42} {key[1]:<15} {calls[key]:>16,} {s:>8.3f} {s / r['cpu_s']:>6.1%} "
+        print(f"{key[0]:<48} {key[1]:<15} {calls[key]:>16,} {s:>8.3f} {s / r['cpu_s']:>6.1%} "
               f"{times[key] / calls[key] / 1e3:>9.2f} {s * 1e3 / max(1, routed):>14.2f}")
     print("rows nest (a step's time is inside its iteration's); the timers add their own cost: compare shares")
     return 0
