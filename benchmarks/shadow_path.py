@@ -96,12 +96,13 @@ def _instrument(times: collections.Counter, calls: collections.Counter) -> None:
     @functools.wraps(steady)
     def start_steady(self, *args, **kwargs):
         seen.clear()
+        waiting = pending(self)  # when the start began, as for the entry points
         t0 = clock()
         out = steady(self, *args, **kwargs)
         dt = clock() - t0
         kind = next((k for label, k in _STEADY_KINDS if label in seen), "steady start with no lookup")
-        times[(kind, pending(self))] += dt
-        calls[(kind, pending(self))] += 1
+        times[(kind, waiting)] += dt
+        calls[(kind, waiting)] += 1
         return out
 
     EngineInstance._start_steady = start_steady

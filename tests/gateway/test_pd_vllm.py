@@ -147,19 +147,16 @@ def start_healthy(root: Path, engine_level: bool = False, colocated: tuple[str, 
     """:func:`start_pd_servers`, then :func:`wait_healthy`; a start that lost a port race (:class:`PortTaken`:
     another test run on the machine took a port between the pick and the bind) is stopped and retried with
     fresh ports. Returns (processes, urls); the caller stops them."""
-    for attempt in range(attempts):
+    for attempt in range(1, attempts + 1):
         procs, urls = start_pd_servers(root, engine_level, colocated)
         try:
             wait_healthy(procs, urls)
             return procs, urls
-        except PortTaken:
+        except BaseException as e:
             stop_servers(procs)
-            if attempt == attempts - 1:
+            if not isinstance(e, PortTaken) or attempt == attempts:
                 raise
-        except BaseException:
-            stop_servers(procs)
-            raise
-    raise AssertionError("unreachable")
+    raise ValueError(f"start_healthy needs at least one attempt, got {attempts}")
 
 
 def stop_servers(procs) -> None:
@@ -173,6 +170,57 @@ def stop_servers(procs) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         log.close()
+
+
+def test_wait_healthy_names_a_lost_port_at_once_whether_the_server_hangs_or_exits(tmp_path):
+    """No vLLM here: a process that never answers /health, with the bind error in its log, is a lost port
+    race at the first poll (not a 300 s wait), and so is one that exited with it; an exit without it is not."""
+    cases = (("sleep 30", "zmq.error.ZMQError: Address already in use (addr='tcp://localhost:1')", PortTaken),
+             ("true", "[Errno 98] error while attempting to bind: address already in use", PortTaken),
+             ("true", "some other failure", RuntimeError))
+    for k, (command, text, error) in enumerate(cases):
+        log_path = tmp_path / f"{k}.log"
+        log_path.write_text(text)
+        proc = subprocess.Popen(command.split(), start_new_session=True)
+        log = open(log_path, "a")  # noqa: SIM115 - closed by stop_servers
+        try:
+            if command == "true":
+                proc.wait(timeout=10)
+            t0 = time.monotonic()
+            with pytest.raises(error) as raised:
+                wait_healthy([(proc, log, log_path)], {"m": {"r": f"http://127.0.0.1:{_free_port()}"}}, timeout_s=60)
+            assert type(raised.value) is error and time.monotonic() - t0 < 10
+        finally:
+            stop_servers([(proc, log, log_path)])
+
+
+def test_start_healthy_retries_a_lost_port_race_and_nothing_else(tmp_path, monkeypatch):
+    import sys
+
+    module = sys.modules[__name__]
+    started, stopped, outcomes = [], [], []
+    monkeypatch.setattr(module, "start_pd_servers", lambda root, e, c: (started.append(len(started)) or
+                                                                         (f"procs{len(started)}", {})))
+    monkeypatch.setattr(module, "stop_servers", stopped.append)
+
+    def wait(procs, urls):
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr(module, "wait_healthy", wait)
+    outcomes[:] = [PortTaken("lost"), None]
+    assert start_healthy(tmp_path) == ("procs2", {}) and stopped == ["procs1"]
+    started.clear(), stopped.clear()
+    outcomes[:] = [RuntimeError("vLLM exited")]
+    with pytest.raises(RuntimeError, match="exited"):
+        start_healthy(tmp_path)
+    assert started == [0] and stopped == ["procs1"]
+    started.clear(), stopped.clear()
+    outcomes[:] = [PortTaken("lost")] * 2
+    with pytest.raises(PortTaken):
+        start_healthy(tmp_path, attempts=2)
+    assert stopped == ["procs1", "procs2"]
 
 
 @pytest.fixture(scope="module")
