@@ -584,7 +584,22 @@ MUTATIONS: dict[str, tuple] = {
     "decode-run-limit": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
                          "backends/shadow_sim/vidur_latency.py",
                          "num = min(num_steps, kv_limit - max_context)", "num = num_steps"),
+    # a span of steady decodes with one time: to the end of the table cell (dense and geometric) and the context
+    # limit; run_steady asks again exactly where a span ends
+    "decode-span-dense": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_span_gives_each_step_its_value",
+                          "backends/shadow_sim/vidur_latency.py",
+                          "            top = ((total + 255) >> 8) << 8  #", "            top = ((total + 511) >> 8) << 8  #"),
+    "decode-span-geo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_span_gives_each_step_its_value",
+                        "backends/shadow_sim/vidur_latency.py",
+                        "            top = geo[i]  #", "            top = geo[i] + 1024  #"),
+    "decode-span-limit": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_span_gives_each_step_its_value",
+                          "backends/shadow_sim/vidur_latency.py",
+                          "        m = self._decode_hot[1] - max_context + 1  #", "        m = self._decode_hot[1] - max_context + 2  #"),
+    "decode-span-steady": ("tests/sim/test_speed_equivalence_macro.py", "test_eager_runs_count_every_event and vidur",
+                           "shadowcore/engine/instance.py", "                    span_end = c + m\n",
+                           "                    span_end = c + m + 8\n"),
     # the hook asks its job source again only after a refresh that moved a job's epoch or held prefix: a job a
+
     # refresh completes or lowers must be seen (never asking again leaves a complete job first in the order)
     "refresh-requery": ("tests/test_core_units.py", "test_a_refresh_that_completes",
                         "shadowcore/hook.py",

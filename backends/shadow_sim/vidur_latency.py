@@ -683,6 +683,32 @@ class VidurLatencyModel:
             s = memo[key] = self._total_s(t, nd, nd, nd)
         return s
 
+    def predict_decode_span_s(self, num_decodes: int, total_context: int, max_context: int) -> tuple[float, int]:
+        """``(d, m)``: ``d = predict_decodes_s(num_decodes, total_context,
+        max_context)`` (raising as it does, ``(None, 1)`` where it gives None),
+        and ``m >= 1`` steps from this one on, every context one token longer
+        at each (``total_context + k * num_decodes``, ``max_context + k`` for
+        ``k < m``), give exactly ``d`` and none raises: the rest of the decode
+        table's cell (see :meth:`predict_decode_run_s`), up to the context
+        limit. ``EngineInstance.run_steady`` looks a step up only where a
+        span ends, with nothing computed ahead that a run cut short wastes
+        (``tests/sim/test_speed_equivalence_latency.py``)."""
+        d = self.predict_decodes_s(num_decodes, total_context, max_context)
+        if d is None:
+            return d, 1
+        nd, total = num_decodes, total_context
+        m = self._decode_hot[1] - max_context + 1  # step k raises once max_context + k > kv_limit
+        if total <= _DENSE_S:
+            top = ((total + 255) >> 8) << 8  # column (total + 255) >> 8 holds while the total stays <= top
+
+        else:
+            geo = self._decode_hot[5]
+            i = bisect.bisect_left(geo, total)
+            if i >= len(geo):  # every larger total: the same column (this step did not raise there)
+                return d, m
+            top = geo[i]  # column 257 + i holds while the total stays <= geo[i]
+        return d, min(m, (top - total) // nd + 1)
+
     def predict_decode_run_s(self, num_decodes: int, total_context: int, max_context: int,
                              num_steps: int) -> list[float]:
         """``[predict_decodes_s(num_decodes, total_context + k * num_decodes,

@@ -878,11 +878,16 @@ class EngineInstance:
         ``extend_private`` at the end: nothing is released in between and a
         normal owner's growth takes free blocks, then LRU idle blocks, with no
         regard to time or owner order, so one call leaves exactly the state of
-        the calls one by one (``tests/sim/test_speed_equivalence_macro.py``)."""
+        the calls one by one (``tests/sim/test_speed_equivalence_macro.py``).
+        A latency model with ``predict_decode_span_s`` (``VidurLatencyModel``)
+        is asked once per span of steps that give the same time, not once per
+        step; its promise is that each step of the span gives that value."""
+
         finish, lazy_due, phase = self._lazy_finish, self._lazy_due, self._phase_live
         if finish and finish[0][0] <= self.num_fast_iterations + 1:  # the end in flight finishes a member
             return now_s, 0, now_s
         predict, kv = self.latency.predict_decodes_s, self.kv
+        span, span_end = getattr(self.latency, "predict_decode_span_s", None), -1
         # the cohort is all of the batch: no routed call (those are eager, on_token is theirs)
         tick = _fastpath.tick_accounting(self.hook, True, False) if self.hook is not None else None
         nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
@@ -916,6 +921,11 @@ class EngineInstance:
                 if i < num_ahead:  # plain_ends' look-ahead: predict's value for this very step
                     d = ahead[i]
                     i += 1
+                elif c < span_end:  # still in the latency model's span: predict's value, unchanged
+                    pass
+                elif span is not None:  # predict's value, and how many steps from here give it too
+                    d, m = span(nd, total + (c - start) * nd, longest + c - start)
+                    span_end = c + m
                 else:  # the next iteration (start_step); may raise, as start_step would
                     d = predict(nd, total + (c - start) * nd, longest + c - start)
                 t += d

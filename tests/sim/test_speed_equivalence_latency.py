@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import attrs
 import numpy as np
 import pytest
@@ -253,3 +255,43 @@ def test_decode_run_without_a_run_method_steps_one_by_one() -> None:
     assert decode_run_s(model, 5, 1000, 300, 40) == _run_one_by_one(model, 5, 1000, 300, 40)
     assert len(decode_run_s(model, 5, 1000, 300, 40)) == 40
     assert decode_run_s(model, 0, 0, 0, 10) == []
+
+
+def test_vidur_decode_span_gives_each_step_its_value() -> None:
+    """VidurLatencyModel.predict_decode_span_s: its value is this step's predict_decodes_s and
+    every step of its span gives exactly that value without raising, across dense and
+    geometric columns and up to the context limit; the spans are the table's cells, so one
+    step past a span the cell (or the limit) has changed; it raises where the step does."""
+    pytest.importorskip("vidur")
+    from shadow_sim.vidur_latency import _DENSE_S, VidurLatencyModel
+    from shadow_sim.vidur_profiles import ProfileCoverageError
+
+    model = VidurLatencyModel.for_model("Llama-3.1-8B", "H100-80GB", 1, progress=False)
+    limit, bmax, geo = model._rt["kv_limit"], model._rt["bmax"], model._rt["geo"]
+
+    def cell(total: int) -> int:
+        return (total + 255) >> 8 if total <= _DENSE_S else 257 + bisect.bisect_left(geo, total)
+
+    rng = np.random.default_rng(5)
+    cases = [(1, 0, 0), (3, 65_000, 30_000), (7, 255, 100), (250, 60_000, 400), (2, 2 * limit - 40, limit - 20),
+             (1, limit, limit), (4, _DENSE_S, 20_000), (5, _DENSE_S + 1, 20_000)]
+    for _ in range(80):
+        nd = int(rng.integers(1, bmax + 1))
+        longest = int(rng.integers(0, limit))
+        cases.append((nd, int(rng.integers(longest, longest * nd + 1)), longest))
+    steps = 0
+    for nd, total, longest in cases:
+        d, m = model.predict_decode_span_s(nd, total, longest)
+        assert m >= 1 and d == model.predict_decodes_s(nd, total, longest), (nd, total, longest)
+        for k in range(m):
+            assert model.predict_decodes_s(nd, total + k * nd, longest + k) == d, (nd, total, longest, k)
+        assert longest + m > limit or cell(total + m * nd) != cell(total), (nd, total, longest, m)  # the whole cell
+        steps += m
+    assert steps > 20 * len(cases)  # spans of many steps, not one each
+    assert model.predict_decode_span_s(2, 2 * limit - 40, limit - 20) == (want_short(model, limit)[0], 21)
+    for bad in ((bmax + 1, 10, 10), (1, limit + 1, limit + 1)):
+        with pytest.raises(ProfileCoverageError):
+            model.predict_decodes_s(*bad)
+        with pytest.raises(ProfileCoverageError):
+            model.predict_decode_span_s(*bad)
+    assert model.predict_decode_span_s(0, 0, 0) == (None, 1)

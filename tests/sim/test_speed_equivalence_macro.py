@@ -46,7 +46,11 @@ CASES: dict[str, tuple[str, dict, str]] = {
     "fake-one-harvest": ("fake", _FAKE_ONE, "harvest"),
     "sim-one-no-shadow": ("sim", _SIM_ONE, "no-shadow"),
     "sim-one-harvest-slo-host": ("sim", _SIM_ONE, "harvest-slo-host"),
+    # Vidur's tables: steady runs timed one span of equal steps at a time (predict_decode_span_s)
+    "sim-one-vidur-no-shadow": ("sim", {**_SIM_ONE, "latency": "vidur"}, "no-shadow"),
+    "sim-one-vidur-harvest-slo-host": ("sim", {**_SIM_ONE, "latency": "vidur"}, "harvest-slo-host"),
 }
+
 
 
 def _record(cls: type, private: bool = True) -> type:
@@ -131,10 +135,12 @@ def test_steady_runs_change_nothing(name: str) -> None:
     assert with_runs["num_events"] < without["num_events"]
 
 
-@pytest.mark.parametrize("name", ["fake-one-harvest", "sim-one-no-shadow"])
+@pytest.mark.parametrize("name", ["fake-one-harvest", "sim-one-no-shadow", "sim-one-vidur-no-shadow",
+                                  "sim-one-vidur-harvest-slo-host"])
 def test_eager_runs_count_every_event(name: str) -> None:
     """Without lazy ticks, runs of ticks change nothing at all, the event count included
-    (inline-run ends count as the events the loop would have popped)."""
+    (inline-run ends count as the events the loop would have popped). The Vidur cases time
+    these runs by spans (``predict_decode_span_s``), not plain_ends' look-ahead."""
     eager_runs, diag = run_case(name, True, lazy_ticks=False)
     without, _ = run_case(name, False)
     assert diag["ticks"] > 1000 and diag["lazy_runs"] == 0, diag
