@@ -173,3 +173,29 @@ def test_decode_aggregates_are_the_decoding_requests_at_every_iteration_end() ->
             assert (inst._ctx_total, inst._ctx_max) == (sum(decoding), max(decoding, default=0))
             checked += bool(decoding)
     assert checked > 1000 and inst.num_lazy_finishes > 200
+
+
+def test_records_reorder_keeps_exact_values_and_refuses_what_is_not_a_permutation():
+    """Records.reorder gathers each column (numpy over the typed arrays) exactly as indexing would, for a list
+    or an index array; anything but a permutation of the indices is one ValueError, with nothing changed."""
+    import numpy as np
+    import pytest
+
+    from shadowcore.engine.run import Records
+
+    rows = [(0.1 + i / 7, i, -(i ** 3), i % 3 == 0) for i in range(40)]
+    rec = Records("d", "q", "i", "?")
+    for r in rows:
+        rec.append(r)
+    order = [(k * 17) % 40 for k in range(40)]
+    rec.reorder(order)
+    assert list(rec) == [rows[i] for i in order] and all(type(r[3]) is bool for r in rec)
+    rec.reorder(np.argsort([r[0] for r in rec], kind="stable"))
+    assert list(rec) == rows
+    for bad in ([0] * 40, list(range(39)), [*range(39), 40], [*range(39), -1], np.arange(40.0), [[0]] * 40):
+        with pytest.raises(ValueError, match="permutation"):
+            rec.reorder(bad)
+        assert list(rec) == rows
+    empty = Records("d")
+    empty.reorder([])
+    assert list(empty) == []

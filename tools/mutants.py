@@ -584,7 +584,12 @@ MUTATIONS: dict[str, tuple] = {
     "decode-run-limit": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
                          "backends/shadow_sim/vidur_latency.py",
                          "num = min(num_steps, kv_limit - max_context)", "num = num_steps"),
+    # the records' reorder takes permutations only (a repeated index would duplicate a record and drop another)
+    "records-permutation": ("tests/test_engine.py", "test_records_reorder_keeps_exact_values_and_refuses",
+                            "shadowcore/engine/run.py",
+                            "        ok = bool(seen.all())  #", "        ok = True or bool(seen.all())  #"),
     # a span of steady decodes with one time: to the end of the table cell (dense and geometric) and the context
+
     # limit; run_steady asks again exactly where a span ends
     "decode-span-dense": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_span_gives_each_step_its_value",
                           "backends/shadow_sim/vidur_latency.py",
