@@ -72,3 +72,25 @@ def test_the_check_reads_a_copy_and_names_every_budget() -> None:
     assert smallest_grant_tokens(SloSlackController(n_min=0), 16) == 16
     assert "one block (16 tokens)" in unreachable_grant(SloSlackController(n_min=0, beta=0.01),
                                                         LinearLatencyModel(), 16, 0.025)
+
+
+@pytest.mark.parametrize("policy", ["no-shadow", "host-tier"])
+def test_a_never_granting_hook_plans_every_iteration_for_an_observer_and_nothing_without(policy) -> None:
+    """A controller that never grants: with no observer its hook is inert (``_fastpath.inert``) and the
+    engine runs every iteration as with no hook; an observer, added after the run is built, sees every one
+    of them planned (as many ``on_plan`` as iterations, empty ones included); the results are the same either way."""
+    from shadowcore.engine.scenario import FakeRun, FakeScenario
+
+    fields = {**SCENARIO, "normal_rate_per_s": 8.0}
+    runs = []
+    for observed in (False, True):
+        run = FakeRun(FakeScenario.from_dict(fields), ShadowConfig(PluginRef(policy)))
+        counter = _Count()
+        if observed:
+            run.runtime.observers.add(counter)
+        result = run.run()
+        runs.append((result.metrics, counter.plans, sum(i.iteration for i in run.cluster.by_id.values())))
+    (quiet, none, iterations), (seen, plans, iterations_seen) = runs
+    assert none == 0 and iterations > 1000
+    assert plans == iterations_seen == iterations
+    assert quiet == seen  # the step counts too: a controller that never grants is counted on no path

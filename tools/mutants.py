@@ -584,7 +584,22 @@ MUTATIONS: dict[str, tuple] = {
     "decode-run-limit": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_run_equals_its_steps_one_by_one",
                          "backends/shadow_sim/vidur_latency.py",
                          "num = min(num_steps, kv_limit - max_context)", "num = num_steps"),
+    # an inert hook (none's behaviour) is one whose controller never grants, with no observer: an observer
+    # added after the run is built sees every iteration planned; a controller that may grant is never inert
+    "inert-observers": ("tests/test_diagnostics.py", "test_a_never_granting_hook_plans_every_iteration",
+                        "shadowcore/engine/_fastpath.py",
+                        "    kind = _may_skip(hook)\n    return kind is not None and kind.never_grants and kind.observe_skipped is None",
+                        "    kind = _SKIPPABLE.get(type(hook.slack))\n    return kind is not None and kind.never_grants and kind.observe_skipped is None"),
+    "inert-grants": ("tests/sim/test_speed_equivalence.py", "test_results_identical_to_golden",
+                     "shadowcore/engine/_fastpath.py",
+                     "    return kind is not None and kind.never_grants and kind.observe_skipped is None",
+                     "    return kind is not None and kind.observe_skipped is None"),
+    # begin_step counts no step of a controller that never grants (as the fast paths do not)
+    "count-never-grants": ("tests/test_diagnostics.py", "test_a_never_granting_hook_plans_every_iteration",
+                           "shadowcore/hook.py", "        if not self.slack.never_grants:  # a controller",
+                           "        if True or self.slack.never_grants:  # a controller"),
     # the records' reorder takes permutations only (a repeated index would duplicate a record and drop another)
+
     "records-permutation": ("tests/test_engine.py", "test_records_reorder_keeps_exact_values_and_refuses",
                             "shadowcore/engine/run.py",
                             "        ok = bool(seen.all())  #", "        ok = True or bool(seen.all())  #"),

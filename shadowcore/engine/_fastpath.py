@@ -128,7 +128,19 @@ def quiet_until_event(hook: EngineHook) -> bool:
     return kind is not None and (kind.never_grants or not hook.manager.pending_jobs(hook.instance_id))
 
 
+def inert(hook: EngineHook) -> bool:
+    """True when ``hook`` does nothing at all for an iteration of any shape:
+    :func:`plans_nothing` holds and a skipped step changes nothing
+    (:func:`skip_step`, :func:`count_skipped` and :func:`tick_accounting` do
+    nothing for its controller; :func:`can_skip` and :func:`quiet_until_event`
+    hold). An engine that finds it so at an iteration's start may run that
+    iteration (its end included) as with no hook, calling none of those."""
+    kind = _may_skip(hook)
+    return kind is not None and kind.never_grants and kind.observe_skipped is None
+
+
 def plans_nothing(hook: EngineHook) -> bool:
+
     """True when ``hook.begin_step`` on *any* snapshot would plan no grant and
     change no state but what :func:`skip_step` does (a skippable controller that
     never grants): an engine may then build no snapshot at all and report each

@@ -241,6 +241,10 @@ class EngineInstance:
     # method that reads or changes its state calls it first (True: a change, the run is cut there).
     touched: Callable[[bool], None] | None = attrs.field(default=None, init=False, repr=False)
     _num_routed: int = 0  # routed calls among the running requests (a steady iteration's has_routed)
+    # The hook is None or does nothing at all (_fastpath.inert), as found at this iteration's start (start_step)
+    # or before a steady run (can_run_steady): that iteration's (or run's) hook calls are skipped.
+    _inert: bool = attrs.field(default=False, init=False, repr=False)
+
 
     def energy_j(self, wall_s: float) -> float:
         """GPU energy over ``wall_s``: idle power throughout, busy power while iterating."""
@@ -278,6 +282,8 @@ class EngineInstance:
     # -- one iteration ------------------------------------------------------------
     def start_step(self, now_s: float) -> float | None:
         """Plan and start an iteration; its end time, or None when idle."""
+        hook = self.hook
+        self._inert = hook is None or _fastpath.inert(hook)  # for this iteration, its end included
         if self._steady and not self.waiting:
             end = self._start_steady(now_s)
             if end is not None:
@@ -289,7 +295,7 @@ class EngineInstance:
                 return end
             self._drop_cohort()
         batch, blocked = self._schedule(now_s)
-        if self.hook is None or _fastpath.plans_nothing(self.hook):
+        if self._inert or _fastpath.plans_nothing(self.hook):
             return self._start_unplanned(batch, now_s)
         used = sum(n for _, n in batch)
         with _validation(self.validate_values):
@@ -318,7 +324,7 @@ class EngineInstance:
         is the snapshot's (prefill chunks, then decode contexts, each in batch
         order), and the hook hears of the iteration through ``_fastpath.skip_step``."""
         if not batch:
-            if self.hook is not None:
+            if not self._inert:
                 _fastpath.skip_step(self.hook, 0.0, False, False)
             self.iteration += 1
             return None
@@ -531,7 +537,7 @@ class EngineInstance:
                 prefills.append(PrefillChunk(n, r.num_computed_tokens))
         hook = self.hook
         why = None
-        if hook is not None and not _fastpath.plans_nothing(hook):
+        if not self._inert and not _fastpath.plans_nothing(hook):
             room = _ShadowRoom(self.kv, now_s)  # asked only when a plan's size depends on it
             why = self._empty_plan_reason(now_s, entries, blocked, used, room)
             if why is None:
@@ -672,11 +678,12 @@ class EngineInstance:
             if r.num_computed_tokens:
                 self.kv.release(_shadow_owner(r.grant), now_s)
                 self.num_shadow_tokens += r.num_computed_tokens
-        if self.hook is not None:
-            if skipped is None:
+        if skipped is None:  # planned (so a hook): it sees the outcome
+            if self.hook is not None:
                 self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
-            else:
-                _fastpath.skip_step(self.hook, duration, *skipped)
+        elif not self._inert:  # skipped: its accounting (none for an inert hook, whatever it is now)
+
+            _fastpath.skip_step(self.hook, duration, *skipped)
         self.iteration += 1
 
     def _end_agg(self, now_s: float) -> None:
@@ -747,9 +754,11 @@ class EngineInstance:
             return None
         nd = len(self.running)
         hook = self.hook
-        if hook is not None and _fastpath.can_skip(hook):  # after the reservations, as begin_step is
+        if self._inert:
+            pass  # no hook, or one that does nothing (_fastpath.inert)
+        elif _fastpath.can_skip(hook):  # after the reservations, as begin_step is
             _fastpath.count_skipped(hook)  # counted as begin_step would (no_jobs)
-        elif hook is not None:
+        else:
             if not self._cohort or not self._agg_allowed():
                 return None  # the slow path finds the blocks reserved and does the rest
             # What _start_agg would do with no entry (nothing prefills or waits, the blocks are reserved):
@@ -823,7 +832,7 @@ class EngineInstance:
         self.busy_s += duration
         self.num_iterations_run += 1
         self.num_fast_iterations += 1
-        if self.hook is not None:
+        if not self._inert:
             _fastpath.skip_step(self.hook, duration, True, self._num_routed > 0)  # the batch: every running request
         self.iteration += 1
         if self._cohort:
@@ -863,7 +872,9 @@ class EngineInstance:
                 or (cls is not EngineInstance and (cls.end_step is not EngineInstance.end_step
                                                    or cls.start_step is not EngineInstance.start_step))):
             return False
-        return self.hook is None or _fastpath.quiet_until_event(self.hook)
+        hook = self.hook
+        self._inert = hook is None or _fastpath.inert(hook)  # for run_steady's iterations (asked right after)
+        return self._inert or _fastpath.quiet_until_event(hook)
 
     def run_steady(self, now_s: float, horizon_s: float) -> tuple[float, int, float]:
         """The steady iteration in flight ends at ``now_s`` (the clock is
@@ -889,7 +900,7 @@ class EngineInstance:
         predict, kv = self.latency.predict_decodes_s, self.kv
         span, span_end = getattr(self.latency, "predict_decode_span_s", None), -1
         # the cohort is all of the batch: no routed call (those are eager, on_token is theirs)
-        tick = _fastpath.tick_accounting(self.hook, True, False) if self.hook is not None else None
+        tick = None if self._inert else _fastpath.tick_accounting(self.hook, True, False)
         nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
         next_finish = finish[0][0] if finish else math.inf
         ahead, i = self._ahead_from(clock, nd, total, longest)
@@ -942,7 +953,7 @@ class EngineInstance:
                 self.num_iterations_run += num
                 self.num_fast_iterations = clock
                 self.num_steady_ticks += num
-                if self.hook is not None:
+                if not self._inert:
                     _fastpath.count_skipped(self.hook, num)
                 self.iteration += num
                 self._ctx_total, self._ctx_max, self._steady_s = total + num * nd, longest + num, d
