@@ -588,12 +588,12 @@ MUTATIONS: dict[str, tuple] = {
     # added after the run is built sees every iteration planned; a controller that may grant is never inert
     "inert-observers": ("tests/test_diagnostics.py", "test_a_never_granting_hook_plans_every_iteration",
                         "shadowcore/engine/_fastpath.py",
-                        "    kind = _may_skip(hook)\n    return kind is not None and kind.never_grants and kind.observe_skipped is None",
-                        "    kind = _SKIPPABLE.get(type(hook.slack))\n    return kind is not None and kind.never_grants and kind.observe_skipped is None"),
+                        "    return not (hook.observers.observers or hook._pending is not None) and type(hook.slack) in _INERT",
+                        "    return not (hook._pending is not None) and type(hook.slack) in _INERT"),
     "inert-grants": ("tests/sim/test_speed_equivalence.py", "test_results_identical_to_golden",
                      "shadowcore/engine/_fastpath.py",
-                     "    return kind is not None and kind.never_grants and kind.observe_skipped is None",
-                     "    return kind is not None and kind.observe_skipped is None"),
+                     "if kind.never_grants and kind.observe_skipped is None)",
+                     "if kind.observe_skipped is None)"),
     # begin_step counts no step of a controller that never grants (as the fast paths do not)
     "count-never-grants": ("tests/test_diagnostics.py", "test_a_never_granting_hook_plans_every_iteration",
                            "shadowcore/hook.py", "        if not self.slack.never_grants:  # a controller",

@@ -135,11 +135,16 @@ def inert(hook: EngineHook) -> bool:
     nothing for its controller; :func:`can_skip` and :func:`quiet_until_event`
     hold). An engine that finds it so at an iteration's start may run that
     iteration (its end included) as with no hook, calling none of those."""
-    kind = _may_skip(hook)
-    return kind is not None and kind.never_grants and kind.observe_skipped is None
+    return not (hook.observers.observers or hook._pending is not None) and type(hook.slack) in _INERT
+
+
+#: Controller types :func:`inert` holds for (with no observer and no open plan: :func:`_may_skip`'s test, inline,
+#: as it is asked at every iteration start): never grants, a skipped step changes nothing.
+_INERT = frozenset(t for t, kind in _SKIPPABLE.items() if kind.never_grants and kind.observe_skipped is None)
 
 
 def plans_nothing(hook: EngineHook) -> bool:
+
 
     """True when ``hook.begin_step`` on *any* snapshot would plan no grant and
     change no state but what :func:`skip_step` does (a skippable controller that

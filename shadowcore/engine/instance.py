@@ -515,8 +515,11 @@ class EngineInstance:
                 cls._schedule is not EngineInstance._schedule or cls._advance is not EngineInstance._advance
                 or cls._reserve is not EngineInstance._reserve or cls._finish is not EngineInstance._finish):
             return False
+        if self._inert:  # (found at this iteration's start: no hook, or no observer and no open plan)
+            return True
         hook = self.hook
         return hook is None or not (hook.observers.observers or hook.in_step)
+
 
     def _start_agg(self, now_s: float) -> float | object:
         """Start an iteration from the aggregates and return its end, or
