@@ -608,14 +608,17 @@ MUTATIONS: dict[str, tuple] = {
     # limit; run_steady asks again exactly where a span ends
     "decode-span-dense": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_span_gives_each_step_its_value",
                           "backends/shadow_sim/vidur_latency.py",
-                          "            top = ((total + 255) >> 8) << 8  #", "            top = ((total + 511) >> 8) << 8  #"),
+                          "            top = j << 8  #", "            top = (j + 1) << 8  #"),
     "decode-span-geo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_span_gives_each_step_its_value",
                         "backends/shadow_sim/vidur_latency.py",
-                        "            top = geo[i]  #", "            top = geo[i] + 1024  #"),
+                        "j, top = 257 + i, geo[i] if i < len(geo) else None", "j, top = 257 + i, geo[i] + 1024 if i < len(geo) else None"),
     "decode-span-limit": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_span_gives_each_step_its_value",
                           "backends/shadow_sim/vidur_latency.py",
-                          "        m = self._decode_hot[1] - max_context + 1  #", "        m = self._decode_hot[1] - max_context + 2  #"),
-    "decode-span-steady": ("tests/sim/test_speed_equivalence_macro.py", "test_eager_runs_count_every_event and vidur",
+                          "        m = kv_limit - max_context + 1  #", "        m = kv_limit - max_context + 2  #"),
+    "decode-span-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_span_gives_each_step_its_value",
+                         "backends/shadow_sim/vidur_latency.py", "memo.get(((nd - 1) * cols + j) * stride", "memo.get(((nd - 1) * cols + j + 1) * stride"),
+    "decode-span-steady": (
+"tests/sim/test_speed_equivalence_macro.py", "test_eager_runs_count_every_event and vidur",
                            "shadowcore/engine/instance.py", "                    span_end = c + m\n",
                            "                    span_end = c + m + 8\n"),
     # the hook asks its job source again only after a refresh that moved a job's epoch or held prefix: a job a

@@ -693,21 +693,22 @@ class VidurLatencyModel:
         limit. ``EngineInstance.run_steady`` looks a step up only where a
         span ends, with nothing computed ahead that a run cut short wastes
         (``tests/sim/test_speed_equivalence_latency.py``)."""
-        d = self.predict_decodes_s(num_decodes, total_context, max_context)
-        if d is None:
-            return d, 1
+        bmax, kv_limit, cols, stride, memo, geo = self._decode_hot
         nd, total = num_decodes, total_context
-        m = self._decode_hot[1] - max_context + 1  # step k raises once max_context + k > kv_limit
         if total <= _DENSE_S:
-            top = ((total + 255) >> 8) << 8  # column (total + 255) >> 8 holds while the total stays <= top
-
+            j = (total + 255) >> 8
+            top = j << 8  # column j holds while the total stays <= top
         else:
-            geo = self._decode_hot[5]
             i = bisect.bisect_left(geo, total)
-            if i >= len(geo):  # every larger total: the same column (this step did not raise there)
-                return d, m
-            top = geo[i]  # column 257 + i holds while the total stays <= geo[i]
-        return d, min(m, (top - total) // nd + 1)
+            j, top = 257 + i, geo[i] if i < len(geo) else None  # None: every larger total is in this column too
+        # predict_decodes_s's memo, read here (its key); a miss, or a step that raises or gives None, asks it
+        d = memo.get(((nd - 1) * cols + j) * stride + nd) if 0 < nd <= bmax and max_context <= kv_limit else None
+        if d is None:
+            d = self.predict_decodes_s(nd, total, max_context)
+            if d is None:
+                return d, 1
+        m = kv_limit - max_context + 1  # step k raises once max_context + k > kv_limit
+        return d, m if top is None else min(m, (top - total) // nd + 1)
 
     def predict_decode_run_s(self, num_decodes: int, total_context: int, max_context: int,
                              num_steps: int) -> list[float]:

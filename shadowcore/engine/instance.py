@@ -896,7 +896,6 @@ class EngineInstance:
         A latency model with ``predict_decode_span_s`` (``VidurLatencyModel``)
         is asked once per span of steps that give the same time, not once per
         step; its promise is that each step of the span gives that value."""
-
         finish, lazy_due, phase = self._lazy_finish, self._lazy_due, self._phase_live
         if finish and finish[0][0] <= self.num_fast_iterations + 1:  # the end in flight finishes a member
             return now_s, 0, now_s
@@ -906,7 +905,7 @@ class EngineInstance:
         tick = None if self._inert else _fastpath.tick_accounting(self.hook, True, False)
         nd, clock, total, longest = len(self.running), self.num_fast_iterations, self._ctx_total, self._ctx_max
         next_finish = finish[0][0] if finish else math.inf
-        ahead, i = self._ahead_from(clock, nd, total, longest)
+        ahead, i = (_NO_AHEAD, 0) if self._ahead is None else self._ahead_from(clock, nd, total, longest)
         room = -2  # what reservations here may take: free and idle blocks, read at the first boundary
         needs: list[tuple[str, int]] = []
         pooled, bs = 0, len(phase)  # pooled: the phase members' blocks of _reserve_due's boundaries, summed
@@ -929,19 +928,20 @@ class EngineInstance:
                     if room < 0:
                         break
                 busy += d  # the end of the iteration in flight (end_step)
-                clock, last = c, t
+                clock = c
+                last = t
                 if tick is not None:
                     tick(d)
                 if i < num_ahead:  # plain_ends' look-ahead: predict's value for this very step
                     d = ahead[i]
                     i += 1
-                elif c < span_end:  # still in the latency model's span: predict's value, unchanged
-                    pass
-                elif span is not None:  # predict's value, and how many steps from here give it too
-                    d, m = span(nd, total + (c - start) * nd, longest + c - start)
-                    span_end = c + m
-                else:  # the next iteration (start_step); may raise, as start_step would
-                    d = predict(nd, total + (c - start) * nd, longest + c - start)
+                elif c >= span_end:  # (before it: still in the latency model's span, predict's value unchanged)
+                    if span is not None:  # predict's value, and how many steps from here give it too
+                        d, m = span(nd, total + (c - start) * nd, longest + c - start)
+                        span_end = c + m
+                    else:  # the next iteration (start_step); may raise, as start_step would
+                        d = predict(nd, total + (c - start) * nd, longest + c - start)
+
                 t += d
                 if t >= horizon_s:
                     break

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 
 import attrs
 import numpy as np
@@ -286,7 +287,13 @@ def test_vidur_decode_span_gives_each_step_its_value() -> None:
         for k in range(m):
             assert model.predict_decodes_s(nd, total + k * nd, longest + k) == d, (nd, total, longest, k)
         assert longest + m > limit or cell(total + m * nd) != cell(total), (nd, total, longest, m)  # the whole cell
+        with contextlib.suppress(ProfileCoverageError):
+            model.predict_decodes_s(nd, total + m * nd, longest + m)  # the next cell memoised too
+        # asked again, from the memo: the same span, and from its last step a span of one
+        assert model.predict_decode_span_s(nd, total, longest) == (d, m), (nd, total, longest)
+        assert model.predict_decode_span_s(nd, total + (m - 1) * nd, longest + m - 1) == (d, 1), (nd, total, longest)
         steps += m
+
     assert steps > 20 * len(cases)  # spans of many steps, not one each
     assert model.predict_decode_span_s(2, 2 * limit - 40, limit - 20) == (want_short(model, limit)[0], 21)
     for bad in ((bmax + 1, 10, 10), (1, limit + 1, limit + 1)):
