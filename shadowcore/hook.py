@@ -124,7 +124,6 @@ class EngineHook:
         if not self.slack.never_grants:  # a controller that never grants is not counted (shadowcore.diagnostics)
             self.step_counts[why] = self.step_counts.get(why, 0) + 1
         plan = StepPlan(
-
             self.instance_id, snapshot.iteration, budget, grants, base_s, predicted,
             normal_priority=self.slack.normal_priority, imminent_first=self.slack.imminent_first,
         )

@@ -599,12 +599,10 @@ MUTATIONS: dict[str, tuple] = {
                            "shadowcore/hook.py", "        if not self.slack.never_grants:  # a controller",
                            "        if True or self.slack.never_grants:  # a controller"),
     # the records' reorder takes permutations only (a repeated index would duplicate a record and drop another)
-
     "records-permutation": ("tests/test_engine.py", "test_records_reorder_keeps_exact_values_and_refuses",
                             "shadowcore/engine/run.py",
                             "        ok = bool(seen.all())  #", "        ok = True or bool(seen.all())  #"),
     # a span of steady decodes with one time: to the end of the table cell (dense and geometric) and the context
-
     # limit; run_steady asks again exactly where a span ends
     "decode-span-dense": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_span_gives_each_step_its_value",
                           "backends/shadow_sim/vidur_latency.py",
@@ -617,12 +615,10 @@ MUTATIONS: dict[str, tuple] = {
                           "        m = kv_limit - max_context + 1  #", "        m = kv_limit - max_context + 2  #"),
     "decode-span-memo": ("tests/sim/test_speed_equivalence_latency.py", "test_vidur_decode_span_gives_each_step_its_value",
                          "backends/shadow_sim/vidur_latency.py", "memo.get(((nd - 1) * cols + j) * stride", "memo.get(((nd - 1) * cols + j + 1) * stride"),
-    "decode-span-steady": (
-"tests/sim/test_speed_equivalence_macro.py", "test_eager_runs_count_every_event and vidur",
+    "decode-span-steady": ("tests/sim/test_speed_equivalence_macro.py", "test_eager_runs_count_every_event and vidur",
                            "shadowcore/engine/instance.py", "                    span_end = c + m\n",
                            "                    span_end = c + m + 8\n"),
     # the hook asks its job source again only after a refresh that moved a job's epoch or held prefix: a job a
-
     # refresh completes or lowers must be seen (never asking again leaves a complete job first in the order)
     "refresh-requery": ("tests/test_core_units.py", "test_a_refresh_that_completes",
                         "shadowcore/hook.py",

@@ -144,8 +144,6 @@ _INERT = frozenset(t for t, kind in _SKIPPABLE.items() if kind.never_grants and 
 
 
 def plans_nothing(hook: EngineHook) -> bool:
-
-
     """True when ``hook.begin_step`` on *any* snapshot would plan no grant and
     change no state but what :func:`skip_step` does (a skippable controller that
     never grants): an engine may then build no snapshot at all and report each

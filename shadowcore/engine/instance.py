@@ -245,7 +245,6 @@ class EngineInstance:
     # or before a steady run (can_run_steady): that iteration's (or run's) hook calls are skipped.
     _inert: bool = attrs.field(default=False, init=False, repr=False)
 
-
     def energy_j(self, wall_s: float) -> float:
         """GPU energy over ``wall_s``: idle power throughout, busy power while iterating."""
         return self.num_gpus * (self.idle_power_w * wall_s + (self.busy_power_w - self.idle_power_w) * self.busy_s)
@@ -520,7 +519,6 @@ class EngineInstance:
         hook = self.hook
         return hook is None or not (hook.observers.observers or hook.in_step)
 
-
     def _start_agg(self, now_s: float) -> float | object:
         """Start an iteration from the aggregates and return its end, or
         return _CLASSIC with nothing changed (the slow path then runs)."""
@@ -685,7 +683,6 @@ class EngineInstance:
             if self.hook is not None:
                 self.hook.end_step(StepOutcome(self.instance_id, self.iteration, duration, results))
         elif not self._inert:  # skipped: its accounting (none for an inert hook, whatever it is now)
-
             _fastpath.skip_step(self.hook, duration, *skipped)
         self.iteration += 1
 
@@ -941,7 +938,6 @@ class EngineInstance:
                         span_end = c + m
                     else:  # the next iteration (start_step); may raise, as start_step would
                         d = predict(nd, total + (c - start) * nd, longest + c - start)
-
                 t += d
                 if t >= horizon_s:
                     break

@@ -128,7 +128,6 @@ def _permutation(order: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
         return np.zeros(0, dtype=np.intp)
     ok = idx.shape == (n,) and idx.dtype.kind in "iu" and 0 <= idx.min() and idx.max() < n
     if ok:
-
         seen = np.zeros(n, dtype=bool)
         seen[idx] = True
         ok = bool(seen.all())  # n indices in range, all hit: each exactly once

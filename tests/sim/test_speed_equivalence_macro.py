@@ -52,7 +52,6 @@ CASES: dict[str, tuple[str, dict, str]] = {
 }
 
 
-
 def _record(cls: type, private: bool = True) -> type:
     @attrs.define(eq=False)
     class Recorded(cls):
