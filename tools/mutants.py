@@ -598,6 +598,11 @@ MUTATIONS: dict[str, tuple] = {
     "count-never-grants": ("tests/test_diagnostics.py", "test_a_never_granting_hook_plans_every_iteration",
                            "shadowcore/hook.py", "        if not self.slack.never_grants:  # a controller",
                            "        if True or self.slack.never_grants:  # a controller"),
+    # a large response is decoded off the event loop (judged by the loop thread's CPU between its turns)
+    "offload-decode": ("tests/gateway/test_offload.py", "test_a_huge_call_does_not_stall_the_event_loop",
+                       "backends/shadow_gateway/offload.py",
+                       "return await self._run(decode, raw) if len(raw) >= self.min_bytes else decode(raw)",
+                       "return decode(raw)"),
     # the records' reorder takes permutations only (a repeated index would duplicate a record and drop another)
     "records-permutation": ("tests/test_engine.py", "test_records_reorder_keeps_exact_values_and_refuses",
                             "shadowcore/engine/run.py",

@@ -54,19 +54,24 @@ def fake_process():
         proc.wait(timeout=10)
 
 
-def _max_loop_lag_s(gw: GatewayServer, work) -> float:
+def _max_loop_lag_s(gw: GatewayServer, work) -> tuple[float, float]:
     """Run ``work()`` (in this thread) while a probe on the gateway's event loop
-    records how late its 2 ms sleeps wake up; the worst lateness."""
+    records how late its 2 ms sleeps wake up: the worst lateness in wall time,
+    and the worst CPU time the loop's thread spent between two of its turns.
+    The second is what a stall of the loop is made of (JSON decoded or encoded
+    on it); the first also holds the time the process was not scheduled at
+    all, which on a loaded machine can dwarf it."""
     loop = gw.gateway._tasks[0].get_loop()
     done = threading.Event()
 
-    async def probe() -> float:
-        worst = 0.0
+    async def probe() -> tuple[float, float]:
+        worst = worst_cpu = 0.0
         while not done.is_set():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             await asyncio.sleep(0.002)
             worst = max(worst, time.perf_counter() - t0 - 0.002)
-        return worst
+            worst_cpu = max(worst_cpu, time.thread_time() - c0)
+        return worst, worst_cpu
 
     fut = asyncio.run_coroutine_threadsafe(probe(), loop)
     try:
@@ -79,8 +84,11 @@ def _max_loop_lag_s(gw: GatewayServer, work) -> float:
 def test_a_huge_call_does_not_stall_the_event_loop(fake_process):
     """The same 1.5M-token call (its response lists 1.5M prompt ids; its shadow
     sends them on) through two gateways: inline JSON stalls the loop for the
-    whole decode and encode; with the offloader the loop keeps turning (less
-    than half the inline stall, however loaded the machine is)."""
+    whole decode and encode; with the offloader the loop keeps turning. Judged
+    by the loop thread's CPU time between its turns (less than half the inline
+    stall), which a loaded machine does not inflate as it does wall-clock lag
+    (a run beside another suite once measured 0.88 s of wall lag offloaded
+    against 0.29 s inline)."""
     class _U:
         def __init__(self, url: str) -> None:
             self.url = url
@@ -109,4 +117,5 @@ def test_a_huge_call_does_not_stall_the_event_loop(fake_process):
                 assert gw.gateway.offload.num_offloaded >= 2  # the response decode and the shadow body
         finally:
             gw.stop()
-    assert lags["offloaded"] < lags["inline"], lags  # the size of the gain is a benchmark figure, not a test
+    (_, inline_cpu), (_, offloaded_cpu) = lags["inline"], lags["offloaded"]
+    assert offloaded_cpu < inline_cpu / 2, lags  # the size of the gain is a benchmark figure, not a test
