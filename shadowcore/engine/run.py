@@ -363,8 +363,6 @@ class ScenarioRun:
                     records[:] = [records[i] for i in order.tolist()]
             times[:] = array.array("d", ordered)
 
-
-
     # -- metrics ---------------------------------------------------------------------
     def summary(self) -> dict[str, float]:
         sc = self.scenario
